@@ -1,0 +1,74 @@
+# lamina: one non-recursive Makefile (style.md habit 18).
+#   make            build build/lamina, build/lamina-worker and every test binary
+#   make test       build and run every CPU test (CI)
+#   make test-gpu   build and run the GPU tests (needs a CUDA device)
+#   DEBUG=1         -O0 -g;  SAN=address,undefined  sanitizers
+# Outputs go under build/ (build/san-*/ for sanitizer builds).
+
+CC      ?= cc
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+PKGS    := libpcre2-8
+# The GPU architectures lamina ships for, listed once.
+CUDA_ARCHS := -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_75,code=sm_75 \
+              -gencode=arch=compute_86,code=sm_86 -gencode=arch=compute_89,code=sm_89
+
+ifdef SAN
+BUILD   := build/san
+OPT     := -O1 -g -fno-omit-frame-pointer -fsanitize=$(SAN)
+LDSAN   := -fsanitize=$(SAN)
+else ifdef DEBUG
+BUILD   := build/debug
+OPT     := -O0 -g
+else
+BUILD   := build
+OPT     := -O2 -g
+endif
+
+CFLAGS  := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -I. -Ibuild/gen $(OPT) -MMD -MP \
+           -pthread $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+LDLIBS  := $(LDSAN) -pthread $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
+
+LIB_SRCS := $(wildcard common/*.c model/*.c kernels/cpu/*.c ipc/*.c) \
+            $(filter-out worker/main.c,$(wildcard worker/*.c)) \
+            $(filter-out coordinator/main.c,$(wildcard coordinator/*.c))
+LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+LIB      := $(BUILD)/liblamina.a
+TEST_SRCS := $(wildcard tests/test_*.c)
+TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
+CU_SRCS  := $(wildcard kernels/cuda/*.cu)
+CU_OBJS  := $(if $(NVCC),$(CU_SRCS:%.cu=$(BUILD)/%.o))
+BINS     := $(BUILD)/lamina
+
+.PHONY: all test test-gpu clean cuda
+all: $(BINS) $(TESTS) $(CU_OBJS)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/kernels/cuda/%.o: kernels/cuda/%.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -std=c++17 -I. $(CUDA_ARCHS) -Xcompiler -Wall -c $< -o $@
+
+$(LIB): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/lamina: $(BUILD)/coordinator/main.o $(LIB)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+cuda: $(CU_OBJS)
+
+test: all
+	@BUILD=$(BUILD) sh tests/run.sh $(TESTS)
+
+test-gpu: all
+	@echo "test-gpu: GPU tests arrive with the CUDA worker (issue 4)"; exit 1
+
+clean:
+	rm -rf build
+
+-include $(shell find build -name '*.d' 2>/dev/null)
