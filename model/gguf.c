@@ -17,6 +17,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -687,9 +689,11 @@ int gguf_get_f32(const struct gguf *g, const char *key, float *out)
     const struct gguf_kv *kv = gguf_find_kv(g, key);
     if (!kv)
         return -ENOENT;
-    if (kv->type == GGUF_TYPE_FLOAT32 || kv->type == GGUF_TYPE_FLOAT64)
+    if (kv->type == GGUF_TYPE_FLOAT32 || kv->type == GGUF_TYPE_FLOAT64) {
+        if (isfinite(kv->v.f64) && (kv->v.f64 > FLT_MAX || kv->v.f64 < -FLT_MAX))
+            return gguf_get_fail(kv, "value %g does not fit a float32", kv->v.f64);
         *out = (float)kv->v.f64;
-    else if (gguf_type_is_signed(kv->type))
+    } else if (gguf_type_is_signed(kv->type))
         *out = (float)kv->v.i64;
     else if (gguf_type_is_int(kv->type))
         *out = (float)kv->v.u64;
