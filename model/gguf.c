@@ -247,6 +247,9 @@ static int gguf_check_known_kv(struct gguf_rd *r, const struct gguf_kv *kv, bool
             return gguf_rd_fail(r, kv->file_offset, "general.alignment %llu is not a non-zero "
                                 "power of two", (unsigned long long)a);
     }
+    if (strcmp(kv->key, "split.count") == 0 && !gguf_type_is_int(kv->type))
+        return gguf_rd_fail(r, kv->file_offset, "split.count must be an integer, not %s",
+                            gguf_type_name(kv->type));
     if (strcmp(kv->key, "split.count") == 0 && !allow_split) {
         bool is_signed = gguf_type_is_signed(kv->type);
         bool many = gguf_type_is_int(kv->type) && (is_signed ? kv->v.i64 > 1 : kv->v.u64 > 1);

@@ -5,7 +5,8 @@
  * Files are built in memory by a small byte builder (struct bld). Each
  * rejection case must fail with its expected substring and a byte offset;
  * every strict prefix of a valid file must be rejected; random byte mutations
- * must never crash (run under ASan+UBSan to check reads stay in bounds).
+ * must never crash (run under ASan+UBSan to check reads stay in bounds), and
+ * the accepted mutants also go through inspect_print().
  */
 #include "model/gguf.h"
 
@@ -19,6 +20,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "model/inspect.h"
 #include "model/quant.h"
 #include "tests/check.h"
 
@@ -301,6 +303,7 @@ static const struct bad_case bad_cases[] = {
     {"kv_count larger than the kvs", "kv 1: file truncated: key needs 8 bytes"},
     {"tensor_count larger than the infos", "tensor 1: file truncated: tensor name needs 8"},
     {"header cut at 20 bytes", "file truncated: kv_count needs 8 bytes, 4 left"},
+    {"split.count as string", "split.count must be an integer, not string"},
 };
 
 #define N_BAD (sizeof(bad_cases) / sizeof(bad_cases[0]))
@@ -420,7 +423,7 @@ static void bld_bad_tensor(struct bld *b, int id)
     }
 }
 
-/* Key, split and truncation cases (ids 47..54). */
+/* Key, split and truncation cases (ids 47..55). */
 static void bld_bad_misc(struct bld *b, int id)
 {
     char key[301];
@@ -441,6 +444,7 @@ static void bld_bad_misc(struct bld *b, int id)
         bld_zeros(b, 4);
         break;
     case 54: bld_hdr(b, 3, 0, 0), b->len = 20; break;
+    case 55: bld_hdr(b, 3, 0, 1), bld_kv_str(b, "split.count", "2"); break;
     default: ASSERT(!"no such misc case");
     }
 }
@@ -791,8 +795,9 @@ static void test_fuzz(void)
     struct bld v = {0}, r = {0};
     bld_valid(&v);
     bld_rich(&r, 3);
-    int accepted = 0;
+    int accepted = 0, printed = 0;
     unsigned sum = 0;
+    FILE *devnull = fopen("/dev/null", "w");
     quiet(true);
     for (int i = 0; i < iters; i++) {
         const struct bld *src = i % 2 ? &v : &r;
@@ -807,14 +812,18 @@ static void test_fuzz(void)
         if (g) {
             accepted++;
             sum += touch_all(g);
+            printed += devnull && inspect_print(g, devnull) == 0;
         }
         gguf_close(g);
         free(p);
     }
     quiet(false);
-    MEASURE("gguf fuzz: %d mutated files, %d accepted and fully read, %d rejected, no crash "
-            "(checksum %u)", iters, accepted, iters - accepted, sum);
+    if (devnull)
+        fclose(devnull);
+    MEASURE("gguf fuzz: %d mutated files, %d accepted, fully read and inspected, %d rejected, "
+            "no crash (checksum %u)", iters, accepted, iters - accepted, sum);
     CHECK(accepted > 0 && accepted < iters, "fuzz accepted %d of %d", accepted, iters);
+    CHECK(printed == accepted, "inspect_print failed on %d accepted files", accepted - printed);
     free(v.buf);
     free(r.buf);
 }
