@@ -1,0 +1,53 @@
+/*
+ * generate: one text-generation job in the coordinator process: load a
+ * GGUF model (with a progress bar for large files), tokenize the prompt,
+ * prefill, decode with the sampler, stream detokenized text, and report
+ * timings. This is the single-process (--inproc) path that the
+ * multi-process system must reproduce bit for bit.
+ *
+ * Called from the coordinator's main thread; owns its thread pool.
+ */
+#ifndef COORDINATOR_GENERATE_H
+#define COORDINATOR_GENERATE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "model/sampler.h"
+
+struct generate_config {
+    const char *model_path;      /* GGUF file */
+    const char *prompt;          /* prompt text, or NULL */
+    const int32_t *prompt_ids;   /* or explicit ids (n_prompt_ids of them) */
+    uint32_t n_prompt_ids;
+    int32_t n_predict;           /* tokens to generate (default 128; 0: prompt only) */
+    int n_threads;               /* compute threads; <= 0: physical cores */
+    uint32_t n_ctx;              /* context; 0: min(train ctx, 4096) */
+    uint32_t n_batch;            /* prefill tokens per pass; 0: 256 */
+    bool kv_f16;                 /* f16 KV cache (default true in the CLI) */
+    bool parse_special;          /* match special-token texts in the prompt (default true) */
+    bool ignore_eos;             /* keep generating past end-of-generation tokens */
+    bool echo_prompt;            /* print the prompt before the generated text */
+    const char *dump_logits;     /* write prompt logits as .npy here, or NULL */
+    struct sampler_config sampler;
+    FILE *out;                   /* generated text goes here (stdout) */
+};
+
+/* Timings of one job. */
+struct generate_stats {
+    double load_s;               /* open, validate, touch weights */
+    uint32_t n_prompt;           /* prompt tokens */
+    double prompt_s;             /* prefill time */
+    uint32_t n_gen;              /* generated tokens */
+    double gen_s;                /* decode time */
+    long peak_rss_kb;            /* getrusage max RSS */
+};
+
+/* Runs the job. Returns 0 or a negative errno after logging the cause. */
+int generate_run(const struct generate_config *cfg, struct generate_stats *stats);
+
+/* Writes a float32 C-order .npy of rows x cols. Returns 0 or -errno (logged). */
+int generate_write_npy(const char *path, const float *data, uint32_t rows, uint32_t cols);
+
+#endif

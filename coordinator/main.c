@@ -1,0 +1,434 @@
+/*
+ * lamina: the coordinator process and the command line.
+ *
+ *   lamina run -m FILE (-p TEXT | -f FILE | --prompt-ids 1,2,3) [-n N] [sampler] ...
+ *   lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]
+ *   lamina inspect FILE
+ *   lamina gen-model --arch A --shape S [--layers N] --type T [--heat zipf:S] [--seed N] -o FILE
+ *
+ * main() owns the process-wide state: it parses one config per command,
+ * validates it once, and hands it to the module that does the work.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "coordinator/generate.h"
+#include "model/gguf.h"
+#include "model/inspect.h"
+#include "model/synth.h"
+#include "model/tokenizer.h"
+
+#define LAMINA_VERSION "0.1.0"
+
+static const char usage[] =
+    "usage: lamina COMMAND [options]\n"
+    "\n"
+    "commands:\n"
+    "  run        generate text from a prompt\n"
+    "  tokenize   print the tokens of a text\n"
+    "  inspect    print a GGUF file's architecture, hyper-parameters and tensors\n"
+    "  gen-model  write a synthetic model of a real architecture and shape\n"
+    "\n"
+    "lamina run -m FILE (-p TEXT | -f FILE | --prompt-ids 1,2,3) [options]\n"
+    "  -n, --n-predict N       tokens to generate (default 128)\n"
+    "  -t, --threads N         compute threads (default: physical cores)\n"
+    "  -c, --ctx N             context size (default: min(model's, 4096))\n"
+    "  -b, --batch N           prefill tokens per pass (default 256)\n"
+    "  --kv-type f16|f32       KV cache type (default f16)\n"
+    "  --temp X                temperature (default 0.8; 0 = greedy)\n"
+    "  --greedy                same as --temp 0\n"
+    "  --top-k N               (default 40; 0 = off)\n"
+    "  --top-p X               (default 0.95; 1 = off)\n"
+    "  --min-p X               (default 0.05; 0 = off)\n"
+    "  --repeat-penalty X      (default 1.0 = off)\n"
+    "  --presence-penalty X    (default 0.0 = off)\n"
+    "  --repeat-last-n N       tokens the penalties look back (default 64)\n"
+    "  --seed N                sampler seed (default 42)\n"
+    "  --ignore-eos            keep generating past end-of-generation tokens\n"
+    "  --no-special            do not turn special-token texts in the prompt into their ids\n"
+    "  --no-echo               do not print the prompt\n"
+    "  --dump-logits OUT.npy   write float32 logits of every prompt position\n"
+    "\n"
+    "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
+    "lamina inspect FILE\n"
+    "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
+    "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
+    "                 [--threads N] -o FILE\n"
+    "\n"
+    "environment: LAMINA_LOG=error|warn|info|debug (default info)\n";
+
+struct cli {
+    int argc;
+    char **argv;
+    int i;            /* next argument */
+    const char *cmd;  /* command name, for messages */
+};
+
+static int cli_fail(const struct cli *c, const char *fmt, const char *arg)
+{
+    fprintf(stderr, "lamina %s: ", c->cmd);
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\n(run 'lamina --help' for usage)\n");
+    return -EINVAL;
+}
+
+/* The value after option argv[i-1]. */
+static int cli_value(struct cli *c, const char **out)
+{
+    if (c->i >= c->argc)
+        return cli_fail(c, "option %s needs a value", c->argv[c->i - 1]);
+    *out = c->argv[c->i++];
+    return 0;
+}
+
+static int cli_long(struct cli *c, long long lo, long long hi, long long *out)
+{
+    const char *v;
+    if (cli_value(c, &v))
+        return -EINVAL;
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi)
+        return cli_fail(c, "bad integer value '%s'", v);
+    *out = x;
+    return 0;
+}
+
+static int cli_int(struct cli *c, long long lo, long long hi, int *out)
+{
+    long long x;
+    if (cli_long(c, lo, hi, &x))
+        return -EINVAL;
+    *out = (int)x;
+    return 0;
+}
+
+static int cli_float(struct cli *c, double lo, double hi, float *out)
+{
+    const char *v;
+    if (cli_value(c, &v))
+        return -EINVAL;
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end || !(x >= lo && x <= hi))
+        return cli_fail(c, "bad number '%s'", v);
+    *out = (float)x;
+    return 0;
+}
+
+static char *cli_read_file(struct cli *c, const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "lamina %s: cannot read %s: %s\n", c->cmd, path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    size_t got;
+    while (buf && (got = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += got;
+        if (cap - len - 1 == 0) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                free(buf);
+                buf = NULL;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    fclose(f);
+    if (buf)
+        buf[len] = 0;
+    return buf;
+}
+
+/* Parses "1,2,3" into a malloc'd id list. */
+static int cli_parse_ids(struct cli *c, const char *s, int32_t **ids, uint32_t *n)
+{
+    size_t cap = 16;
+    *ids = malloc(cap * sizeof(int32_t));
+    *n = 0;
+    while (*ids && *s) {
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (errno || end == s || v < 0 || v > INT32_MAX || (*end && *end != ','))
+            return cli_fail(c, "bad --prompt-ids list near '%s'", s);
+        if (*n == cap) {
+            int32_t *p = realloc(*ids, (cap *= 2) * sizeof(int32_t));
+            if (!p)
+                return -ENOMEM;
+            *ids = p;
+        }
+        (*ids)[(*n)++] = (int32_t)v;
+        s = *end ? end + 1 : end;
+    }
+    return *ids ? 0 : -ENOMEM;
+}
+
+struct run_opts {
+    struct generate_config g;
+    const char *prompt_file;
+    char *prompt_buf;       /* owned: file contents */
+    int32_t *ids;           /* owned: --prompt-ids */
+};
+
+static int run_parse_sampler(struct cli *c, const char *a, struct sampler_config *s, bool *hit)
+{
+    *hit = true;
+    long long seed;
+    if (!strcmp(a, "--temp"))
+        return cli_float(c, 0, 100, &s->temperature);
+    if (!strcmp(a, "--greedy")) {
+        s->temperature = 0;
+        return 0;
+    }
+    if (!strcmp(a, "--top-k"))
+        return cli_int(c, 0, INT32_MAX, &s->top_k);
+    if (!strcmp(a, "--top-p"))
+        return cli_float(c, 0, 1, &s->top_p);
+    if (!strcmp(a, "--min-p"))
+        return cli_float(c, 0, 1, &s->min_p);
+    if (!strcmp(a, "--repeat-penalty"))
+        return cli_float(c, 0, 100, &s->repeat_penalty);
+    if (!strcmp(a, "--presence-penalty"))
+        return cli_float(c, -100, 100, &s->presence_penalty);
+    if (!strcmp(a, "--repeat-last-n"))
+        return cli_int(c, 0, INT32_MAX, &s->penalty_last_n);
+    if (!strcmp(a, "--seed")) {
+        if (cli_long(c, 0, LLONG_MAX, &seed))
+            return -EINVAL;
+        s->seed = (uint64_t)seed;
+        return 0;
+    }
+    *hit = false;
+    return 0;
+}
+
+static int run_parse_one(struct cli *c, const char *a, struct run_opts *o)
+{
+    struct generate_config *g = &o->g;
+    const char *v;
+    int x;
+    if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+        return cli_value(c, &g->model_path);
+    if (!strcmp(a, "-p") || !strcmp(a, "--prompt"))
+        return cli_value(c, &g->prompt);
+    if (!strcmp(a, "-f") || !strcmp(a, "--file"))
+        return cli_value(c, &o->prompt_file);
+    if (!strcmp(a, "--prompt-ids"))
+        return cli_value(c, &v) ? -EINVAL : cli_parse_ids(c, v, &o->ids, &g->n_prompt_ids);
+    if (!strcmp(a, "-n") || !strcmp(a, "--n-predict"))
+        return cli_int(c, 0, INT32_MAX, &g->n_predict);
+    if (!strcmp(a, "-t") || !strcmp(a, "--threads"))
+        return cli_int(c, 1, 1024, &g->n_threads);
+    if (!strcmp(a, "-c") || !strcmp(a, "--ctx"))
+        return cli_int(c, 1, 1 << 24, &x) ? -EINVAL : (g->n_ctx = (uint32_t)x, 0);
+    if (!strcmp(a, "-b") || !strcmp(a, "--batch"))
+        return cli_int(c, 1, 65536, &x) ? -EINVAL : (g->n_batch = (uint32_t)x, 0);
+    if (!strcmp(a, "--kv-type")) {
+        if (cli_value(c, &v))
+            return -EINVAL;
+        if (strcmp(v, "f16") && strcmp(v, "f32"))
+            return cli_fail(c, "--kv-type must be f16 or f32, not '%s'", v);
+        g->kv_f16 = !strcmp(v, "f16");
+        return 0;
+    }
+    if (!strcmp(a, "--ignore-eos"))
+        return g->ignore_eos = true, 0;
+    if (!strcmp(a, "--no-special"))
+        return g->parse_special = false, 0;
+    if (!strcmp(a, "--no-echo"))
+        return g->echo_prompt = false, 0;
+    if (!strcmp(a, "--dump-logits"))
+        return cli_value(c, &g->dump_logits);
+    bool hit;
+    int rc = run_parse_sampler(c, a, &g->sampler, &hit);
+    return hit ? rc : cli_fail(c, "unknown option %s", a);
+}
+
+static int cmd_run(struct cli *c)
+{
+    struct run_opts o = {.g = {.n_predict = 128, .kv_f16 = true, .parse_special = true,
+                               .echo_prompt = true, .out = stdout,
+                               .sampler = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f,
+                                           .min_p = 0.05f, .repeat_penalty = 1.0f,
+                                           .penalty_last_n = 64, .seed = 42}}};
+    int rc = 0;
+    while (c->i < c->argc && !rc)
+        rc = run_parse_one(c, c->argv[c->i++], &o);
+    int sources = !!o.g.prompt + !!o.prompt_file + !!o.ids;
+    if (!rc && !o.g.model_path)
+        rc = cli_fail(c, "%s", "no model: give -m FILE");
+    if (!rc && sources != 1)
+        rc = cli_fail(c, "%s", "give exactly one of -p TEXT, -f FILE, --prompt-ids LIST");
+    if (!rc && o.prompt_file) {
+        o.prompt_buf = cli_read_file(c, o.prompt_file);
+        o.g.prompt = o.prompt_buf;
+        rc = o.prompt_buf ? 0 : -EIO;
+    }
+    o.g.prompt_ids = o.ids;
+    struct generate_stats st;
+    if (!rc)
+        rc = generate_run(&o.g, &st);
+    if (!rc)
+        fprintf(stderr,
+                "[stats] load %.2f s | prompt %u tok, %.1f tok/s | generation %u tok, %.1f tok/s "
+                "| peak RSS %.1f MiB\n",
+                st.load_s, st.n_prompt, st.prompt_s > 0 ? st.n_prompt / st.prompt_s : 0.0,
+                st.n_gen, st.gen_s > 0 ? st.n_gen / st.gen_s : 0.0, st.peak_rss_kb / 1024.0);
+    free(o.prompt_buf);
+    free(o.ids);
+    return rc;
+}
+
+static int cmd_tokenize(struct cli *c)
+{
+    const char *model = NULL, *text = NULL, *file = NULL;
+    bool ids_only = false, special = true;
+    int rc = 0;
+    while (c->i < c->argc && !rc) {
+        const char *a = c->argv[c->i++];
+        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+            rc = cli_value(c, &model);
+        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt"))
+            rc = cli_value(c, &text);
+        else if (!strcmp(a, "-f") || !strcmp(a, "--file"))
+            rc = cli_value(c, &file);
+        else if (!strcmp(a, "--ids"))
+            ids_only = true;
+        else if (!strcmp(a, "--no-special"))
+            special = false;
+        else
+            rc = cli_fail(c, "unknown option %s", a);
+    }
+    if (!rc && (!model || !!text + !!file != 1))
+        rc = cli_fail(c, "%s", "give -m FILE and exactly one of -p TEXT, -f FILE");
+    if (rc)
+        return rc;
+    char *buf = file ? cli_read_file(c, file) : NULL;
+    if (file && !buf)
+        return -EIO;
+    struct gguf_config gc = {.path = model};
+    struct gguf *g = gguf_open(&gc);
+    struct tokenizer_config tc = {.gguf = g};
+    struct tokenizer *tok = g ? tokenizer_create(&tc) : NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    const char *t = file ? buf : text;
+    rc = tok ? tokenizer_encode(tok, t, strlen(t), special, &ids, &n) : -EINVAL;
+    for (size_t i = 0; !rc && !ids_only && i < n; i++) {
+        char piece[512];
+        size_t len;
+        tokenizer_token_bytes(tok, ids[i], piece, sizeof(piece), &len);
+        printf("%6d -> '%.*s'\n", ids[i], (int)(len < sizeof(piece) ? len : sizeof(piece)), piece);
+    }
+    if (!rc && ids_only) {
+        putchar('[');
+        for (size_t i = 0; i < n; i++)
+            printf("%s%d", i ? ", " : "", ids[i]);
+        puts("]");
+    }
+    free(ids);
+    tokenizer_destroy(tok);
+    gguf_close(g);
+    free(buf);
+    return rc;
+}
+
+static int cmd_inspect(struct cli *c)
+{
+    if (c->i != c->argc - 1)
+        return cli_fail(c, "%s", "give exactly one GGUF file");
+    struct gguf_config gc = {.path = c->argv[c->i]};
+    struct gguf *g = gguf_open(&gc);
+    if (!g)
+        return -EINVAL;
+    int rc = inspect_print(g, stdout);
+    gguf_close(g);
+    return rc;
+}
+
+static int cmd_gen_model(struct cli *c)
+{
+    struct synth_report rep;
+    struct synth_config sc = {.type = 0, .seed = 1, .progress = true, .heat_measure = true,
+                              .report = &rep};
+    const char *type = NULL, *heat = NULL;
+    int rc = 0, x;
+    long long seed;
+    while (c->i < c->argc && !rc) {
+        const char *a = c->argv[c->i++];
+        if (!strcmp(a, "--arch"))
+            rc = cli_value(c, &sc.arch);
+        else if (!strcmp(a, "--shape"))
+            rc = cli_value(c, &sc.shape);
+        else if (!strcmp(a, "--layers"))
+            rc = cli_int(c, 1, 4096, &x) ? -EINVAL : (sc.layers = (uint32_t)x, 0);
+        else if (!strcmp(a, "--type"))
+            rc = cli_value(c, &type);
+        else if (!strcmp(a, "--heat"))
+            rc = cli_value(c, &heat);
+        else if (!strcmp(a, "--seed"))
+            rc = cli_long(c, 0, LLONG_MAX, &seed) ? -EINVAL : (sc.seed = (uint64_t)seed, 0);
+        else if (!strcmp(a, "--threads"))
+            rc = cli_int(c, 1, 1024, &x) ? -EINVAL : (sc.threads = (uint32_t)x, 0);
+        else if (!strcmp(a, "--exact"))
+            sc.exact = true;
+        else if (!strcmp(a, "-o") || !strcmp(a, "--output"))
+            rc = cli_value(c, &sc.path);
+        else
+            rc = cli_fail(c, "unknown option %s", a);
+    }
+    if (!rc && (!sc.arch || !sc.shape || !type || !sc.path))
+        rc = cli_fail(c, "%s", "give --arch, --shape, --type and -o FILE");
+    if (!rc && synth_parse_type(type, &sc.type))
+        rc = -EINVAL;
+    if (!rc && heat && synth_parse_heat(heat, &sc.heat))
+        rc = -EINVAL;
+    if (!rc)
+        rc = synth_write(&sc);
+    if (rc)
+        return rc;
+    printf("wrote %s: %.1f MiB, %llu tensors, %.2f B parameters in %.1f s (%.0f MB/s)\n", sc.path,
+           rep.bytes / 1048576.0, (unsigned long long)rep.n_tensors, rep.n_params / 1e9,
+           rep.seconds, rep.mb_per_s);
+    printf("expert popularity: %s\n", rep.heat.summary);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    log_init("coord", -1);
+    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help") ||
+        !strcmp(argv[1], "help")) {
+        fputs(usage, argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        puts("lamina " LAMINA_VERSION);
+        return 0;
+    }
+    struct cli c = {.argc = argc, .argv = argv, .i = 2, .cmd = argv[1]};
+    int rc;
+    if (!strcmp(argv[1], "run"))
+        rc = cmd_run(&c);
+    else if (!strcmp(argv[1], "tokenize"))
+        rc = cmd_tokenize(&c);
+    else if (!strcmp(argv[1], "inspect"))
+        rc = cmd_inspect(&c);
+    else if (!strcmp(argv[1], "gen-model"))
+        rc = cmd_gen_model(&c);
+    else {
+        fprintf(stderr, "lamina: unknown command '%s'\n\n%s", argv[1], usage);
+        return 2;
+    }
+    return rc ? 1 : 0;
+}

@@ -1,0 +1,81 @@
+/*
+ * forward: runs a model's layers on the CPU: embedding lookup, a contiguous
+ * range of decoder layers (attention or gated DeltaNet, then the routed and
+ * shared experts), and the output head, for a batch of S consecutive tokens
+ * of one sequence (prefill) or one token (decode).
+ *
+ * A forward object owns the scratch for max_batch tokens and borrows the
+ * model and the thread pool; a forward_seq owns one sequence's KV cache
+ * (f32 or f16) and DeltaNet conv and recurrent state for the forward's layer
+ * range. Calls on one forward object must come from one thread (the pool's
+ * owner); the compute is spread over the pool. Results do not depend on the
+ * number of threads: every sum has a fixed order.
+ */
+#ifndef WORKER_FORWARD_H
+#define WORKER_FORWARD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kernels/cpu/threadpool.h"
+#include "model/arch.h"
+
+struct forward_config {
+    const struct arch_model *model; /* borrowed; outlives the forward */
+    struct threadpool *pool;        /* borrowed; calls come from its owner thread */
+    uint32_t layer_begin;           /* first layer this forward runs (default 0) */
+    uint32_t layer_end;             /* one past the last; 0 means n_layer */
+    uint32_t n_ctx;                 /* KV positions per sequence; 0 means min(train ctx, 4096) */
+    bool kv_f16;                    /* store K and V as f16 (llama.cpp's default) */
+    uint32_t max_batch;             /* tokens per internal pass; 0 means 256 */
+};
+
+/* Wall time spent per stage since the last forward_stats_reset (seconds). */
+struct forward_stats {
+    double attn;          /* attention layers: projections, rope, attention, output */
+    double deltanet;      /* DeltaNet layers: projections, conv, recurrence, output */
+    double router;        /* router logits and top-k */
+    double experts;       /* routed and shared expert products (one job) */
+    uint64_t tokens;      /* tokens run through the layers */
+    uint64_t expert_rows; /* (token, expert) pairs computed */
+};
+
+struct forward;
+struct forward_seq;
+
+/* Allocates scratch for max_batch tokens. NULL (logged) on bad config or no
+ * memory. */
+struct forward *forward_create(const struct forward_config *cfg);
+void forward_destroy(struct forward *fw);
+
+/* Allocates one sequence's state for the forward's layer range, zeroed.
+ * NULL (logged) when out of memory. */
+struct forward_seq *forward_seq_create(struct forward *fw);
+void forward_seq_destroy(struct forward_seq *seq);
+
+/* Clears the state: the next token is position 0. */
+void forward_seq_reset(struct forward_seq *seq);
+
+/* Context size and positions used so far. */
+uint32_t forward_n_ctx(const struct forward *fw);
+uint32_t forward_seq_pos(const struct forward_seq *seq);
+
+/* h[s] = embedding of tokens[s] (f32 rows of n_embd). -EINVAL (logged) for an
+ * id outside the vocabulary. */
+int forward_embed(struct forward *fw, const int32_t *tokens, uint32_t n, float *h);
+
+/* Runs the forward's layer range over n tokens at positions
+ * seq_pos .. seq_pos+n-1, updating h (n rows of n_embd) in place and the
+ * sequence state, then advances the sequence position by n. -ENOSPC (logged)
+ * when the context would overflow. */
+int forward_layers(struct forward *fw, struct forward_seq *seq, float *h, uint32_t n);
+
+/* logits[s] = output(RMSNorm(h[s]) * output_norm) for n rows of h (h is not
+ * modified); logits has n rows of n_vocab. */
+int forward_logits(struct forward *fw, const float *h, uint32_t n, float *logits);
+
+/* Stage timings. */
+const struct forward_stats *forward_get_stats(const struct forward *fw);
+void forward_stats_reset(struct forward *fw);
+
+#endif
