@@ -1,0 +1,494 @@
+/*
+ * sampler: penalties, top-k, top-p, min-p, temperature and a seeded draw (see sampler.h).
+ *
+ * A sampling call (temperature > 0) copies the penalized logits into a candidate array of
+ * (logit, id) pairs, all of them or, with top_k, only the k best (through a heap); the filters
+ * then shrink it from the end, so the survivors are always cand[0 .. n). Once a filter has
+ * sorted cand[0 .. n) best first, the later ones keep that order. Greedy calls only scan.
+ */
+#include "model/sampler.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/log.h"
+
+#define SMALL_RANGE 16 /* selections sort ranges this short, tokens */
+
+struct sampler_cand {
+    float logit; /* logit after the filters so far */
+    float w;     /* top_p: exp(logit - max) */
+    int32_t id;  /* token id */
+};
+
+struct sampler {
+    struct sampler_config cfg;  /* validated config */
+    int32_t last_n;             /* penalty window, tokens; -1 = unbounded */
+    bool penalize;              /* a penalty is configured */
+    uint64_t rng[4];            /* xoshiro256** state */
+    int32_t *hist;              /* accepted ids: a ring of last_n, or a growing list */
+    size_t n_hist;              /* ids stored (<= cap_hist) */
+    size_t cap_hist;            /* ids allocated */
+    size_t head;                /* ring: where the next id goes */
+    struct sampler_cand *cand;  /* scratch: one candidate per vocabulary entry */
+    size_t cap_cand;            /* candidates allocated */
+    int32_t *pen;               /* scratch: distinct penalized ids, ascending */
+    size_t n_pen;               /* entries in pen for the current call */
+};
+
+/* ---------------------------------------------------------------------------------------- */
+/* PRNG: xoshiro256**, seeded through splitmix64                                             */
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+static uint64_t rng_next(uint64_t st[4])
+{
+    uint64_t out = rotl(st[1] * 5, 7) * 9, t = st[1] << 17;
+    st[2] ^= st[0];
+    st[3] ^= st[1];
+    st[1] ^= st[2];
+    st[0] ^= st[3];
+    st[2] ^= t;
+    st[3] = rotl(st[3], 45);
+    return out;
+}
+
+/* Uniform in [0, 1) with 53 random bits. */
+static double rng_uniform(uint64_t st[4])
+{
+    return (double)(rng_next(st) >> 11) * 0x1.0p-53;
+}
+
+static void rng_seed(uint64_t st[4], uint64_t seed)
+{
+    for (int i = 0; i < 4; i++)
+        st[i] = splitmix64(&seed);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Lifecycle                                                                                 */
+
+static int check_config(const struct sampler_config *c)
+{
+    const char *bad = NULL;
+    if (!(c->temperature >= 0 && isfinite(c->temperature)))
+        bad = "temperature must be a finite value >= 0";
+    else if (c->top_k < 0)
+        bad = "top_k must be >= 0";
+    else if (!(c->top_p >= 0 && c->top_p <= 1))
+        bad = "top_p must be in [0, 1]";
+    else if (!(c->min_p >= 0 && c->min_p <= 1))
+        bad = "min_p must be in [0, 1]";
+    else if (!(c->repeat_penalty >= 0 && isfinite(c->repeat_penalty)))
+        bad = "repeat_penalty must be a finite value >= 0";
+    else if (!isfinite(c->presence_penalty))
+        bad = "presence_penalty must be finite";
+    else if (c->penalty_last_n < -1)
+        bad = "penalty_last_n must be >= -1";
+    if (!bad)
+        return 0;
+    log_error("sampler: bad config: %s (temperature %g, top_k %d, top_p %g, min_p %g, "
+              "repeat_penalty %g, presence_penalty %g, penalty_last_n %d)", bad,
+              (double)c->temperature, c->top_k, (double)c->top_p, (double)c->min_p,
+              (double)c->repeat_penalty, (double)c->presence_penalty, c->penalty_last_n);
+    return -EINVAL;
+}
+
+struct sampler *sampler_create(const struct sampler_config *cfg)
+{
+    ASSERT(cfg);
+    if (check_config(cfg))
+        return NULL;
+    struct sampler *s = calloc(1, sizeof(*s));
+    if (!s)
+        goto out_nomem;
+    s->cfg = *cfg;
+    s->last_n = cfg->penalty_last_n ? cfg->penalty_last_n : SAMPLER_DEFAULT_LAST_N;
+    s->penalize = (cfg->repeat_penalty != 0 && cfg->repeat_penalty != 1) ||
+                  cfg->presence_penalty != 0;
+    s->cap_hist = s->last_n > 0 ? (size_t)s->last_n : 256;
+    s->hist = malloc(s->cap_hist * sizeof(*s->hist));
+    s->pen = malloc(s->cap_hist * sizeof(*s->pen));
+    if (!s->hist || !s->pen)
+        goto out_free;
+    rng_seed(s->rng, cfg->seed);
+    return s;
+
+out_free:
+    sampler_destroy(s);
+out_nomem:
+    log_error("sampler: out of memory");
+    return NULL;
+}
+
+void sampler_destroy(struct sampler *s)
+{
+    if (!s)
+        return;
+    free(s->cand);
+    free(s->pen);
+    free(s->hist);
+    free(s);
+}
+
+int sampler_accept(struct sampler *s, int32_t id)
+{
+    ASSERT(id >= 0);
+    if (s->last_n < 0 && s->n_hist == s->cap_hist) {
+        size_t cap = s->cap_hist * 2;
+        int32_t *h = realloc(s->hist, cap * sizeof(*h));
+        if (h)
+            s->hist = h;
+        int32_t *p = h ? realloc(s->pen, cap * sizeof(*p)) : NULL;
+        if (!p) {
+            log_error("sampler: out of memory for a history of %zu tokens", cap);
+            return -ENOMEM;
+        }
+        s->pen = p;
+        s->cap_hist = cap;
+    }
+    if (s->last_n < 0) {
+        s->hist[s->n_hist++] = id;
+        return 0;
+    }
+    s->hist[s->head] = id;
+    s->head = (s->head + 1) % s->cap_hist;
+    if (s->n_hist < s->cap_hist)
+        s->n_hist++;
+    return 0;
+}
+
+void sampler_reset(struct sampler *s)
+{
+    s->n_hist = 0;
+    s->head = 0;
+    rng_seed(s->rng, s->cfg.seed);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Penalties                                                                                 */
+
+static int cmp_i32(const void *pa, const void *pb)
+{
+    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
+    return a < b ? -1 : a > b;
+}
+
+/* Fills s->pen with the distinct ids of the window that are below n_vocab, ascending. */
+static void collect_penalized(struct sampler *s, int32_t n_vocab)
+{
+    size_t n = 0;
+    for (size_t i = 0; s->penalize && i < s->n_hist; i++)
+        if (s->hist[i] < n_vocab)
+            s->pen[n++] = s->hist[i];
+    qsort(s->pen, n, sizeof(*s->pen), cmp_i32);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (k == 0 || s->pen[k - 1] != s->pen[i])
+            s->pen[k++] = s->pen[i];
+    s->n_pen = k;
+}
+
+/* The logit of a token in the window, as llama.cpp's penalties leave it (NaN counts as -inf). */
+static inline float penalize(const struct sampler *s, float v)
+{
+    float r = s->cfg.repeat_penalty;
+    if (v != v)
+        v = -INFINITY;
+    if (r != 0 && r != 1)
+        v = v <= 0 ? v * r : v / r;
+    return v - s->cfg.presence_penalty;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Ranking and selection                                                                     */
+
+/* True when a ranks before b: higher logit, then lower id. */
+static inline bool cand_better(const struct sampler_cand *a, const struct sampler_cand *b)
+{
+    return a->logit > b->logit || (a->logit == b->logit && a->id < b->id);
+}
+
+static int cmp_cand(const void *pa, const void *pb)
+{
+    const struct sampler_cand *a = pa, *b = pb;
+    return cand_better(a, b) ? -1 : cand_better(b, a);
+}
+
+static inline void cand_swap(struct sampler_cand *a, struct sampler_cand *b)
+{
+    struct sampler_cand t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Partitions c[lo .. hi) (hi - lo >= 3) around a median-of-three pivot: better entries first.
+ * Returns the pivot's final index. */
+static size_t partition(struct sampler_cand *c, size_t lo, size_t hi)
+{
+    size_t mid = lo + (hi - lo) / 2, last = hi - 1;
+    if (cand_better(&c[mid], &c[lo]))
+        cand_swap(&c[mid], &c[lo]);
+    if (cand_better(&c[last], &c[lo]))
+        cand_swap(&c[last], &c[lo]);
+    if (cand_better(&c[mid], &c[last]))
+        cand_swap(&c[mid], &c[last]); /* c[last] is now the median */
+    size_t p = lo;
+    for (size_t j = lo; j < last; j++)
+        if (cand_better(&c[j], &c[last]))
+            cand_swap(&c[p++], &c[j]);
+    cand_swap(&c[p], &c[last]);
+    return p;
+}
+
+/* Min-heap on rank (root = worst kept) of h[0 .. k): sinks entry i. */
+static void heap_sink(struct sampler_cand *h, size_t k, size_t i)
+{
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= k)
+            return;
+        if (c + 1 < k && cand_better(&h[c], &h[c + 1]))
+            c++;
+        if (!cand_better(&h[i], &h[c]))
+            return;
+        cand_swap(&h[i], &h[c]);
+        i = c;
+    }
+}
+
+/* Offers candidate (v, id) to the heap h[0 .. k); ids arrive in increasing order, so an equal
+ * logit never displaces the (lower-id) root. */
+static inline void heap_offer(struct sampler_cand *h, size_t k, float v, int32_t id)
+{
+    if (v > h[0].logit) {
+        h[0] = (struct sampler_cand){v, 0, id};
+        heap_sink(h, k, 0);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Passes over the logits. Penalized ids (s->pen, ascending) split the vocabulary into plain
+ * runs, scanned by tight loops, and single penalized entries.                               */
+
+/* Largest of l[from .. to), ignoring NaN; eight running maxima keep the loop free of a
+ * serial dependency. */
+static float range_max(const float *l, int32_t from, int32_t to)
+{
+    float m[8];
+    for (int k = 0; k < 8; k++)
+        m[k] = -INFINITY;
+    int32_t i = from;
+    for (; i + 8 <= to; i += 8)
+        for (int k = 0; k < 8; k++)
+            m[k] = l[i + k] > m[k] ? l[i + k] : m[k];
+    for (; i < to; i++)
+        m[0] = l[i] > m[0] ? l[i] : m[0];
+    for (int k = 1; k < 8; k++)
+        m[0] = m[k] > m[0] ? m[k] : m[0];
+    return m[0];
+}
+
+/* Arg-max of the penalized logits (ties to the lowest id); *best_v receives its logit. Two
+ * passes: the maximum, then the first id that has it. */
+static int32_t pass_argmax(const struct sampler *s, const float *l, int32_t n, float *best_v)
+{
+    float m = -INFINITY;
+    int32_t from = 0;
+    for (size_t j = 0; j <= s->n_pen; j++) {
+        int32_t to = j < s->n_pen ? s->pen[j] : n;
+        float v = range_max(l, from, to);
+        m = v > m ? v : m;
+        if (j == s->n_pen)
+            break;
+        v = penalize(s, l[to]);
+        m = v > m ? v : m;
+        from = to + 1;
+    }
+    *best_v = m;
+    from = 0;
+    for (size_t j = 0; j <= s->n_pen; j++) {
+        int32_t to = j < s->n_pen ? s->pen[j] : n;
+        for (int32_t i = from; i < to; i++)
+            if (l[i] == m)
+                return i;
+        if (j == s->n_pen)
+            break;
+        if (penalize(s, l[to]) == m)
+            return to;
+        from = to + 1;
+    }
+    return 0; /* every logit is NaN */
+}
+
+/* Every token as a candidate, in id order. */
+static void pass_all(const struct sampler *s, const float *l, int32_t n, struct sampler_cand *c)
+{
+    int32_t from = 0;
+    for (size_t j = 0; j <= s->n_pen; j++) {
+        int32_t to = j < s->n_pen ? s->pen[j] : n;
+        for (int32_t i = from; i < to; i++)
+            c[i] = (struct sampler_cand){l[i] != l[i] ? -INFINITY : l[i], 0, i};
+        if (j == s->n_pen)
+            break;
+        c[to] = (struct sampler_cand){penalize(s, l[to]), 0, to};
+        from = to + 1;
+    }
+}
+
+/* The k best tokens (0 < k < n) into c[0 .. k), sorted best first. */
+static void pass_top_k(const struct sampler *s, const float *l, int32_t n, size_t k,
+                       struct sampler_cand *c)
+{
+    for (size_t i = 0; i < k; i++)
+        c[i] = (struct sampler_cand){-INFINITY, 0, INT32_MAX};
+    int32_t from = 0;
+    for (size_t j = 0; j <= s->n_pen; j++) {
+        int32_t to = j < s->n_pen ? s->pen[j] : n;
+        for (int32_t i = from; i < to; i++)
+            heap_offer(c, k, l[i], i);
+        if (j == s->n_pen)
+            break;
+        heap_offer(c, k, penalize(s, l[to]), to);
+        from = to + 1;
+    }
+    /* with fewer than k finite logits the heap still holds -inf placeholders; they sort last
+     * and draw() never picks a zero-weight entry */
+    qsort(c, k, sizeof(*c), cmp_cand);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Filters on c[0 .. n)                                                                      */
+
+/* Keeps the best-ranked tokens whose softmax mass (before temperature) first reaches top_p,
+ * as llama.cpp's cumulative scan over the sorted list does; returns their count. Sorted input
+ * is scanned; otherwise a quickselect on mass finds the set in expected O(n), leaving
+ * c[0 .. count) in no particular order. */
+static size_t filter_top_p(struct sampler_cand *c, size_t n, bool sorted, float max, float top_p)
+{
+    double total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += c[i].w = expf(c[i].logit - max);
+    double goal = (double)top_p * total, acc = 0; /* acc: mass of c[0 .. lo) */
+    size_t lo = 0, hi = n;
+    for (int budget = 64; !sorted && hi - lo > SMALL_RANGE && budget > 0; budget--) {
+        size_t p = partition(c, lo, hi);
+        double better = 0;
+        for (size_t i = lo; i < p; i++)
+            better += c[i].w;
+        if (acc + better >= goal) {
+            hi = p;
+        } else if (acc + better + c[p].w >= goal) {
+            return p + 1;
+        } else {
+            acc += better + c[p].w;
+            lo = p + 1;
+        }
+    }
+    if (!sorted)
+        qsort(c + lo, hi - lo, sizeof(*c), cmp_cand);
+    for (size_t i = lo; i < hi; i++) {
+        acc += c[i].w;
+        if (acc >= goal)
+            return i + 1;
+    }
+    return hi; /* rounding kept the sum short of the goal: keep the whole range */
+}
+
+/* Keeps the tokens whose probability is at least min_p times the largest, that is
+ * logit >= max + ln(min_p), in their order; returns the new count. */
+static size_t filter_min_p(struct sampler_cand *c, size_t n, bool sorted, float max, float min_p)
+{
+    float floor = max + logf(min_p);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (c[i].logit >= floor)
+            c[k++] = c[i];
+        else if (sorted)
+            break;
+    }
+    return k;
+}
+
+/* Draws from softmax(logit / temperature) over c[0 .. n); overwrites the logits with the
+ * unnormalized weights. */
+static int32_t draw(struct sampler *s, struct sampler_cand *c, size_t n, float max)
+{
+    float inv_t = 1.0f / s->cfg.temperature;
+    double total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += c[i].logit = expf((c[i].logit - max) * inv_t);
+    double u = rng_uniform(s->rng) * total, cum = 0;
+    for (size_t i = 0; i < n; i++) {
+        cum += c[i].logit;
+        if (u < cum)
+            return c[i].id;
+    }
+    for (size_t i = n; i-- > 0;) /* u fell in the rounding slack: the last token with weight */
+        if (c[i].logit > 0)
+            return c[i].id;
+    return c[0].id;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Sampling                                                                                  */
+
+static int grow_cand(struct sampler *s, size_t n)
+{
+    if (n <= s->cap_cand)
+        return 0;
+    free(s->cand);
+    s->cand = malloc(n * sizeof(*s->cand));
+    s->cap_cand = s->cand ? n : 0;
+    if (!s->cand) {
+        log_error("sampler: out of memory for %zu candidates", n);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab)
+{
+    ASSERT(s && logits && n_vocab > 0);
+    collect_penalized(s, n_vocab);
+    float max;
+    if (s->cfg.temperature == 0)
+        return pass_argmax(s, logits, n_vocab, &max);
+    if (grow_cand(s, (size_t)n_vocab))
+        return -ENOMEM;
+    struct sampler_cand *c = s->cand;
+    size_t n = (size_t)n_vocab;
+    bool sorted = s->cfg.top_k > 0 && (size_t)s->cfg.top_k < n;
+    if (sorted) {
+        pass_top_k(s, logits, n_vocab, (size_t)s->cfg.top_k, c);
+        n = (size_t)s->cfg.top_k;
+        max = c[0].logit;
+    } else {
+        pass_all(s, logits, n_vocab, c);
+        max = c[0].logit;
+        for (size_t i = 1; i < n; i++)
+            max = c[i].logit > max ? c[i].logit : max;
+    }
+    if (!isfinite(max))
+        return pass_argmax(s, logits, n_vocab, &max); /* nothing finite to draw from */
+    if (s->cfg.top_p > 0 && s->cfg.top_p < 1)
+        n = filter_top_p(c, n, sorted, max, s->cfg.top_p);
+    if (s->cfg.min_p > 0)
+        n = filter_min_p(c, n, sorted, max, s->cfg.min_p);
+    return draw(s, c, n, max);
+}

@@ -1,0 +1,399 @@
+/*
+ * test_sampler: greedy and filtered sampling on inputs whose answers are exactly predictable,
+ * seeded reproducibility, the empirical distribution against softmax (chi-square), and the
+ * llama.cpp penalty rules. Measures the time of one sample on a 248k vocabulary.
+ */
+#include "model/sampler.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "tests/check.h"
+
+#define BIG_VOCAB 248320
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Deterministic pseudo-random logits in [-10, 10) (a test-local LCG, not the sampler's PRNG). */
+static void fill_logits(float *l, int32_t n, uint32_t seed)
+{
+    uint32_t x = seed * 2654435761u + 1;
+    for (int32_t i = 0; i < n; i++) {
+        x = x * 1664525u + 1013904223u;
+        l[i] = (float)(x >> 8) / (float)(1 << 24) * 20.0f - 10.0f;
+    }
+}
+
+static int32_t argmax(const float *l, int32_t n)
+{
+    int32_t b = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (l[i] > l[b])
+            b = i;
+    return b;
+}
+
+static struct sampler *make(float temp, int32_t top_k, float top_p, float min_p, uint64_t seed)
+{
+    struct sampler_config c = {.temperature = temp, .top_k = top_k, .top_p = top_p,
+                               .min_p = min_p, .seed = seed};
+    struct sampler *s = sampler_create(&c);
+    CHECK(s, "sampler_create failed");
+    if (!s)
+        exit(1);
+    return s;
+}
+
+/* Counts of n draws into hist[0 .. n_vocab). */
+static void draws(struct sampler *s, const float *l, int32_t n_vocab, int n, int *hist)
+{
+    memset(hist, 0, (size_t)n_vocab * sizeof(*hist));
+    for (int i = 0; i < n; i++) {
+        int32_t id = sampler_sample(s, l, n_vocab);
+        CHECK(id >= 0 && id < n_vocab, "draw %d gave %d", i, id);
+        if (id >= 0 && id < n_vocab)
+            hist[id]++;
+    }
+}
+
+static void test_greedy(void)
+{
+    struct sampler *s = make(0, 0, 0, 0, 1);
+    float ties[] = {1, 5, 3, 5, -2};
+    CHECK(sampler_sample(s, ties, 5) == 1, "ties go to the lowest id");
+    float nan_first[] = {NAN, 1, 2, NAN};
+    CHECK(sampler_sample(s, nan_first, 4) == 2, "NaN never wins");
+    float all_inf[] = {-INFINITY, -INFINITY, -INFINITY};
+    CHECK(sampler_sample(s, all_inf, 3) == 0, "all -inf: id 0");
+    float *l = malloc(BIG_VOCAB * sizeof(*l)), *copy = malloc(BIG_VOCAB * sizeof(*l));
+    for (uint32_t k = 0; k < 5; k++) {
+        fill_logits(l, BIG_VOCAB, k);
+        memcpy(copy, l, BIG_VOCAB * sizeof(*l));
+        int32_t want = argmax(l, BIG_VOCAB);
+        CHECK(sampler_sample(s, l, BIG_VOCAB) == want, "greedy = argmax (seed %u)", k);
+        CHECK(!memcmp(l, copy, BIG_VOCAB * sizeof(*l)), "logits unchanged");
+    }
+    sampler_destroy(s);
+
+    /* top_k = 1 is greedy at any temperature */
+    static const float temps[] = {0.1f, 0.8f, 1.0f, 5.0f, 100.0f};
+    for (int t = 0; t < 5; t++) {
+        s = make(temps[t], 1, 0, 0, (uint64_t)t * 77);
+        for (uint32_t k = 0; k < 4; k++) {
+            fill_logits(l, BIG_VOCAB, 100 + k);
+            int32_t got = sampler_sample(s, l, BIG_VOCAB);
+            CHECK(got == argmax(l, BIG_VOCAB), "top_k 1 at temperature %g gave %d",
+                  (double)temps[t], got);
+        }
+        sampler_destroy(s);
+    }
+    free(copy);
+    free(l);
+}
+
+static void test_seeds(void)
+{
+    float l[1000];
+    fill_logits(l, 1000, 7);
+    for (int i = 0; i < 1000; i++)
+        l[i] *= 0.2f; /* flat enough that sequences are long-tailed */
+    int32_t a[200], b[200], c[200], r[200];
+    struct sampler *sa = make(1, 0, 0, 0, 42), *sb = make(1, 0, 0, 0, 42);
+    struct sampler *sc = make(1, 0, 0, 0, 43);
+    int same_ab = 0, same_ac = 0, same_r = 0;
+    for (int i = 0; i < 200; i++) {
+        a[i] = sampler_sample(sa, l, 1000);
+        b[i] = sampler_sample(sb, l, 1000);
+        c[i] = sampler_sample(sc, l, 1000);
+        same_ab += a[i] == b[i];
+        same_ac += a[i] == c[i];
+    }
+    sampler_reset(sa);
+    for (int i = 0; i < 200; i++) {
+        r[i] = sampler_sample(sa, l, 1000);
+        same_r += r[i] == a[i];
+    }
+    CHECK(same_ab == 200, "same seed: %d of 200 equal", same_ab);
+    CHECK(same_r == 200, "after reset: %d of 200 equal", same_r);
+    CHECK(same_ac < 20, "different seeds: %d of 200 equal", same_ac);
+    /* the first ids of seed 42 pin the PRNG and the draw across machines and builds */
+    printf("seed 42 begins %d %d %d %d %d\n", a[0], a[1], a[2], a[3], a[4]);
+    sampler_destroy(sa);
+    sampler_destroy(sb);
+    sampler_destroy(sc);
+}
+
+/* Pearson chi-square of hist against softmax(l / temp) over n draws. */
+static double chi_square(const int *hist, const float *l, int n_vocab, float temp, int n)
+{
+    double z = 0, chi = 0, p[64];
+    for (int i = 0; i < n_vocab; i++)
+        z += p[i] = exp((double)l[i] / temp);
+    for (int i = 0; i < n_vocab; i++) {
+        double e = p[i] / z * n;
+        chi += (hist[i] - e) * (hist[i] - e) / e;
+    }
+    return chi;
+}
+
+static void test_distribution(void)
+{
+    /* 7 degrees of freedom: P(chi2 > 24.32) = 0.001 for a correct sampler */
+    const float l[8] = {0.0f, 0.5f, 1.0f, -1.0f, 2.0f, 0.3f, -0.5f, 1.5f};
+    const int n = 200000;
+    int hist[8];
+    static const float temps[] = {1.0f, 0.5f, 2.0f};
+    for (int t = 0; t < 3; t++) {
+        struct sampler *s = make(temps[t], 0, 0, 0, 1000 + (uint64_t)t);
+        draws(s, l, 8, n, hist);
+        double chi = chi_square(hist, l, 8, temps[t], n);
+        MEASURE("chi-square at temperature %.1f over %d draws: %.2f (7 dof, bound 24.32)",
+                (double)temps[t], n, chi);
+        CHECK(chi < 24.32, "temperature %g: chi-square %.2f", (double)temps[t], chi);
+        /* the wrong temperature must be rejected by the same bound */
+        double wrong = chi_square(hist, l, 8, temps[t] * 1.25f, n);
+        CHECK(wrong > 100, "temperature %g: chi-square against a 25%% different temperature is "
+              "only %.2f", (double)temps[t], wrong);
+        sampler_destroy(s);
+    }
+}
+
+/* Draws that must land only on ids with allowed[id], and hit each allowed id. */
+static void check_support(struct sampler *s, const float *l, int32_t n_vocab,
+                          const bool *allowed, const char *what)
+{
+    int hist[16], stray = 0, missed = 0;
+    draws(s, l, n_vocab, 20000, hist);
+    for (int32_t i = 0; i < n_vocab; i++) {
+        stray += !allowed[i] && hist[i];
+        missed += allowed[i] && !hist[i];
+    }
+    CHECK(stray == 0 && missed == 0, "%s: %d excluded ids drawn, %d kept ids never drawn", what,
+          stray, missed);
+}
+
+static void test_filters(void)
+{
+    /* probabilities 0.5, 0.3, 0.15, 0.05 (cumulative 0.5, 0.8, 0.95, 1) */
+    const float l[4] = {logf(0.5f), logf(0.3f), logf(0.15f), logf(0.05f)};
+    struct {
+        float temp, top_p, min_p;
+        int32_t top_k;
+        bool keep[4];
+        const char *what;
+    } cases[] = {
+        {1, 0.7f, 0, 0, {1, 1, 0, 0}, "top_p 0.7"},
+        {1, 0.9f, 0, 0, {1, 1, 1, 0}, "top_p 0.9"},
+        {1, 0.4f, 0, 0, {1, 0, 0, 0}, "top_p 0.4"},
+        {1, 0, 0.2f, 0, {1, 1, 1, 0}, "min_p 0.2 (p >= 0.1)"},
+        {1, 0, 0.5f, 0, {1, 1, 0, 0}, "min_p 0.5 (p >= 0.25)"},
+        {1, 0, 0, 3, {1, 1, 1, 0}, "top_k 3"},
+        {10, 0.7f, 0, 0, {1, 1, 0, 0}, "top_p 0.7 before temperature 10"},
+        {10, 0, 0.5f, 0, {1, 1, 0, 0}, "min_p 0.5 before temperature 10"},
+        {1, 0.99f, 0.2f, 2, {1, 1, 0, 0}, "top_k 2 with loose top_p and min_p"},
+        {1, 0, 0, 0, {1, 1, 1, 1}, "no filter"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct sampler *s = make(cases[i].temp, cases[i].top_k, cases[i].top_p, cases[i].min_p,
+                                 i);
+        check_support(s, l, 4, cases[i].keep, cases[i].what);
+        sampler_destroy(s);
+    }
+
+    /* top_p without top_k on a large vocabulary: 200 ids with logit 5 at scattered positions,
+     * the rest 0. The nucleus of 0.5 is the k lowest of the 200 (ties rank by id), k being the
+     * least with k * e^5 >= 0.5 * total: 166.7 -> 167, past the first selection width (64). */
+    const int32_t n_vocab = 20000;
+    float *big = calloc((size_t)n_vocab, sizeof(*big));
+    for (int i = 0; i < 200; i++)
+        big[((int64_t)i * 7919 * 13 + 31) % n_vocab] = 5.0f;
+    int n_high = 0;
+    for (int32_t i = 0; i < n_vocab; i++)
+        n_high += big[i] == 5.0f;
+    double total = n_high * exp(5.0) + (n_vocab - n_high);
+    int k = (int)ceil(0.5 * total / exp(5.0));
+    int32_t *rank = malloc((size_t)n_vocab * sizeof(*rank)); /* rank among the high ids */
+    for (int32_t i = 0, r = 0; i < n_vocab; i++)
+        rank[i] = big[i] == 5.0f ? r++ : -1;
+    struct sampler *s = make(1, 0, 0.5f, 0, 9);
+    int *hist = calloc((size_t)n_vocab, sizeof(*hist));
+    int stray = 0, distinct = 0, max_rank = -1;
+    for (int i = 0; i < 3000; i++) {
+        int32_t id = sampler_sample(s, big, n_vocab);
+        if (id < 0 || rank[id] < 0 || rank[id] >= k) {
+            stray++;
+            continue;
+        }
+        distinct += !hist[id]++;
+        max_rank = rank[id] > max_rank ? rank[id] : max_rank;
+    }
+    CHECK(n_high == 200 && k == 167, "setup: %d high ids, k %d", n_high, k);
+    CHECK(stray == 0 && max_rank == k - 1 && distinct == k,
+          "wide top_p: %d strays, highest rank %d (want %d), %d distinct (want %d)", stray,
+          max_rank, k - 1, distinct, k);
+    sampler_destroy(s);
+    free(hist);
+    free(rank);
+    free(big);
+}
+
+static struct sampler *make_pen(float repeat, float presence, int32_t last_n)
+{
+    struct sampler_config c = {.repeat_penalty = repeat, .presence_penalty = presence,
+                               .penalty_last_n = last_n};
+    struct sampler *s = sampler_create(&c);
+    CHECK(s, "sampler_create failed");
+    if (!s)
+        exit(1);
+    return s;
+}
+
+static void test_penalties(void)
+{
+    /* logit > 0 is divided: 2.0 / 1.5 = 1.33 < 1.5 but 2.0 / 1.2 = 1.67 > 1.5 */
+    const float pos[2] = {2.0f, 1.5f};
+    struct sampler *s = make_pen(1.5f, 0, 0);
+    CHECK(sampler_sample(s, pos, 2) == 0, "no history, no penalty");
+    sampler_accept(s, 0);
+    CHECK(sampler_sample(s, pos, 2) == 1, "repeat 1.5 divides 2.0 below 1.5");
+    sampler_destroy(s);
+    s = make_pen(1.2f, 0, 0);
+    sampler_accept(s, 0);
+    sampler_accept(s, 0);
+    sampler_accept(s, 0);
+    CHECK(sampler_sample(s, pos, 2) == 0, "repeat 1.2 applies once, whatever the count");
+    sampler_destroy(s);
+
+    /* logit <= 0 is multiplied: -1.0 * 2 = -2.0 < -1.5 (dividing would give -0.5 and keep it) */
+    const float neg[2] = {-1.0f, -1.5f};
+    s = make_pen(2.0f, 0, 0);
+    sampler_accept(s, 0);
+    CHECK(sampler_sample(s, neg, 2) == 1, "negative logit multiplied by the penalty");
+    sampler_destroy(s);
+
+    /* presence subtracts once: 2.0 - 0.4 = 1.6 > 1.5; 2.0 - 0.6 = 1.4 < 1.5; three repeats
+     * with 0.3 stay 1.7 */
+    s = make_pen(0, 0.4f, 0);
+    sampler_accept(s, 0);
+    CHECK(sampler_sample(s, pos, 2) == 0, "presence 0.4");
+    sampler_destroy(s);
+    s = make_pen(0, 0.6f, 0);
+    sampler_accept(s, 0);
+    CHECK(sampler_sample(s, pos, 2) == 1, "presence 0.6");
+    sampler_destroy(s);
+    s = make_pen(0, 0.3f, 0);
+    for (int i = 0; i < 3; i++)
+        sampler_accept(s, 0);
+    CHECK(sampler_sample(s, pos, 2) == 0, "presence 0.3 subtracted once, not per repeat");
+    sampler_destroy(s);
+
+    /* both: (2.0 / 1.2) - 0.2 = 1.47 < 1.5 */
+    s = make_pen(1.2f, 0.2f, 0);
+    sampler_accept(s, 0);
+    CHECK(sampler_sample(s, pos, 2) == 1, "repeat then presence");
+    sampler_destroy(s);
+
+    /* the window: id 0 leaves a window of 4 after four other tokens; reset forgets */
+    s = make_pen(2.0f, 0, 4);
+    sampler_accept(s, 0);
+    for (int i = 0; i < 3; i++)
+        sampler_accept(s, 5);
+    CHECK(sampler_sample(s, pos, 2) == 1, "id 0 still in the window");
+    sampler_accept(s, 5);
+    CHECK(sampler_sample(s, pos, 2) == 0, "id 0 left the window");
+    sampler_accept(s, 0);
+    sampler_reset(s);
+    CHECK(sampler_sample(s, pos, 2) == 0, "reset clears the history");
+    sampler_destroy(s);
+
+    /* unbounded history (-1) keeps everything */
+    s = make_pen(2.0f, 0, -1);
+    sampler_accept(s, 0);
+    for (int i = 0; i < 1000; i++)
+        CHECK(sampler_accept(s, 7) == 0, "accept");
+    CHECK(sampler_sample(s, pos, 2) == 1, "unbounded window still has id 0");
+    sampler_destroy(s);
+
+    /* penalties also shape sampling: {3, 1, 0.5} with id 0 penalized by 2 draws from
+     * softmax({1.5, 1, 0.5}); 2 degrees of freedom, P(chi2 > 13.82) = 0.001 */
+    struct sampler_config c = {.temperature = 1, .repeat_penalty = 2, .seed = 3};
+    s = sampler_create(&c);
+    const float three[3] = {3.0f, 1.0f, 0.5f}, penalized[3] = {1.5f, 1.0f, 0.5f};
+    sampler_accept(s, 0);
+    int hist[3];
+    draws(s, three, 3, 20000, hist);
+    double chi = chi_square(hist, penalized, 3, 1, 20000);
+    CHECK(chi < 13.82, "penalized sampling: chi-square %.2f (%d %d %d)", chi, hist[0], hist[1],
+          hist[2]);
+    CHECK(chi_square(hist, three, 3, 1, 20000) > 100, "penalty had no visible effect");
+    sampler_destroy(s);
+}
+
+static void test_config(void)
+{
+    struct sampler_config bad[] = {
+        {.temperature = -1}, {.temperature = NAN}, {.top_k = -2}, {.top_p = 1.5f},
+        {.min_p = -0.1f}, {.repeat_penalty = -1}, {.presence_penalty = INFINITY},
+        {.penalty_last_n = -2},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        struct sampler *s = sampler_create(&bad[i]);
+        CHECK(!s && strstr(log_last_error(), "bad config"), "bad config %zu accepted", i);
+        sampler_destroy(s);
+    }
+}
+
+static void test_speed(void)
+{
+    float *l = malloc(BIG_VOCAB * sizeof(*l));
+    fill_logits(l, BIG_VOCAB, 5);
+    struct {
+        struct sampler_config c;
+        const char *what;
+    } cases[] = {
+        {{.temperature = 0}, "greedy"},
+        {{.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.1f,
+          .seed = 1}, "llama.cpp defaults (top_k 40, top_p 0.95, min_p 0.05, temp 0.8, repeat 1.1)"},
+        {{.temperature = 0.8f, .top_p = 0.95f, .seed = 1}, "top_p 0.95 alone"},
+        {{.temperature = 1.0f, .seed = 1}, "temperature 1 alone"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct sampler *s = sampler_create(&cases[i].c);
+        for (int j = 0; j < 64; j++)
+            sampler_accept(s, j * 31);
+        const int reps = 50;
+        double t0 = now_s();
+        int32_t sum = 0;
+        for (int r = 0; r < reps; r++)
+            sum += sampler_sample(s, l, BIG_VOCAB) >= 0;
+        double us = (now_s() - t0) / reps * 1e6;
+        CHECK(sum == reps, "samples failed");
+        MEASURE("sample over %d logits, %s: %.0f us", BIG_VOCAB, cases[i].what, us);
+        sampler_destroy(s);
+    }
+    free(l);
+}
+
+int main(void)
+{
+    log_init("test", -1);
+    test_greedy();
+    test_seeds();
+    test_distribution();
+    test_filters();
+    test_penalties();
+    test_config();
+    test_speed();
+    return test_main_result("test_sampler");
+}
