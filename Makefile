@@ -7,7 +7,7 @@
 
 CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
-PKGS    := libpcre2-8
+PKGS    := libpcre2-8 libzmq libprotobuf-c
 # The GPU architectures lamina ships for, listed once.
 CUDA_ARCHS := -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_75,code=sm_75 \
               -gencode=arch=compute_86,code=sm_86 -gencode=arch=compute_89,code=sm_89
@@ -31,7 +31,9 @@ LDLIBS  := $(LDSAN) -pthread $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
 LIB_SRCS := $(wildcard common/*.c model/*.c kernels/cpu/*.c ipc/*.c) \
             $(filter-out worker/main.c,$(wildcard worker/*.c)) \
             $(filter-out coordinator/main.c,$(wildcard coordinator/*.c))
-LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+# protobuf-c code generated from proto/*.proto under build/gen (never committed).
+PROTO_GEN := build/gen/proto/lamina.pb-c.c build/gen/proto/lamina.pb-c.h
+LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(BUILD)/proto/lamina.pb-c.o
 LIB      := $(BUILD)/liblamina.a
 TEST_SRCS := $(wildcard tests/test_*.c)
 TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
@@ -39,12 +41,23 @@ CU_SRCS  := $(wildcard kernels/cuda/*.cu)
 CU_OBJS  := $(if $(NVCC),$(CU_SRCS:%.cu=$(BUILD)/%.o))
 BINS     := $(BUILD)/lamina
 
-.PHONY: all test test-gpu clean cuda
+.PHONY: all test test-gpu clean cuda demo
 all: $(BINS) $(TESTS) $(CU_OBJS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+build/gen/proto/%.pb-c.c build/gen/proto/%.pb-c.h: proto/%.proto
+	@mkdir -p build/gen
+	protoc-c --c_out=build/gen $<
+
+$(BUILD)/proto/%.pb-c.o: build/gen/proto/%.pb-c.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+# Anything may include a generated header: make it exist before compiling.
+$(LIB_OBJS) $(TESTS:%=%.o) $(BUILD)/coordinator/main.o $(BUILD)/worker/main.o: | $(PROTO_GEN)
 
 $(BUILD)/kernels/cuda/%.o: kernels/cuda/%.cu
 	@mkdir -p $(dir $@)
@@ -61,6 +74,15 @@ $(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB)
 	$(CC) -o $@ $^ $(LDLIBS)
 
 cuda: $(CU_OBJS)
+
+# The README's first command: a small synthetic qwen3next model, then text.
+DEMO_MODEL := models/demo-qwen3next-tiny-q8_0.gguf
+$(DEMO_MODEL): | $(BUILD)/lamina
+	@mkdir -p models
+	$(BUILD)/lamina gen-model --arch qwen3next --shape tiny --type q8_0 --heat zipf:1.0 --seed 7 -o $@
+
+demo: all $(DEMO_MODEL)
+	$(BUILD)/lamina run -m $(DEMO_MODEL) -p "The quick brown fox" -n 48 --seed 1
 
 test: all
 	@BUILD=$(BUILD) sh tests/run.sh $(TESTS)

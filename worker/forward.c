@@ -79,10 +79,17 @@ struct forward {
     float *wts;               /* [B][k] */
     uint32_t *slot_of;        /* [B][k]: assignment index of (token, slot) */
     uint32_t *cnt, *off;      /* [E] tokens per expert, first assignment */
+    uint32_t *grp_expert;     /* [2E]: local groups from 0, remote groups from E */
+    uint32_t *grp_count;      /* [2E]: rows of each group */
+    struct expert_ref *grp_ref; /* [E]: weights of each local group */
+    uint32_t n_local, n_remote; /* groups of this layer and step */
+    uint32_t rows_total;      /* (token, slot) pairs of this layer and step */
     float *xg;                /* gathered expert inputs [B*k][n] */
-    float *gu;                /* gate|up outputs [B*k][2F] */
-    float *act;               /* silu(gate)*up [B*k][F] */
     float *yg;                /* expert outputs [B*k][n] */
+    struct expert_exec *xx;   /* routed-expert products */
+    const uint8_t *const *resident;          /* borrowed, see forward_config */
+    const struct expert_ref *const *expert_refs; /* borrowed */
+    struct forward_remote remote;
     float *sg;                /* shared gate|up [B][2Fs] */
     float *sact;              /* [B][Fs] */
     float *so;                /* shared out [B][n] */
@@ -280,8 +287,21 @@ static void fw_dn_conv_task(void *ctx, int64_t task, int thread)
                               fw->u + ch, cd, c->S);
 }
 
+/* Normalised q and k of key head g for token s into q, k (dk each). */
+static void fw_dn_qk(const struct forward *fw, const float *us, uint32_t g, float *q, float *k)
+{
+    const struct arch_hparams *hp = fw->hp;
+    const uint32_t dk = hp->ssm_dk;
+    const size_t key_dim = (size_t)hp->ssm_nk * dk;
+    memcpy(q, us + (size_t)g * dk, dk * sizeof(float));
+    memcpy(k, us + key_dim + (size_t)g * dk, dk * sizeof(float));
+    ops_l2norm(q, dk, hp->eps);
+    ops_l2norm(k, dk, hp->eps);
+}
+
 /* One value head over all S tokens: normalise q and k of its key head, run
- * the delta rule, gated norm into y. */
+ * the delta rule (token by token for decode, chunked for prefill), gated
+ * norm into y. */
 static void fw_dn_head_task(void *ctx, int64_t task, int thread)
 {
     struct fw_dn_ctx *c = ctx;
@@ -289,26 +309,28 @@ static void fw_dn_head_task(void *ctx, int64_t task, int thread)
     const struct arch_hparams *hp = fw->hp;
     const struct arch_layer *ly = &fw->m->layers[c->layer];
     const uint32_t h = (uint32_t)task, dk = hp->ssm_dk, dv = hp->ssm_dv, nv = hp->ssm_nv;
-    const uint32_t g = hp->ssm_tiled ? h % hp->ssm_nk : h / (nv / hp->ssm_nk);
+    const uint32_t g = hp->ssm_tiled ? h % hp->ssm_nk : h / (nv / hp->ssm_nk), S = c->S;
     const size_t cd = arch_conv_dim(hp), key_dim = (size_t)hp->ssm_nk * dk, vd = (size_t)nv * dv;
     float *state = c->seq->ssm[c->layer - fw->l0] + (size_t)h * dk * dv;
-    float *tmp = fw->tscratch + (size_t)thread * fw->tstride;
-    float *q = tmp, *k = tmp + dk, *o = tmp + 2 * dk;
-    const float qscale = 1.0f / sqrtf((float)dk);
-    for (uint32_t s = 0; s < c->S; s++) {
-        const float *us = fw->u + s * cd;
-        memcpy(q, us + (size_t)g * dk, dk * sizeof(float));
-        memcpy(k, us + key_dim + (size_t)g * dk, dk * sizeof(float));
-        ops_l2norm(q, dk, hp->eps);
-        ops_l2norm(k, dk, hp->eps);
-        for (uint32_t i = 0; i < dk; i++)
-            q[i] *= qscale;
-        const float beta = ops_sigmoid(fw->beta[(size_t)s * nv + h]);
-        const float gdec = ly->ssm_a[h] * ops_softplus(fw->alpha[(size_t)s * nv + h] + ly->dt_bias[h]);
-        deltanet_head_step(state, q, k, us + 2 * key_dim + (size_t)h * dv, beta, gdec, dk, dv, o);
-        deltanet_gated_norm(fw->y + s * vd + (size_t)h * dv, o, fw->z + s * vd + (size_t)h * dv,
-                            ly->ssm_norm, dv, hp->eps);
+    float *qn = fw->tscratch + (size_t)thread * fw->tstride, *kn = qn + (size_t)S * dk;
+    float *bb = kn + (size_t)S * dk, *gg = bb + S, *oo = gg + S, *cs = oo + (size_t)S * dv;
+    for (uint32_t s = 0; s < S; s++) {
+        fw_dn_qk(fw, fw->u + s * cd, g, qn + (size_t)s * dk, kn + (size_t)s * dk);
+        bb[s] = ops_sigmoid(fw->beta[(size_t)s * nv + h]);
+        gg[s] = ly->ssm_a[h] * ops_softplus(fw->alpha[(size_t)s * nv + h] + ly->dt_bias[h]);
     }
+    const float *v = fw->u + 2 * key_dim + (size_t)h * dv;
+    if (S == 1) {
+        const float qscale = 1.0f / sqrtf((float)dk);
+        for (uint32_t i = 0; i < dk; i++)
+            qn[i] *= qscale;
+        deltanet_head_step(state, qn, kn, v, bb[0], gg[0], dk, dv, oo);
+    } else {
+        deltanet_chunk_head(state, qn, dk, kn, dk, v, cd, bb, gg, S, dk, dv, oo, dv, cs);
+    }
+    for (uint32_t s = 0; s < S; s++)
+        deltanet_gated_norm(fw->y + s * vd + (size_t)h * dv, oo + (size_t)s * dv,
+                            fw->z + s * vd + (size_t)h * dv, ly->ssm_norm, dv, hp->eps);
 }
 
 /* Legacy ssm_in rows are nk groups of [q dk | k dk | v r*dv | z r*dv]. */
@@ -379,10 +401,18 @@ static void fw_deltanet(struct forward *fw, struct forward_seq *seq, uint32_t l,
 
 /* ---- experts ---- */
 
-/* Routes each token, then orders the (token, slot) pairs by expert. */
-static uint32_t fw_route(struct forward *fw, const struct arch_layer *ly, uint32_t S)
+static bool fw_is_resident(const struct forward *fw, uint32_t l, uint32_t e)
+{
+    return !fw->resident || !fw->resident[l] || (fw->resident[l][e / 8] >> (e % 8)) & 1;
+}
+
+/* Routes each token, then orders the (token, slot) pairs by expert: the
+ * groups of resident experts first (ascending id), then the others. Returns
+ * the rows of resident groups; fills fw->grp_* lists. */
+static uint32_t fw_route(struct forward *fw, uint32_t l, uint32_t S)
 {
     const struct arch_hparams *hp = fw->hp;
+    const struct arch_layer *ly = &fw->m->layers[l];
     const uint32_t E = hp->n_expert, k = hp->n_expert_used;
     fw_matmul(fw, &ly->router, fw->xa, hp->n_embd, S, fw->rl, E);
     memset(fw->cnt, 0, E * sizeof(uint32_t));
@@ -392,12 +422,22 @@ static uint32_t fw_route(struct forward *fw, const struct arch_layer *ly, uint32
         for (uint32_t i = 0; i < k; i++)
             fw->cnt[fw->ids[(size_t)s * k + i]]++;
     }
-    uint32_t total = 0;
-    for (uint32_t e = 0; e < E; e++) {
-        fw->off[e] = total;
-        total += fw->cnt[e];
-        fw->cnt[e] = 0;
+    uint32_t total = 0, local_rows = 0;
+    fw->n_local = fw->n_remote = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t e = 0; e < E; e++) {
+            if (!fw->cnt[e] || fw_is_resident(fw, l, e) != (pass == 0))
+                continue;
+            fw->off[e] = total;
+            total += fw->cnt[e];
+            uint32_t g = pass == 0 ? fw->n_local++ : E + fw->n_remote++;
+            fw->grp_expert[g] = e;
+            fw->grp_count[g] = fw->cnt[e];
+        }
+        if (pass == 0)
+            local_rows = total;
     }
+    memset(fw->cnt, 0, E * sizeof(uint32_t));
     const size_t n = hp->n_embd;
     for (uint32_t s = 0; s < S; s++) {
         for (uint32_t i = 0; i < k; i++) {
@@ -407,61 +447,38 @@ static uint32_t fw_route(struct forward *fw, const struct arch_layer *ly, uint32
             memcpy(fw->xg + a * n, fw->xa + (size_t)s * n, n * sizeof(float));
         }
     }
-    return total;
+    fw->rows_total = total;
+    return local_rows;
 }
 
-static void fw_add_expert_up(struct forward *fw, const struct arch_layer *ly, uint32_t e)
+static int fw_local_experts(struct forward *fw, uint32_t l)
 {
-    const size_t n = fw->hp->n_embd, F = fw->hp->n_ff_exp;
-    const uint32_t a = fw->off[e], c = fw->cnt[e];
-    const float *X = fw->xg + (size_t)a * n;
-    float *Y = fw->gu + (size_t)a * 2 * F;
-    if (ly->gate_exps.data) {
-        fw_mm_add(fw, &ly->gate_exps, arch_matrix_expert(&ly->gate_exps, e), X, n, c, Y, 2 * F);
-        fw_mm_add(fw, &ly->up_exps, arch_matrix_expert(&ly->up_exps, e), X, n, c, Y + F, 2 * F);
-    } else {
-        fw_mm_add(fw, &ly->gate_up_exps, arch_matrix_expert(&ly->gate_up_exps, e), X, n, c, Y,
-                  2 * F);
-    }
-}
-
-static void fw_silu_mul(const float *gu, size_t F, size_t rows, float *act)
-{
-    for (size_t a = 0; a < rows; a++)
-        for (size_t j = 0; j < F; j++)
-            act[a * F + j] = ops_silu(gu[a * 2 * F + j]) * gu[a * 2 * F + F + j];
-}
-
-static void fw_moe(struct forward *fw, uint32_t l, uint32_t S)
-{
-    const struct arch_hparams *hp = fw->hp;
     const struct arch_layer *ly = &fw->m->layers[l];
-    const size_t n = hp->n_embd, F = hp->n_ff_exp, Fs = hp->n_ff_shexp, k = hp->n_expert_used;
-    const bool shared = ly->gate_sh.data != NULL;
-    double t0 = fw_now();
-    const uint32_t total = fw_route(fw, ly, S);
-    double t1 = fw_now();
-    fw_mm_reset(fw);
-    for (uint32_t e = 0; e < hp->n_expert; e++)
-        if (fw->cnt[e])
-            fw_add_expert_up(fw, ly, e);
-    if (shared) {
-        fw_mm_add(fw, &ly->gate_sh, ly->gate_sh.data, fw->xa, n, S, fw->sg, 2 * Fs);
-        fw_mm_add(fw, &ly->up_sh, ly->up_sh.data, fw->xa, n, S, fw->sg + Fs, 2 * Fs);
+    const struct expert_ref *table = fw->expert_refs ? fw->expert_refs[l] : NULL;
+    for (uint32_t g = 0; g < fw->n_local; g++) {
+        uint32_t e = fw->grp_expert[g];
+        fw->grp_ref[g] = table ? table[e] : expert_exec_model_ref(ly, e);
     }
-    fw_mm_run(fw);
-    fw_silu_mul(fw->gu, F, total, fw->act);
-    if (shared)
-        fw_silu_mul(fw->sg, Fs, S, fw->sact);
+    return expert_exec_run(fw->xx, ly, fw->grp_ref, fw->grp_count, fw->n_local, fw->xg, fw->yg);
+}
+
+static void fw_shared_expert(struct forward *fw, const struct arch_layer *ly, uint32_t S)
+{
+    const size_t n = fw->hp->n_embd, Fs = fw->hp->n_ff_shexp;
     fw_mm_reset(fw);
-    for (uint32_t e = 0; e < hp->n_expert; e++)
-        if (fw->cnt[e])
-            fw_mm_add(fw, &ly->down_exps, arch_matrix_expert(&ly->down_exps, e),
-                      fw->act + (size_t)fw->off[e] * F, F, fw->cnt[e],
-                      fw->yg + (size_t)fw->off[e] * n, n);
-    if (shared)
-        fw_mm_add(fw, &ly->down_sh, ly->down_sh.data, fw->sact, Fs, S, fw->so, n);
+    fw_mm_add(fw, &ly->gate_sh, ly->gate_sh.data, fw->xa, n, S, fw->sg, 2 * Fs);
+    fw_mm_add(fw, &ly->up_sh, ly->up_sh.data, fw->xa, n, S, fw->sg + Fs, 2 * Fs);
     fw_mm_run(fw);
+    for (size_t a = 0; a < S; a++)
+        for (size_t j = 0; j < Fs; j++)
+            fw->sact[a * Fs + j] = ops_silu(fw->sg[a * 2 * Fs + j]) * fw->sg[a * 2 * Fs + Fs + j];
+    fw_matmul(fw, &ly->down_sh, fw->sact, Fs, S, fw->so, n);
+}
+
+/* out[s] = sum over slots (ascending) of w * expert output, + gated shared. */
+static void fw_moe_combine(struct forward *fw, const struct arch_layer *ly, uint32_t S)
+{
+    const size_t n = fw->hp->n_embd, k = fw->hp->n_expert_used;
     for (uint32_t s = 0; s < S; s++) {
         float *out = fw->mix + (size_t)s * n;
         memset(out, 0, n * sizeof(float));
@@ -471,7 +488,7 @@ static void fw_moe(struct forward *fw, uint32_t l, uint32_t S)
             for (size_t j = 0; j < n; j++)
                 out[j] += w * ye[j];
         }
-        if (!shared)
+        if (!ly->gate_sh.data)
             continue;
         float gs = 1.0f;
         if (ly->shexp_gate) {
@@ -485,9 +502,44 @@ static void fw_moe(struct forward *fw, uint32_t l, uint32_t S)
         for (size_t j = 0; j < n; j++)
             out[j] += gs * so[j];
     }
+}
+
+static int fw_moe(struct forward *fw, uint32_t l, uint32_t S)
+{
+    const struct arch_layer *ly = &fw->m->layers[l];
+    const size_t n = fw->hp->n_embd, E = fw->hp->n_expert;
+    double t0 = fw_now();
+    const uint32_t local_rows = fw_route(fw, l, S);
+    const uint32_t remote_rows = fw->rows_total - local_rows;
+    double t1 = fw_now();
+    int rc = 0;
+    if (fw->n_remote) {
+        if (!fw->remote.submit) {
+            log_error("layer %u: %u experts are not resident and no remote pool is set", l,
+                      fw->n_remote);
+            return -EINVAL;
+        }
+        rc = fw->remote.submit(fw->remote.ctx, l, fw->grp_expert + E, fw->grp_count + E,
+                               fw->n_remote, fw->xg + (size_t)local_rows * n, remote_rows);
+    }
+    rc = rc ? rc : fw_local_experts(fw, l);
+    double t2 = fw_now();
+    if (!rc && ly->gate_sh.data)
+        fw_shared_expert(fw, ly, S);
+    double t3 = fw_now();
+    if (!rc && fw->n_remote)
+        rc = fw->remote.collect(fw->remote.ctx, l, fw->yg + (size_t)local_rows * n, remote_rows);
+    double t4 = fw_now();
+    if (rc)
+        return rc;
+    fw_moe_combine(fw, ly, S);
     fw->stats.router += t1 - t0;
-    fw->stats.experts += fw_now() - t1;
-    fw->stats.expert_rows += total;
+    fw->stats.experts += t2 - t1;
+    fw->stats.shared_expert += t3 - t2;
+    fw->stats.remote_wait += t4 - t3;
+    fw->stats.expert_rows += local_rows;
+    fw->stats.remote_rows += remote_rows;
+    return 0;
 }
 
 /* ---- public ---- */
@@ -516,7 +568,9 @@ static int fw_layers_pass(struct forward *fw, struct forward_seq *seq, float *h,
         fw_residual(h, fw->mix, (size_t)S * n);
         for (uint32_t s = 0; s < S; s++)
             ops_rmsnorm(fw->xa + s * n, h + s * n, ly->ffn_norm, (uint32_t)n, hp->eps);
-        fw_moe(fw, l, S);
+        int rc = fw_moe(fw, l, S);
+        if (rc)
+            return rc;
         fw_residual(h, fw->mix, (size_t)S * n);
     }
     seq->pos += S;
@@ -608,7 +662,12 @@ static int fw_alloc_scratch(struct forward *fw)
     const size_t vd = (size_t)hp->ssm_nv * hp->ssm_dv, kd = (size_t)hp->ssm_nk * hp->ssm_dk;
     const size_t E = hp->n_expert, k = hp->n_expert_used, F = hp->n_ff_exp;
     const size_t Fs = hp->n_ff_shexp;
-    size_t ts = fw->n_ctx + E + 2 * (size_t)hp->ssm_dk + hp->ssm_dv + 64;
+    size_t ts = fw->n_ctx + E + 64;
+    if (cd) {
+        size_t dn = B * (2 * (size_t)hp->ssm_dk + hp->ssm_dv + 2) +
+                    deltanet_chunk_scratch(hp->ssm_dk, hp->ssm_dv) + 64;
+        ts = ts > dn ? ts : dn;
+    }
     fw->tstride = (ts + 15) / 16 * 16;
     int rc = 0;
     rc |= FW_ALLOC(fw->xa, B * n) | FW_ALLOC(fw->mix, B * n) | FW_ALLOC(fw->q, B * q_out);
@@ -620,13 +679,19 @@ static int fw_alloc_scratch(struct forward *fw)
     rc |= FW_ALLOC(fw->alpha, B * hp->ssm_nv) | FW_ALLOC(fw->y, B * vd);
     rc |= FW_ALLOC(fw->rl, B * E) | FW_ALLOC(fw->ids, B * k) | FW_ALLOC(fw->wts, B * k);
     rc |= FW_ALLOC(fw->slot_of, B * k) | FW_ALLOC(fw->cnt, E) | FW_ALLOC(fw->off, E);
-    rc |= FW_ALLOC(fw->xg, B * k * n) | FW_ALLOC(fw->gu, B * k * 2 * F);
-    rc |= FW_ALLOC(fw->act, B * k * F) | FW_ALLOC(fw->yg, B * k * n);
+    rc |= FW_ALLOC(fw->grp_expert, 2 * E) | FW_ALLOC(fw->grp_count, 2 * E);
+    rc |= FW_ALLOC(fw->grp_ref, E);
+    rc |= FW_ALLOC(fw->xg, B * k * n) | FW_ALLOC(fw->yg, B * k * n);
     rc |= FW_ALLOC(fw->sg, B * 2 * Fs) | FW_ALLOC(fw->sact, B * Fs) | FW_ALLOC(fw->so, B * n);
     rc |= FW_ALLOC(fw->tscratch, (size_t)fw->nt * fw->tstride);
-    fw->job.cap_items = 2 * E + 16;
+    fw->job.cap_items = 16;
     rc |= FW_ALLOC(fw->job.items, fw->job.cap_items);
-    return rc ? -ENOMEM : 0;
+    if (rc)
+        return -ENOMEM;
+    struct expert_exec_config xc = {.pool = fw->pool, .n_embd = (uint32_t)n, .n_ff = (uint32_t)F,
+                                    .max_rows = (uint32_t)(B * k)};
+    fw->xx = expert_exec_create(&xc);
+    return fw->xx ? 0 : -ENOMEM;
 }
 
 struct forward *forward_create(const struct forward_config *cfg)
@@ -644,6 +709,9 @@ struct forward *forward_create(const struct forward_config *cfg)
     fw->kv_f16 = cfg->kv_f16;
     fw->B = cfg->max_batch ? cfg->max_batch : 256;
     fw->n_ctx = cfg->n_ctx;
+    fw->resident = cfg->resident;
+    fw->expert_refs = cfg->expert_refs;
+    fw->remote = cfg->remote;
     if (!fw->n_ctx)
         fw->n_ctx = m->hp.n_ctx_train && m->hp.n_ctx_train < 4096 ? m->hp.n_ctx_train : 4096;
     if (fw->l0 >= fw->l1 || fw->l1 > m->hp.n_layer) {
@@ -665,8 +733,9 @@ void forward_destroy(struct forward *fw)
         return;
     void *bufs[] = {fw->xa, fw->mix, fw->q, fw->kx, fw->vx, fw->att, fw->qkv, fw->u, fw->z,
                     fw->tin, fw->ba, fw->beta, fw->alpha, fw->y, fw->rl, fw->ids, fw->wts,
-                    fw->slot_of, fw->cnt, fw->off, fw->xg, fw->gu, fw->act, fw->yg, fw->sg,
-                    fw->sact, fw->so, fw->tscratch, fw->job.items};
+                    fw->slot_of, fw->cnt, fw->off, fw->grp_expert, fw->grp_count, fw->grp_ref,
+                    fw->xg, fw->yg, fw->sg, fw->sact, fw->so, fw->tscratch, fw->job.items};
+    expert_exec_destroy(fw->xx);
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         free(bufs[i]);
     free(fw);

@@ -19,6 +19,21 @@
 
 #include "kernels/cpu/threadpool.h"
 #include "model/arch.h"
+#include "worker/expert_exec.h"
+
+/* Routed experts this forward does not hold go elsewhere (the coordinator's
+ * CPU pool) through these calls, made from the forward's thread once per
+ * layer and step: submit() hands over the rows of each non-resident expert
+ * group (experts[g] ascending, counts[g] rows each, grouped in X) and must
+ * not block on the reply; collect() waits for the n_rows output rows, in the
+ * same order. Either returns 0 or a negative errno that fails the step. The
+ * forward computes its own experts between the two calls. */
+struct forward_remote {
+    void *ctx;
+    int (*submit)(void *ctx, uint32_t layer, const uint32_t *experts, const uint32_t *counts,
+                  uint32_t n_groups, const float *X, uint32_t n_rows);
+    int (*collect)(void *ctx, uint32_t layer, float *Y, uint32_t n_rows);
+};
 
 struct forward_config {
     const struct arch_model *model; /* borrowed; outlives the forward */
@@ -28,6 +43,13 @@ struct forward_config {
     uint32_t n_ctx;                 /* KV positions per sequence; 0 means min(train ctx, 4096) */
     bool kv_f16;                    /* store K and V as f16 (llama.cpp's default) */
     uint32_t max_batch;             /* tokens per internal pass; 0 means 256 */
+    /* Per model layer (indexed by layer number, n_layer entries, borrowed): a
+     * bitmap of the experts computed here (bit e of byte e/8). NULL: all. */
+    const uint8_t *const *resident;
+    /* Per model layer: n_expert references to where resident experts' weights
+     * live (a copy in device memory). NULL, or a NULL entry: the model's own. */
+    const struct expert_ref *const *expert_refs;
+    struct forward_remote remote;   /* required when some expert is not resident */
 };
 
 /* Wall time spent per stage since the last forward_stats_reset (seconds). */
@@ -35,9 +57,12 @@ struct forward_stats {
     double attn;          /* attention layers: projections, rope, attention, output */
     double deltanet;      /* DeltaNet layers: projections, conv, recurrence, output */
     double router;        /* router logits and top-k */
-    double experts;       /* routed and shared expert products (one job) */
+    double experts;       /* routed expert products computed here */
+    double shared_expert; /* shared expert products */
+    double remote_wait;   /* waiting for experts computed elsewhere */
     uint64_t tokens;      /* tokens run through the layers */
-    uint64_t expert_rows; /* (token, expert) pairs computed */
+    uint64_t expert_rows; /* (token, expert) pairs computed here */
+    uint64_t remote_rows; /* (token, expert) pairs sent elsewhere */
 };
 
 struct forward;

@@ -1,0 +1,106 @@
+/*
+ * backend: kind lookup, failure injection and dispatch (see backend.h).
+ */
+#include "worker/backend.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/check.h"
+#include "common/log.h"
+
+extern const struct backend_ops backend_cpu_ops;
+
+struct backend_fail {
+    char kind[8];   /* "step", "hang", "crash" or "" */
+    uint64_t at;    /* 1-based layers() call */
+};
+
+static struct backend_fail backend_parse_fail(const char *spec)
+{
+    struct backend_fail f = {0};
+    if (!spec || !*spec)
+        return f;
+    unsigned long long at;
+    char kind[8];
+    if (sscanf(spec, "%7[a-z]:%llu", kind, &at) == 2 &&
+        (!strcmp(kind, "step") || !strcmp(kind, "hang") || !strcmp(kind, "crash"))) {
+        snprintf(f.kind, sizeof(f.kind), "%s", kind);
+        f.at = at;
+    } else {
+        log_warn("ignoring failure injection spec '%s' (expected step:N, hang:N or crash:N)", spec);
+    }
+    return f;
+}
+
+struct backend_holder {
+    struct backend b;
+    struct backend_fail fail;
+};
+
+struct backend *backend_create(const char *kind, const struct backend_config *cfg)
+{
+    const struct backend_ops *ops = NULL;
+    if (!strcmp(kind, "cpu"))
+        ops = &backend_cpu_ops;
+    if (!ops) {
+        log_error("backend '%s' is not available in this build (available: cpu)", kind);
+        return NULL;
+    }
+    struct backend_holder *h = calloc(1, sizeof(*h));
+    if (!h)
+        return NULL;
+    h->b.ops = ops;
+    h->fail = backend_parse_fail(cfg->fail);
+    if (ops->init(&h->b, cfg)) {
+        free(h);
+        return NULL;
+    }
+    return &h->b;
+}
+
+void backend_destroy(struct backend *b)
+{
+    if (!b)
+        return;
+    b->ops->fini(b);
+    free(b);
+}
+
+void backend_reset(struct backend *b)
+{
+    b->ops->reset(b);
+}
+
+int backend_layers(struct backend *b, float *h, uint32_t n)
+{
+    const struct backend_fail *f = &((struct backend_holder *)b)->fail;
+    b->calls++;
+    if (f->at && b->calls == f->at) {
+        if (!strcmp(f->kind, "step")) {
+            log_error("injected failure at step %llu", (unsigned long long)b->calls);
+            return -EIO;
+        }
+        if (!strcmp(f->kind, "hang")) {
+            log_warn("injected hang at step %llu", (unsigned long long)b->calls);
+            for (;;)
+                pause();
+        }
+        log_error("injected crash at step %llu", (unsigned long long)b->calls);
+        abort();
+    }
+    return b->ops->layers(b, h, n);
+}
+
+int backend_logits(struct backend *b, const float *h, uint32_t n, float *out)
+{
+    return b->ops->logits(b, h, n, out);
+}
+
+const struct forward_stats *backend_stats(const struct backend *b)
+{
+    return b->ops->stats(b);
+}

@@ -1,0 +1,79 @@
+/*
+ * backend: the device a worker runs its layer range on, behind one ops
+ * table. `cpu` runs on the host with a settable amount of "device memory"
+ * that it enforces and with injectable failures, so the whole multi-process
+ * system runs and is tested without a GPU; `cuda` (issue 4) is the real one.
+ *
+ * A backend holds the trunk of its layers, the routed experts its plan made
+ * resident (copied from the shared-memory expert stacks into its memory),
+ * one sequence's KV cache and DeltaNet state, and its scratch. Experts it
+ * does not hold go to the coordinator through cfg->remote. Calls come from
+ * the worker's main thread.
+ */
+#ifndef WORKER_BACKEND_H
+#define WORKER_BACKEND_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "model/arch.h"
+#include "worker/forward.h"
+
+struct backend_config {
+    const struct arch_model *model;   /* borrowed; outlives the backend */
+    uint32_t layer_begin, layer_end;  /* layer range [begin, end) */
+    uint64_t device_mem;              /* bytes the backend may use; 0 = unlimited */
+    int n_threads;                    /* compute threads (cpu); <= 0: physical cores */
+    uint32_t n_ctx;                   /* KV positions */
+    bool kv_f16;                      /* f16 KV cache */
+    uint32_t max_batch;               /* tokens per pass */
+    /* Per model layer: bitmap of experts to hold (NULL entry: none; NULL: all). */
+    const uint8_t *const *resident;
+    /* Per model layer: n_expert references to the source of each expert's
+     * weights (the shm segment); NULL: the model file. Resident experts are
+     * copied from here. */
+    const struct expert_ref *const *expert_src;
+    struct forward_remote remote;     /* for the experts not held */
+    const char *fail;                 /* failure injection spec (tests), or NULL:
+                                         "step:N" fail the N-th layers call with -EIO,
+                                         "hang:N" never return from it,
+                                         "crash:N" abort() in it */
+};
+
+struct backend;
+
+struct backend_ops {
+    const char *name;
+    int (*init)(struct backend *b, const struct backend_config *cfg);
+    void (*fini)(struct backend *b);
+    /* Starts the sequence over (position 0, zero state). */
+    void (*reset)(struct backend *b);
+    /* Runs the layer range over n hidden rows in place; see forward_layers. */
+    int (*layers)(struct backend *b, float *h, uint32_t n);
+    /* Final norm and lm head of n rows (last worker only). */
+    int (*logits)(struct backend *b, const float *h, uint32_t n, float *out);
+    /* Stage timings since creation. */
+    const struct forward_stats *(*stats)(const struct backend *b);
+};
+
+struct backend {
+    const struct backend_ops *ops;
+    void *impl;                       /* the backend's own state */
+    uint64_t mem_used;                /* device bytes held */
+    uint32_t resident_experts;        /* (layer, expert) pairs held */
+    uint64_t calls;                   /* layers() calls so far */
+};
+
+/* Makes a backend of kind "cpu" (or "cuda" when built). Returns an owned
+ * backend or NULL after logging why (unknown kind, memory budget too small:
+ * the message lists what each part needs). */
+struct backend *backend_create(const char *kind, const struct backend_config *cfg);
+void backend_destroy(struct backend *b);
+
+/* Dispatch helpers; layers() applies failure injection first. */
+void backend_reset(struct backend *b);
+int backend_layers(struct backend *b, float *h, uint32_t n);
+int backend_logits(struct backend *b, const float *h, uint32_t n, float *out);
+const struct forward_stats *backend_stats(const struct backend *b);
+
+#endif

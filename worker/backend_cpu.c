@@ -1,0 +1,211 @@
+/*
+ * backend_cpu: the worker backend that runs on the host (see backend.h).
+ *
+ * "Device memory" is a budget this backend enforces: the trunk tensors of its
+ * layers, the copies of its resident experts, the KV cache and DeltaNet state
+ * and the scratch are charged to it at init, and a plan that does not fit is
+ * refused with each part's size. Resident experts are copied out of the
+ * shared-memory stacks into one buffer, as a GPU backend would upload them.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "kernels/cpu/threadpool.h"
+#include "worker/backend.h"
+
+struct backend_cpu {
+    struct threadpool *pool;
+    struct forward *fw;
+    struct forward_seq *seq;
+    uint8_t *expert_mem;             /* copies of the resident experts */
+    struct expert_ref **refs;        /* per model layer: n_expert refs (NULL outside range) */
+    uint32_t n_layer;                /* entries of refs */
+};
+
+static bool cpu_is_resident(const struct backend_config *cfg, uint32_t l, uint32_t e)
+{
+    return !cfg->resident || (cfg->resident[l] && (cfg->resident[l][e / 8] >> (e % 8)) & 1);
+}
+
+static uint64_t cpu_expert_bytes(const struct arch_layer *ly)
+{
+    if (ly->gate_exps.data)
+        return ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes + ly->down_exps.mat_bytes;
+    return ly->gate_up_exps.mat_bytes + ly->down_exps.mat_bytes;
+}
+
+static uint64_t cpu_trunk_bytes(const struct arch_layer *ly)
+{
+    const struct arch_matrix *ms[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz,
+                                      &ly->win, &ly->wba, &ly->wbeta, &ly->walpha, &ly->wout,
+                                      &ly->router, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
+    uint64_t b = 0;
+    for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
+        b += ms[i]->data ? ms[i]->mat_bytes : 0;
+    return b;
+}
+
+/* Bytes of one sequence's KV cache and DeltaNet state over the range. */
+static uint64_t cpu_state_bytes(const struct backend_config *cfg, uint32_t n_ctx)
+{
+    const struct arch_hparams *hp = &cfg->model->hp;
+    uint64_t b = 0;
+    for (uint32_t l = cfg->layer_begin; l < cfg->layer_end; l++) {
+        if (cfg->model->layers[l].recurrent)
+            b += ((uint64_t)arch_conv_dim(hp) * (hp->ssm_conv - 1) +
+                  (uint64_t)hp->ssm_nv * hp->ssm_dv * hp->ssm_dk) * 4;
+        else
+            b += 2ull * n_ctx * hp->n_head_kv * hp->head_dim * (cfg->kv_f16 ? 2 : 4);
+    }
+    return b;
+}
+
+static int cpu_copy_experts(struct backend *b, struct backend_cpu *c,
+                            const struct backend_config *cfg, uint64_t bytes)
+{
+    const struct arch_model *m = cfg->model;
+    const uint32_t E = m->hp.n_expert;
+    c->expert_mem = bytes ? malloc(bytes) : NULL;
+    if (bytes && !c->expert_mem) {
+        log_error("cannot allocate %llu bytes for resident experts", (unsigned long long)bytes);
+        return -ENOMEM;
+    }
+    uint8_t *p = c->expert_mem;
+    for (uint32_t l = cfg->layer_begin; l < cfg->layer_end; l++) {
+        const struct arch_layer *ly = &m->layers[l];
+        const bool fused = !ly->gate_exps.data;
+        const size_t gb = fused ? ly->gate_up_exps.mat_bytes : ly->gate_exps.mat_bytes;
+        const size_t ub = fused ? 0 : ly->up_exps.mat_bytes, db = ly->down_exps.mat_bytes;
+        c->refs[l] = calloc(E, sizeof(struct expert_ref));
+        if (!c->refs[l])
+            return -ENOMEM;
+        for (uint32_t e = 0; e < E; e++) {
+            if (!cpu_is_resident(cfg, l, e))
+                continue;
+            struct expert_ref src = cfg->expert_src && cfg->expert_src[l]
+                                        ? cfg->expert_src[l][e]
+                                        : expert_exec_model_ref(ly, e);
+            struct expert_ref *dst = &c->refs[l][e];
+            dst->gate = memcpy(p, src.gate, gb), p += gb;
+            dst->up = ub ? memcpy(p, src.up, ub) : NULL, p += ub;
+            dst->down = memcpy(p, src.down, db), p += db;
+            b->resident_experts++;
+        }
+    }
+    return 0;
+}
+
+static int cpu_check_budget(const struct backend_config *cfg, uint64_t experts, uint64_t trunk,
+                            uint64_t state, uint64_t scratch)
+{
+    uint64_t total = experts + trunk + state + scratch;
+    if (!cfg->device_mem || total <= cfg->device_mem)
+        return 0;
+    log_error("device memory budget of %.1f MiB is too small for layers %u-%u: resident experts "
+              "%.1f MiB + trunk %.1f MiB + KV and state %.1f MiB + scratch %.1f MiB = %.1f MiB",
+              cfg->device_mem / 1048576.0, cfg->layer_begin, cfg->layer_end - 1,
+              experts / 1048576.0, trunk / 1048576.0, state / 1048576.0, scratch / 1048576.0,
+              total / 1048576.0);
+    return -ENOMEM;
+}
+
+static void cpu_fini(struct backend *b)
+{
+    struct backend_cpu *c = b->impl;
+    if (!c)
+        return;
+    forward_seq_destroy(c->seq);
+    forward_destroy(c->fw);
+    threadpool_destroy(c->pool);
+    for (uint32_t l = 0; c->refs && l < c->n_layer; l++)
+        free(c->refs[l]);
+    free(c->refs);
+    free(c->expert_mem);
+    free(c);
+    b->impl = NULL;
+}
+
+static int cpu_init(struct backend *b, const struct backend_config *cfg)
+{
+    const struct arch_model *m = cfg->model;
+    struct backend_cpu *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    b->impl = c;
+    c->n_layer = m->hp.n_layer;
+    c->refs = calloc(c->n_layer, sizeof(*c->refs));
+    if (!c->refs)
+        goto out_fail;
+    uint64_t experts = 0, trunk = 0;
+    for (uint32_t l = cfg->layer_begin; l < cfg->layer_end; l++) {
+        uint32_t held = 0;
+        for (uint32_t e = 0; e < m->hp.n_expert; e++)
+            held += cpu_is_resident(cfg, l, e);
+        experts += held * cpu_expert_bytes(&m->layers[l]) / m->hp.n_expert;
+        trunk += cpu_trunk_bytes(&m->layers[l]);
+    }
+    const uint32_t n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096;
+    const uint64_t scratch = (uint64_t)(cfg->max_batch ? cfg->max_batch : 256) * m->hp.n_embd *
+                             (m->hp.n_expert_used * 2 + 16) * 4;
+    if (cpu_check_budget(cfg, experts, trunk, cpu_state_bytes(cfg, n_ctx), scratch))
+        goto out_fail;
+    if (cpu_copy_experts(b, c, cfg, experts))
+        goto out_fail;
+    struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
+    c->pool = threadpool_create(&pc);
+    if (!c->pool)
+        goto out_fail;
+    struct forward_config fc = {.model = m, .pool = c->pool, .layer_begin = cfg->layer_begin,
+                                .layer_end = cfg->layer_end, .n_ctx = n_ctx,
+                                .kv_f16 = cfg->kv_f16, .max_batch = cfg->max_batch,
+                                .expert_refs = (const struct expert_ref *const *)c->refs,
+                                .remote = cfg->remote};
+    /* every expert not copied in goes to the remote pool */
+    fc.resident = cfg->resident;
+    c->fw = forward_create(&fc);
+    c->seq = c->fw ? forward_seq_create(c->fw) : NULL;
+    if (!c->seq)
+        goto out_fail;
+    b->mem_used = experts + trunk + cpu_state_bytes(cfg, n_ctx) + scratch;
+    return 0;
+out_fail:
+    cpu_fini(b);
+    return -ENOMEM;
+}
+
+static void cpu_reset(struct backend *b)
+{
+    struct backend_cpu *c = b->impl;
+    forward_seq_reset(c->seq);
+}
+
+static int cpu_layers(struct backend *b, float *h, uint32_t n)
+{
+    struct backend_cpu *c = b->impl;
+    return forward_layers(c->fw, c->seq, h, n);
+}
+
+static int cpu_logits(struct backend *b, const float *h, uint32_t n, float *out)
+{
+    struct backend_cpu *c = b->impl;
+    return forward_logits(c->fw, h, n, out);
+}
+
+static const struct forward_stats *cpu_stats(const struct backend *b)
+{
+    const struct backend_cpu *c = b->impl;
+    return forward_get_stats(c->fw);
+}
+
+const struct backend_ops backend_cpu_ops = {
+    .name = "cpu",
+    .init = cpu_init,
+    .fini = cpu_fini,
+    .reset = cpu_reset,
+    .layers = cpu_layers,
+    .logits = cpu_logits,
+    .stats = cpu_stats,
+};
