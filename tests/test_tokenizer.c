@@ -350,6 +350,63 @@ static void test_special(const struct tokenizer *t)
     free(ids);
 }
 
+/* Encoding then decoding gives back any byte string, valid UTF-8 or not, special markers or
+ * not; long runs of one class stay fast (no quadratic regex or merge behaviour). */
+static void test_robust(const struct tokenizer *t)
+{
+    static const char *const parts[] = {
+        " ", "  ", "\n", "\r\n", "\t", "a", "Hello", " world", "'s", "'LL", "123", "\xE4\xBD\xA0",
+        "\xF0\x9F\x98\x81", "\xCC\x81", "<|im_start|>", "<|im_end", "|>", "<tool_call>", "\x80",
+        "\xFF", "\xE4\xBD", "\xC0\xAF", "\x00", "!!", "\xC2\xA0", "\xE3\x80\x80",
+    };
+    const size_t n_parts = sizeof(parts) / sizeof(parts[0]);
+    uint32_t x = 12345;
+    char buf[2048];
+    int bad = 0;
+    for (int r = 0; r < 2000; r++) {
+        size_t len = 0;
+        int k = (int)((x = x * 1664525u + 1013904223u) >> 27);
+        for (int j = 0; j < k; j++) {
+            x = x * 1664525u + 1013904223u;
+            const char *p = parts[(x >> 8) % n_parts];
+            size_t m = p[0] ? strlen(p) : 1;
+            if ((x >> 4) % 7 == 0) { /* a random byte */
+                buf[len++] = (char)(x >> 20);
+                continue;
+            }
+            memcpy(buf + len, p, m);
+            len += m;
+        }
+        int32_t *ids;
+        size_t n, back;
+        bool special = r & 1;
+        int rc = tokenizer_encode(t, buf, len, special, &ids, &n);
+        char *round = rc ? NULL : decode_all(t, ids, n, &back);
+        bad += !round || back != len || memcmp(round, buf, len) != 0;
+        free(round);
+        free(ids);
+    }
+    CHECK(bad == 0, "%d of 2000 random byte strings did not round-trip", bad);
+
+    static const char fill[] = {' ', '\n', 'a', '!', '7'};
+    const size_t big = 200000;
+    char *s = malloc(big);
+    for (int f = 0; f < 5; f++) {
+        memset(s, fill[f], big);
+        int32_t *ids;
+        size_t n, back;
+        double t0 = now_s();
+        int rc = tokenizer_encode(t, s, big, false, &ids, &n);
+        double dt = now_s() - t0;
+        char *round = rc ? NULL : decode_all(t, ids, n, &back);
+        CHECK(round && back == big && !memcmp(round, s, big) && dt < 1.0,
+              "a run of %zu x 0x%02x: rc %d, %.2f s", big, fill[f], rc, dt);
+        free(round);
+        free(ids);
+    }
+    free(s);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* (e) bad metadata: tiny vocabularies written with gguf_writer                              */
 
@@ -392,27 +449,36 @@ static void byte_level(int b, char *s)
     }
 }
 
-/* Writes a 260-token vocabulary: 256 bytes, "ab", "Ġab", "abc" (not merged), "<|x|>" (control);
- * merges "a b", "Ġ ab". */
-static int write_vocab(const char *path, enum bad_case bc)
+#define TINY_N 262 /* tokens of the tiny vocabulary */
+
+/* Writes the tiny vocabulary: 256 byte tokens (id = byte), 256 "ab", 257 "Ġab", 258 "abc" (no
+ * merge builds it), 259 "<|x|>" (control, eos), 260 "e\xCC" and 261 "e\xCC\x81" (e + U+0301
+ * COMBINING ACUTE); merges "a b", "Ġ ab", "e \xCC", "e\xCC \x81" (all in byte-level form). */
+static int write_vocab(const char *path, enum bad_case bc, const char *pre)
 {
-    char bytes[256][3];
-    const char *toks[260];
-    int32_t types[260];
-    float ftypes[260];
+    char bytes[256][3], e_cc[8], e_cc_81[16], m_e_cc[8], m_e_cc_81[16];
+    const char *toks[TINY_N];
+    int32_t types[TINY_N];
+    float ftypes[TINY_N];
     for (int b = 0; b < 256; b++) {
         byte_level(b, bytes[b]);
         toks[b] = bytes[b];
         types[b] = TOKENIZER_TOKEN_TYPE_NORMAL;
     }
+    snprintf(e_cc, sizeof(e_cc), "e%s", bytes[0xCC]);
+    snprintf(e_cc_81, sizeof(e_cc_81), "e%s%s", bytes[0xCC], bytes[0x81]);
+    snprintf(m_e_cc, sizeof(m_e_cc), "e %s", bytes[0xCC]);
+    snprintf(m_e_cc_81, sizeof(m_e_cc_81), "e%s %s", bytes[0xCC], bytes[0x81]);
     if (bc == BAD_MISSING_BYTE)
         toks['A'] = "AA";
     toks[256] = "ab", toks[257] = "\xC4\xA0" "ab", toks[258] = "abc", toks[259] = "<|x|>";
-    types[256] = types[257] = types[258] = TOKENIZER_TOKEN_TYPE_NORMAL;
+    toks[260] = e_cc, toks[261] = e_cc_81;
+    for (int i = 256; i < TINY_N; i++)
+        types[i] = TOKENIZER_TOKEN_TYPE_NORMAL;
     types[259] = bc == BAD_TYPE_VALUE ? 9 : TOKENIZER_TOKEN_TYPE_CONTROL;
-    for (int i = 0; i < 260; i++)
+    for (int i = 0; i < TINY_N; i++)
         ftypes[i] = (float)types[i];
-    const char *merges[] = {bc == BAD_MERGE_SEP ? "ab" : "a b", "\xC4\xA0 ab"};
+    const char *merges[] = {bc == BAD_MERGE_SEP ? "ab" : "a b", "\xC4\xA0 ab", m_e_cc, m_e_cc_81};
     struct gguf_writer_config wc = {.path = path};
     struct gguf_writer *w = gguf_writer_create(&wc);
     if (!w)
@@ -420,24 +486,67 @@ static int write_vocab(const char *path, enum bad_case bc)
     int rc = gguf_writer_add_str(w, "general.architecture", "llama");
     rc |= gguf_writer_add_str(w, "tokenizer.ggml.model", bc == BAD_MODEL ? "llama" : "gpt2");
     if (bc != BAD_NO_PRE)
-        rc |= gguf_writer_add_str(w, "tokenizer.ggml.pre", bc == BAD_PRE ? "gpt-4o" : "qwen2");
+        rc |= gguf_writer_add_str(w, "tokenizer.ggml.pre", bc == BAD_PRE ? "gpt-4o" : pre);
     if (bc == BAD_TOKENS_KIND)
-        rc |= gguf_writer_add_array(w, "tokenizer.ggml.tokens", GGUF_TYPE_INT32, types, 260);
+        rc |= gguf_writer_add_array(w, "tokenizer.ggml.tokens", GGUF_TYPE_INT32, types, TINY_N);
     else
-        rc |= gguf_writer_add_array_str(w, "tokenizer.ggml.tokens", toks, 260);
+        rc |= gguf_writer_add_array_str(w, "tokenizer.ggml.tokens", toks, TINY_N);
     if (bc == BAD_TYPE_KIND)
         rc |= gguf_writer_add_array(w, "tokenizer.ggml.token_type", GGUF_TYPE_FLOAT32, ftypes,
-                                    260);
+                                    TINY_N);
     else
         rc |= gguf_writer_add_array(w, "tokenizer.ggml.token_type", GGUF_TYPE_INT32, types,
-                                    bc == BAD_TYPE_LEN ? 259 : 260);
+                                    bc == BAD_TYPE_LEN ? TINY_N - 1 : TINY_N);
     if (bc != BAD_NO_MERGES)
-        rc |= gguf_writer_add_array_str(w, "tokenizer.ggml.merges", merges, 2);
-    rc |= gguf_writer_add_u32(w, "tokenizer.ggml.eos_token_id", bc == BAD_EOS ? 260 : 259);
+        rc |= gguf_writer_add_array_str(w, "tokenizer.ggml.merges", merges, 4);
+    rc |= gguf_writer_add_u32(w, "tokenizer.ggml.eos_token_id", bc == BAD_EOS ? TINY_N : 259);
     rc |= gguf_writer_write_header(w);
     rc |= gguf_writer_finish(w);
     gguf_writer_destroy(w);
     return rc ? -EIO : 0;
+}
+
+/* The valid tiny vocabulary under each pre-tokenizer name. */
+static void test_tiny(const char *path)
+{
+    static const struct {
+        const char *pre;
+        enum tokenizer_pre want;
+    } pres[] = {
+        {"qwen2", TOKENIZER_PRE_QWEN2}, {"deepseek-r1-qwen", TOKENIZER_PRE_QWEN2},
+        {"kormo", TOKENIZER_PRE_QWEN2}, {"f2llmv2", TOKENIZER_PRE_QWEN2},
+        {"qwen35", TOKENIZER_PRE_QWEN35},
+    };
+    for (size_t i = 0; i < sizeof(pres) / sizeof(pres[0]); i++) {
+        CHECK(write_vocab(path, BAD_NONE, pres[i].pre) == 0, "write %s", pres[i].pre);
+        struct gguf *g;
+        struct tokenizer *t = open_tokenizer(path, &g);
+        CHECK(t && tokenizer_n_vocab(t) == TINY_N && tokenizer_eos(t) == 259 &&
+              tokenizer_pre(t) == pres[i].want, "pre %s: the tiny vocabulary is accepted",
+              pres[i].pre);
+        if (!t) {
+            gguf_close(g);
+            continue;
+        }
+        int32_t *ids = NULL;
+        size_t n = 0;
+        /* "ab" merges; " abc" becomes "Ġab" + "c" ("abc" is a token, but no merge builds it) */
+        int rc = tokenizer_encode(t, "ab abc<|x|>", 11, true, &ids, &n);
+        CHECK(rc == 0 && n == 4 && ids[0] == 256 && ids[1] == 257 && ids[2] == 'c' &&
+              ids[3] == 259, "pre %s: tiny encode: rc %d n %zu", pres[i].pre, rc, n);
+        free(ids);
+        /* a combining mark joins the letter's piece only under qwen35 (\p{M} in the class) */
+        rc = tokenizer_encode(t, "e\xCC\x81", 3, false, &ids, &n);
+        if (pres[i].want == TOKENIZER_PRE_QWEN35)
+            CHECK(rc == 0 && n == 1 && ids[0] == 261, "qwen35: e + U+0301 is one piece (%zu)",
+                  n);
+        else
+            CHECK(rc == 0 && n == 3 && ids[0] == 'e' && ids[1] == 0xCC && ids[2] == 0x81,
+                  "pre %s: the mark is its own piece (%zu ids)", pres[i].pre, n);
+        free(ids);
+        tokenizer_destroy(t);
+        gguf_close(g);
+    }
 }
 
 static void test_bad_metadata(void)
@@ -446,26 +555,15 @@ static void test_bad_metadata(void)
     CHECK(mkdtemp(dir), "mkdtemp");
     char path[64];
     snprintf(path, sizeof(path), "%s/v.gguf", dir);
-    for (int bc = 0; bc < BAD_COUNT; bc++) {
-        CHECK(write_vocab(path, (enum bad_case)bc) == 0, "case %d: write failed", bc);
+    test_tiny(path);
+    for (int bc = BAD_NONE + 1; bc < BAD_COUNT; bc++) {
+        CHECK(write_vocab(path, (enum bad_case)bc, "qwen2") == 0, "case %d: write failed", bc);
         struct gguf *g;
         struct tokenizer *t = open_tokenizer(path, &g);
         CHECK(g, "case %d: gguf_open failed", bc);
-        if (bc == BAD_NONE) {
-            CHECK(t && tokenizer_n_vocab(t) == 260 && tokenizer_eos(t) == 259,
-                  "the valid tiny vocabulary is accepted");
-            int32_t *ids = NULL;
-            size_t n = 0;
-            int rc = t ? tokenizer_encode(t, "ab abc<|x|>", 11, true, &ids, &n) : -1;
-            /* "ab" merges; " ab" merges twice; "c" stays; "abc" is a token no merge builds */
-            CHECK(rc == 0 && n == 4 && ids[0] == 256 && ids[1] == 257 && ids[2] == 'c' &&
-                  ids[3] == 259, "tiny encode: rc %d n %zu", rc, n);
-            free(ids);
-        } else {
-            CHECK(!t && strstr(log_last_error(), bad_expect[bc]),
-                  "case %d: want rejection naming '%s', got '%s'", bc, bad_expect[bc],
-                  t ? "(accepted)" : log_last_error());
-        }
+        CHECK(!t && strstr(log_last_error(), bad_expect[bc]),
+              "case %d: want rejection naming '%s', got '%s'", bc, bad_expect[bc],
+              t ? "(accepted)" : log_last_error());
         tokenizer_destroy(t);
         gguf_close(g);
     }
@@ -555,6 +653,7 @@ int main(void)
         test_vectors(t);
         test_detok(t);
         test_special(t);
+        test_robust(t);
         test_throughput(t);
     }
     tokenizer_destroy(t);
