@@ -17,6 +17,7 @@
 
 #include "common/log.h"
 #include "coordinator/generate.h"
+#include "coordinator/perplexity.h"
 #include "model/gguf.h"
 #include "model/inspect.h"
 #include "model/synth.h"
@@ -32,6 +33,7 @@ static const char usage[] =
     "  tokenize   print the tokens of a text\n"
     "  inspect    print a GGUF file's architecture, hyper-parameters and tensors\n"
     "  gen-model  write a synthetic model of a real architecture and shape\n"
+    "  perplexity measure perplexity on a text file (llama-perplexity's method)\n"
     "\n"
     "lamina run -m FILE (-p TEXT | -f FILE | --prompt-ids 1,2,3) [options]\n"
     "  -n, --n-predict N       tokens to generate (default 128)\n"
@@ -55,6 +57,7 @@ static const char usage[] =
     "\n"
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
+    "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N]\n"
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
     "                 [--threads N] -o FILE\n"
@@ -404,6 +407,35 @@ static int cmd_gen_model(struct cli *c)
     return 0;
 }
 
+static int cmd_perplexity(struct cli *c)
+{
+    struct perplexity_config pc = {.n_ctx = 512, .print_chunks = true};
+    int rc = 0, x;
+    while (c->i < c->argc && !rc) {
+        const char *a = c->argv[c->i++];
+        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+            rc = cli_value(c, &pc.model_path);
+        else if (!strcmp(a, "-f") || !strcmp(a, "--file"))
+            rc = cli_value(c, &pc.text_path);
+        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx"))
+            rc = cli_int(c, 4, 1 << 20, &x) ? -EINVAL : (pc.n_ctx = (uint32_t)x, 0);
+        else if (!strcmp(a, "--chunks"))
+            rc = cli_int(c, 1, 1 << 30, &x) ? -EINVAL : (pc.max_chunks = (uint32_t)x, 0);
+        else if (!strcmp(a, "-t") || !strcmp(a, "--threads"))
+            rc = cli_int(c, 1, 1024, &pc.n_threads);
+        else
+            rc = cli_fail(c, "unknown option %s", a);
+    }
+    if (!rc && (!pc.model_path || !pc.text_path))
+        rc = cli_fail(c, "%s", "give -m FILE and -f TEXT");
+    struct perplexity_result r;
+    rc = rc ? rc : perplexity_run(&pc, &r);
+    if (!rc)
+        printf("Final estimate: PPL = %.4f +/- %.4f (%u chunks of %u, %llu tokens scored, %.1f s)\n",
+               r.ppl, r.ppl_err, r.n_chunks, pc.n_ctx, (unsigned long long)r.n_scored, r.seconds);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     log_init("coord", -1);
@@ -424,6 +456,8 @@ int main(int argc, char **argv)
         rc = cmd_tokenize(&c);
     else if (!strcmp(argv[1], "inspect"))
         rc = cmd_inspect(&c);
+    else if (!strcmp(argv[1], "perplexity"))
+        rc = cmd_perplexity(&c);
     else if (!strcmp(argv[1], "gen-model"))
         rc = cmd_gen_model(&c);
     else {

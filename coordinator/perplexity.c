@@ -1,0 +1,157 @@
+/*
+ * perplexity: chunked negative log-likelihood of a text (see perplexity.h).
+ */
+#include "coordinator/perplexity.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "kernels/cpu/threadpool.h"
+#include "model/arch.h"
+#include "model/gguf.h"
+#include "model/tokenizer.h"
+#include "worker/forward.h"
+
+static char *ppl_read(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        log_error("cannot read %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    if (!buf)
+        log_error("cannot read %s", path);
+    else
+        buf[n] = 0, *len = (size_t)n;
+    return buf;
+}
+
+/* -log softmax(logits)[target], in double. */
+static double ppl_nll(const float *logits, uint32_t n, int32_t target)
+{
+    float mx = logits[0];
+    for (uint32_t i = 1; i < n; i++)
+        mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    for (uint32_t i = 0; i < n; i++)
+        sum += exp((double)logits[i] - mx);
+    return log(sum) - ((double)logits[target] - mx);
+}
+
+struct ppl_job {
+    struct gguf *g;
+    struct arch_model *m;
+    struct tokenizer *tok;
+    struct threadpool *pool;
+    struct forward *fw;
+    struct forward_seq *seq;
+    int32_t *ids;
+    size_t n_ids;
+    float *h, *logits;
+};
+
+static int ppl_chunk(struct ppl_job *j, const int32_t *ids, uint32_t n_ctx, double *nll,
+                     double *nll2, uint64_t *count)
+{
+    const uint32_t nv = j->m->hp.n_vocab;
+    forward_seq_reset(j->seq);
+    int rc = forward_embed(j->fw, ids, n_ctx, j->h);
+    rc = rc ? rc : forward_layers(j->fw, j->seq, j->h, n_ctx);
+    const uint32_t first = n_ctx / 2;
+    const size_t w = j->m->hp.n_embd;
+    rc = rc ? rc : forward_logits(j->fw, j->h + first * w, n_ctx - 1 - first, j->logits);
+    for (uint32_t p = first; !rc && p + 1 < n_ctx; p++) {
+        double v = ppl_nll(j->logits + (size_t)(p - first) * nv, nv, ids[p + 1]);
+        *nll += v;
+        *nll2 += v * v;
+        (*count)++;
+    }
+    return rc;
+}
+
+static int ppl_setup(struct ppl_job *j, const struct perplexity_config *cfg)
+{
+    struct gguf_config gc = {.path = cfg->model_path};
+    j->g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = j->g};
+    j->m = j->g ? arch_load(&ac) : NULL;
+    struct tokenizer_config tc = {.gguf = j->g};
+    j->tok = j->m ? tokenizer_create(&tc) : NULL;
+    if (!j->tok)
+        return -EINVAL;
+    size_t len;
+    char *text = ppl_read(cfg->text_path, &len);
+    if (!text)
+        return -EIO;
+    int rc = tokenizer_encode(j->tok, text, len, false, &j->ids, &j->n_ids);
+    free(text);
+    if (rc)
+        return rc;
+    struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
+    j->pool = threadpool_create(&pc);
+    struct forward_config fc = {.model = j->m, .pool = j->pool, .n_ctx = cfg->n_ctx,
+                                .max_batch = cfg->n_ctx};
+    j->fw = j->pool ? forward_create(&fc) : NULL;
+    j->seq = j->fw ? forward_seq_create(j->fw) : NULL;
+    j->h = malloc((size_t)cfg->n_ctx * j->m->hp.n_embd * sizeof(float));
+    j->logits = malloc((size_t)cfg->n_ctx * j->m->hp.n_vocab * sizeof(float));
+    return j->seq && j->h && j->logits ? 0 : -ENOMEM;
+}
+
+int perplexity_run(const struct perplexity_config *cfg, struct perplexity_result *out)
+{
+    struct ppl_job j = {0};
+    memset(out, 0, sizeof(*out));
+    int rc = cfg->n_ctx >= 4 ? ppl_setup(&j, cfg) : -EINVAL;
+    if (!rc && j.n_ids < 2 * (size_t)cfg->n_ctx) {
+        log_error("%s has %zu tokens: need at least %u for two chunks of %u", cfg->text_path,
+                  j.n_ids, 2 * cfg->n_ctx, cfg->n_ctx);
+        rc = -EINVAL;
+    }
+    double nll = 0, nll2 = 0;
+    uint64_t count = 0;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    uint32_t n_chunks = rc ? 0 : (uint32_t)(j.n_ids / cfg->n_ctx);
+    if (cfg->max_chunks && n_chunks > cfg->max_chunks)
+        n_chunks = cfg->max_chunks;
+    for (uint32_t c = 0; c < n_chunks && !rc; c++) {
+        rc = ppl_chunk(&j, j.ids + (size_t)c * cfg->n_ctx, cfg->n_ctx, &nll, &nll2, &count);
+        if (!rc && cfg->print_chunks)
+            printf("[%u]%.4f%s", c + 1, exp(nll / count), c + 1 == n_chunks ? "\n" : ",");
+        fflush(stdout);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (!rc) {
+        double mean = nll / count, var = nll2 / count - mean * mean;
+        out->ppl = exp(mean);
+        out->ppl_err = out->ppl * sqrt(var > 0 ? var / (count - 1) : 0);
+        out->n_chunks = n_chunks;
+        out->n_scored = count;
+        out->seconds = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    }
+    free(j.h);
+    free(j.logits);
+    free(j.ids);
+    forward_seq_destroy(j.seq);
+    forward_destroy(j.fw);
+    threadpool_destroy(j.pool);
+    tokenizer_destroy(j.tok);
+    arch_free(j.m);
+    gguf_close(j.g);
+    return rc;
+}
