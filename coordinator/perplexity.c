@@ -101,6 +101,11 @@ static int ppl_setup(struct ppl_job *j, const struct perplexity_config *cfg)
     free(text);
     if (rc)
         return rc;
+    if (j->n_ids < 2 * (size_t)cfg->n_ctx) {
+        log_error("%s has %zu tokens: need at least %u for two chunks of %u", cfg->text_path,
+                  j->n_ids, 2 * cfg->n_ctx, cfg->n_ctx);
+        return -EINVAL;
+    }
     struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
     j->pool = threadpool_create(&pc);
     struct forward_config fc = {.model = j->m, .pool = j->pool, .n_ctx = cfg->n_ctx,
@@ -117,11 +122,6 @@ int perplexity_run(const struct perplexity_config *cfg, struct perplexity_result
     struct ppl_job j = {0};
     memset(out, 0, sizeof(*out));
     int rc = cfg->n_ctx >= 4 ? ppl_setup(&j, cfg) : -EINVAL;
-    if (!rc && j.n_ids < 2 * (size_t)cfg->n_ctx) {
-        log_error("%s has %zu tokens: need at least %u for two chunks of %u", cfg->text_path,
-                  j.n_ids, 2 * cfg->n_ctx, cfg->n_ctx);
-        rc = -EINVAL;
-    }
     double nll = 0, nll2 = 0;
     uint64_t count = 0;
     struct timespec t0, t1;
