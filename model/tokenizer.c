@@ -735,6 +735,15 @@ void tokenizer_destroy(struct tokenizer *t)
 /* Encode                                                                                    */
 
 /* Per-call state of one encode: the output and the scratch of the merge loop. */
+/* A piece already encoded in this call: its ids are c->ids[ids_off .. ids_off + n_ids). */
+struct piece_slot {
+    const uint8_t *p; /* the piece in the caller's text; NULL when the slot is empty */
+    uint32_t len;     /* bytes */
+    uint32_t hash;    /* hash_bytes of the piece */
+    size_t ids_off;   /* first id in the output */
+    size_t n_ids;     /* ids */
+};
+
 struct encode_ctx {
     const struct tokenizer *t;
     int32_t *ids;       /* output */
@@ -748,7 +757,13 @@ struct encode_ctx {
     struct bpe_cand *heap; /* candidate merges, 3 per byte */
     size_t n_heap;      /* entries in heap */
     pcre2_match_data *md; /* match data of this call */
+    struct piece_slot *cache; /* pieces seen in this call (text repeats its words) */
+    uint32_t cache_mask;      /* cache capacity - 1; 0 while there is no cache */
+    uint32_t cache_used;      /* occupied slots */
 };
+
+#define PIECE_CACHE_MAX_LEN 64   /* longer pieces are rare and not cached, bytes */
+#define PIECE_CACHE_MAX (1u << 20) /* the cache stops growing here, slots */
 
 /* A candidate merge of the symbols starting at left and next[left]. */
 struct bpe_cand {
@@ -889,6 +904,53 @@ static int bpe_piece(struct encode_ctx *c, const uint8_t *p, size_t n)
     return rc;
 }
 
+static int cache_grow(struct encode_ctx *c)
+{
+    uint32_t cap = c->cache_mask ? (c->cache_mask + 1) * 2 : 1024;
+    struct piece_slot *m = calloc(cap, sizeof(*m));
+    if (!m)
+        return -ENOMEM;
+    for (uint32_t i = 0; c->cache_mask && i <= c->cache_mask; i++) {
+        if (!c->cache[i].p)
+            continue;
+        uint32_t j = c->cache[i].hash & (cap - 1);
+        while (m[j].p)
+            j = (j + 1) & (cap - 1);
+        m[j] = c->cache[i];
+    }
+    free(c->cache);
+    c->cache = m;
+    c->cache_mask = cap - 1;
+    return 0;
+}
+
+/* bpe_piece() through the per-call cache: a piece seen before copies its earlier ids. */
+static int bpe_piece_cached(struct encode_ctx *c, const uint8_t *p, size_t n)
+{
+    if (n < 2 || n > PIECE_CACHE_MAX_LEN)
+        return bpe_piece(c, p, n);
+    if (c->cache_used * 2 >= c->cache_mask && c->cache_mask + 1 < PIECE_CACHE_MAX &&
+        cache_grow(c))
+        return -ENOMEM;
+    uint32_t h = hash_bytes((const char *)p, n), i = h & c->cache_mask;
+    for (; c->cache[i].p; i = (i + 1) & c->cache_mask) {
+        const struct piece_slot *sl = &c->cache[i];
+        if (sl->hash != h || sl->len != n || memcmp(sl->p, p, n) != 0)
+            continue;
+        int rc = 0;
+        for (size_t k = 0; k < sl->n_ids && !rc; k++)
+            rc = emit(c, c->ids[sl->ids_off + k]);
+        return rc;
+    }
+    size_t start = c->n_ids;
+    int rc = bpe_piece(c, p, n);
+    if (rc || c->cache_used * 2 >= c->cache_mask)
+        return rc; /* a full cache (at PIECE_CACHE_MAX) just stops learning */
+    c->cache[i] = (struct piece_slot){p, (uint32_t)n, h, start, c->n_ids - start};
+    c->cache_used++;
+    return 0;
+}
+
 /* Byte length of the UTF-8 character starting at s (1 for an invalid byte). */
 static size_t char_len(const uint8_t *s, size_t n)
 {
@@ -909,7 +971,7 @@ static int encode_fragment(struct encode_ctx *c, const uint8_t *s, size_t n)
             continue;
         }
         if (rc == PCRE2_ERROR_NOMATCH)
-            return bpe_piece(c, s + off, n - off); /* trailing invalid UTF-8 */
+            return bpe_piece_cached(c, s + off, n - off); /* trailing invalid UTF-8 */
         if (rc < 0) {
             PCRE2_UCHAR msg[256];
             pcre2_get_error_message(rc, msg, sizeof(msg));
@@ -919,11 +981,11 @@ static int encode_fragment(struct encode_ctx *c, const uint8_t *s, size_t n)
         }
         const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md);
         size_t start = ov[0], end = ov[1];
-        if (start > off && (rc = bpe_piece(c, s + off, start - off)))
+        if (start > off && (rc = bpe_piece_cached(c, s + off, start - off)))
             return rc; /* invalid UTF-8 the regex skipped */
         if (end == start) /* cannot happen with these regexes; keep moving */
             end = start + char_len(s + start, n - start);
-        if ((rc = bpe_piece(c, s + start, end - start)))
+        if ((rc = bpe_piece_cached(c, s + start, end - start)))
             return rc;
         off = end;
     }
@@ -1039,6 +1101,7 @@ int tokenizer_encode(const struct tokenizer *t, const char *text, size_t len, bo
     if (!rc)
         rc = encode_text(&c, (const uint8_t *)text, len, parse_special);
     pcre2_match_data_free(c.md);
+    free(c.cache);
     free(c.sym);
     free(c.len);
     free(c.prev);

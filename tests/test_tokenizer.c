@@ -589,6 +589,23 @@ static void *enc_thread(void *arg)
     return NULL;
 }
 
+/* Copy r of the text: 0 as is, 1 rot13, 2 upper case, 3 rot7 (letters only), so the copies
+ * share no words and the encoder's per-call piece cache cannot flatter the measurement. */
+static void transform(char *dst, const char *src, size_t len, int r)
+{
+    static const int rot[4] = {0, 13, 0, 7};
+    for (size_t i = 0; i < len; i++) {
+        char ch = src[i];
+        if (r == 2 && ch >= 'a' && ch <= 'z')
+            ch = (char)(ch - 'a' + 'A');
+        else if (ch >= 'a' && ch <= 'z')
+            ch = (char)('a' + (ch - 'a' + rot[r]) % 26);
+        else if (ch >= 'A' && ch <= 'Z')
+            ch = (char)('A' + (ch - 'A' + rot[r]) % 26);
+        dst[i] = ch;
+    }
+}
+
 static void test_throughput(const struct tokenizer *t)
 {
     char path[512];
@@ -598,22 +615,35 @@ static void test_throughput(const struct tokenizer *t)
     if (!eval)
         return;
     const int reps = 4; /* about 285 KB */
-    char *text = malloc(len * reps);
-    for (int r = 0; r < reps; r++)
-        memcpy(text + r * len, eval, len);
     size_t total = len * reps;
+    char *text = malloc(total);
+    for (int r = 0; r < reps; r++)
+        transform(text + r * len, eval, len, r);
     int32_t *ids;
     size_t n;
-    double t0 = now_s();
-    int rc = tokenizer_encode(t, text, total, false, &ids, &n);
-    double dt = now_s() - t0;
-    CHECK(rc == 0, "encode eval.txt: %d", rc);
+    double best = 1e9;
+    for (int k = 0; k < 3; k++) {
+        double t0 = now_s();
+        int rc = tokenizer_encode(t, text, total, false, &ids, &n);
+        double dt = now_s() - t0;
+        best = dt < best ? dt : best;
+        CHECK(rc == 0, "encode eval.txt: %d", rc);
+        if (k < 2)
+            free(ids);
+    }
     size_t back;
     char *round = decode_all(t, ids, n, &back);
     CHECK(round && back == total && !memcmp(round, text, total), "eval.txt round trip");
-    MEASURE("encode throughput: %.2f MB/s (%zu bytes -> %zu tokens, %.1f ms)",
-            (double)total / dt / 1e6, total, n, dt * 1e3);
+    MEASURE("encode throughput: %.2f MB/s (%zu bytes of eval.txt in 4 letter-shifted copies -> "
+            "%zu tokens, best of 3: %.1f ms)", (double)total / best / 1e6, total, n, best * 1e3);
+    free(round);
+    free(ids);
 
+    /* eval.txt ends with "\n" and starts with "#": four identical copies encode to four
+     * copies of one copy's ids, the later three served by the piece cache */
+    for (int r = 0; r < reps; r++)
+        memcpy(text + r * len, eval, len);
+    CHECK(tokenizer_encode(t, text, total, false, &ids, &n) == 0, "encode 4 copies");
     /* concurrent encodes of one tokenizer give the single-thread result */
     struct enc_job jobs[4];
     pthread_t th[4];
@@ -623,12 +653,12 @@ static void test_throughput(const struct tokenizer *t)
     }
     for (int i = 0; i < 4; i++) {
         pthread_join(th[i], NULL);
-        CHECK(jobs[i].rc == 0 && jobs[i].n * reps == n &&
-              !memcmp(jobs[i].ids, ids, jobs[i].n * sizeof(*ids)),
-              "thread %d differs from the single-thread encode", i);
+        size_t m = jobs[i].n;
+        CHECK(jobs[i].rc == 0 && m * reps == n && !memcmp(jobs[i].ids, ids + i * m,
+                                                          m * sizeof(*ids)),
+              "thread %d differs from quarter %d of the single-thread encode", i, i);
         free(jobs[i].ids);
     }
-    free(round);
     free(ids);
     free(text);
     free(eval);
