@@ -7,6 +7,10 @@
  * merges name but the vocabulary lacks get ids from n_vocab up. Merges become a hash map from a
  * (left symbol, right symbol) pair to (rank, result symbol), so the merge loop touches only
  * integers. Symbol strings are interned in a second hash map (bytes -> symbol id).
+ *
+ * An encode call keeps a cache of the pieces it has already merged (pieces of 2..64 bytes,
+ * keyed by their bytes, pointing at their ids earlier in the output): text repeats its words,
+ * and a repeated piece always merges the same way.
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "model/tokenizer.h"
