@@ -1,0 +1,76 @@
+/*
+ * matvec: the CPU's weight-times-activation products. A weight row is n
+ * elements of one ggml type in its GGUF blocks as stored (any byte
+ * alignment, never converted up front); activations are f32 and are never
+ * quantized.
+ *
+ * Every function here is pure and single-threaded: callers split row ranges
+ * [r0, r1) across their own threads, and any number of threads may call at
+ * once. Scratch lives on the stack (under 20 KiB per call).
+ *
+ * Paths: on a CPU with AVX2, FMA and F16C (checked at run time, so the same
+ * binary runs on older CPUs) F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+ * IQ4_NL, IQ4_XS, Q4_K, Q5_K and Q6_K rows are decoded and multiplied in
+ * registers; Q2_K and Q3_K rows are decoded with AVX2 into a stack buffer,
+ * 1024 elements at a time, and multiplied there. Without AVX2 every type
+ * takes the portable C path (matvec_dot_portable): scalar dequantization
+ * into a stack buffer, then a dot product. All paths accumulate in f32 with
+ * at least 8 independent partial sums per row and never quantize the
+ * activations, so results differ from the exact dot product of the
+ * dequantized row by f32 rounding only (the test bounds it by 2e-6 of
+ * sum |w_i x_i|); different paths may differ from each other in the last
+ * bits.
+ *
+ * Shared contract of every function below (bugs, checked with ASSERT):
+ * quant_is_supported(type); n a multiple of quant_block_elems(type) (n may
+ * be 0); row pointers valid for quant_row_size(type, n) bytes; activation
+ * pointers valid for n floats (4-byte aligned, no stronger alignment needed).
+ */
+#ifndef KERNELS_CPU_MATVEC_H
+#define KERNELS_CPU_MATVEC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* The fastest dot product of one weight row with x, in f32. */
+float matvec_dot(uint32_t type, const void *row, const float *x, uint64_t n);
+
+/* The same dot product through the portable C path only (what matvec_dot
+ * runs on a CPU without AVX2); exported so tests cover it on any machine. */
+float matvec_dot_portable(uint32_t type, const void *row, const float *x, uint64_t n);
+
+/* Reference for tests: dequantizes with quant_dequantize_row and accumulates
+ * each product (computed in double) in double. Slow. */
+double matvec_dot_ref(uint32_t type, const void *row, const float *x, uint64_t n);
+
+/* True when this CPU runs the AVX2/FMA/F16C paths. */
+bool matvec_has_simd(void);
+
+/* y[r] = W[r] . x for r in [r0, r1), where W[r] starts at
+ * (const char *)w + r * row_bytes and row_bytes >= quant_row_size(type, n).
+ * y is indexed by absolute row: it must hold at least r1 floats; y[r] outside
+ * [r0, r1) is not touched. */
+void matvec_rows(uint32_t type, const void *w, size_t row_bytes, const float *x, uint64_t n,
+                 float *y, uint64_t r0, uint64_t r1);
+
+/* Y[s * ldy + r] = W[r] . X[s * ldx .. s * ldx + n) for s in [0, S) and r in
+ * [r0, r1); ldx >= n, ldy >= r1, and Y must not overlap X or W. Each weight
+ * row is read and decoded once for all S activation rows (tiles of 4 rows x
+ * 1024 elements in L1, each multiplied with 2 activation rows at a time), so
+ * this is the prefill and grouped-expert path; S == 1 falls back to
+ * matvec_rows. Each output depends only on its own row and activation row,
+ * never on S, r0, r1 or how a caller splits rows (but may differ from
+ * matvec_rows in the last bits when S > 1). Elements of Y outside the given
+ * rows are not touched. */
+void matvec_rows_batch(uint32_t type, const void *w, size_t row_bytes, const float *X,
+                       size_t ldx, uint64_t S, uint64_t n, float *Y, size_t ldy, uint64_t r0,
+                       uint64_t r1);
+
+/* matvec_rows_batch through the portable C path only (what runs on a CPU
+ * without AVX2); exported so tests cover it on any machine. */
+void matvec_rows_batch_portable(uint32_t type, const void *w, size_t row_bytes, const float *X,
+                                size_t ldx, uint64_t S, uint64_t n, float *Y, size_t ldy,
+                                uint64_t r0, uint64_t r1);
+
+#endif
