@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "coordinator/bench.h"
 #include "coordinator/generate.h"
 #include "coordinator/perplexity.h"
 #include "model/gguf.h"
@@ -33,6 +34,7 @@ static const char usage[] =
     "  tokenize   print the tokens of a text\n"
     "  inspect    print a GGUF file's architecture, hyper-parameters and tensors\n"
     "  gen-model  write a synthetic model of a real architecture and shape\n"
+    "  bench      prompt and generation throughput (llama-bench's job)\n"
     "  perplexity measure perplexity on a text file (llama-perplexity's method)\n"
     "\n"
     "lamina run -m FILE (-p TEXT | -f FILE | --prompt-ids 1,2,3) [options]\n"
@@ -57,6 +59,7 @@ static const char usage[] =
     "\n"
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
+    "lamina bench -m FILE [-p 512] [-n 128] [-r 5] [--threads N] [--json] [--no-membw]\n"
     "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N]\n"
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
@@ -436,6 +439,39 @@ static int cmd_perplexity(struct cli *c)
     return rc;
 }
 
+static int cmd_bench(struct cli *c)
+{
+    struct bench_config bc = {.n_prompt = 512, .n_gen = 128, .reps = 5, .n_batch = 512,
+                              .kv_f16 = true, .membw = true, .seed = 1234};
+    int rc = 0, x;
+    while (c->i < c->argc && !rc) {
+        const char *a = c->argv[c->i++];
+        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+            rc = cli_value(c, &bc.model_path);
+        else if (!strcmp(a, "-p") || !strcmp(a, "--n-prompt"))
+            rc = cli_int(c, 0, 1 << 20, &x) ? -EINVAL : (bc.n_prompt = (uint32_t)x, 0);
+        else if (!strcmp(a, "-n") || !strcmp(a, "--n-gen"))
+            rc = cli_int(c, 0, 1 << 20, &x) ? -EINVAL : (bc.n_gen = (uint32_t)x, 0);
+        else if (!strcmp(a, "-r") || !strcmp(a, "--reps"))
+            rc = cli_int(c, 1, 1000, &x) ? -EINVAL : (bc.reps = (uint32_t)x, 0);
+        else if (!strcmp(a, "-b") || !strcmp(a, "--batch"))
+            rc = cli_int(c, 1, 65536, &x) ? -EINVAL : (bc.n_batch = (uint32_t)x, 0);
+        else if (!strcmp(a, "-t") || !strcmp(a, "--threads"))
+            rc = cli_int(c, 1, 1024, &bc.n_threads);
+        else if (!strcmp(a, "--json"))
+            bc.json = true;
+        else if (!strcmp(a, "--no-membw"))
+            bc.membw = false;
+        else
+            rc = cli_fail(c, "unknown option %s", a);
+    }
+    if (!rc && !bc.model_path)
+        rc = cli_fail(c, "%s", "give -m FILE");
+    if (!rc && bc.n_prompt == 0 && bc.n_gen == 0)
+        rc = cli_fail(c, "%s", "nothing to measure: -p and -n are both 0");
+    return rc ? rc : bench_run(&bc);
+}
+
 int main(int argc, char **argv)
 {
     log_init("coord", -1);
@@ -456,6 +492,8 @@ int main(int argc, char **argv)
         rc = cmd_tokenize(&c);
     else if (!strcmp(argv[1], "inspect"))
         rc = cmd_inspect(&c);
+    else if (!strcmp(argv[1], "bench"))
+        rc = cmd_bench(&c);
     else if (!strcmp(argv[1], "perplexity"))
         rc = cmd_perplexity(&c);
     else if (!strcmp(argv[1], "gen-model"))

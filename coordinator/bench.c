@@ -1,0 +1,247 @@
+/*
+ * bench: pp/tg throughput with median and spread (see bench.h).
+ */
+#include "coordinator/bench.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "kernels/cpu/threadpool.h"
+#include "model/arch.h"
+#include "model/gguf.h"
+#include "model/quant.h"
+#include "worker/forward.h"
+
+#define BENCH_MEMBW_BYTES (1ull << 30)
+
+struct bench_job {
+    const struct bench_config *cfg;
+    struct gguf *g;
+    struct arch_model *m;
+    struct threadpool *pool;
+    struct forward *fw;
+    struct forward_seq *seq;
+    float *h, *logits;
+    int32_t *ids;
+    uint64_t rng;
+};
+
+static double bench_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint32_t bench_rand(struct bench_job *j, uint32_t n)
+{
+    j->rng = j->rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)((j->rng >> 33) % n);
+}
+
+struct bench_bw {
+    const uint64_t *buf;
+    size_t words_per_task;
+    double sums[256];
+};
+
+static void bench_bw_task(void *ctx, int64_t t, int thread)
+{
+    struct bench_bw *b = ctx;
+    const uint64_t *p = b->buf + (size_t)t * b->words_per_task;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i < b->words_per_task; i += 4) {
+        s0 += p[i];
+        s1 += p[i + 1];
+        s2 += p[i + 2];
+        s3 += p[i + 3];
+    }
+    b->sums[thread & 255] += (double)(s0 ^ s1 ^ s2 ^ s3);
+}
+
+/* Host read bandwidth in GB/s: the best of 5 passes over 1 GiB. */
+static double bench_membw(struct threadpool *pool)
+{
+    uint64_t *buf = malloc(BENCH_MEMBW_BYTES);
+    if (!buf)
+        return 0;
+    memset(buf, 1, BENCH_MEMBW_BYTES);
+    struct bench_bw b = {.buf = buf};
+    const int64_t tasks = 64;
+    b.words_per_task = BENCH_MEMBW_BYTES / 8 / tasks;
+    double best = 0;
+    for (int r = 0; r < 5; r++) {
+        double t0 = bench_now();
+        threadpool_run(pool, bench_bw_task, &b, tasks);
+        double gbs = BENCH_MEMBW_BYTES / (bench_now() - t0) / 1e9;
+        best = gbs > best ? gbs : best;
+    }
+    free(buf);
+    return best;
+}
+
+/* Bytes of weights one decoded token reads: every trunk tensor, top-k
+ * experts per layer, the lm head and one embedding row. */
+static double bench_bytes_per_token(const struct arch_model *m)
+{
+    double b = m->output.mat_bytes + m->tok_embd.row_bytes;
+    for (uint32_t l = 0; l < m->hp.n_layer; l++) {
+        const struct arch_layer *ly = &m->layers[l];
+        const struct arch_matrix *ms[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz,
+                                          &ly->win, &ly->wba, &ly->wbeta, &ly->walpha, &ly->wout,
+                                          &ly->router, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
+        for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
+            b += ms[i]->data ? ms[i]->mat_bytes : 0;
+        double per_expert = ly->down_exps.mat_bytes +
+                            (ly->gate_exps.data ? ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes
+                                                : ly->gate_up_exps.mat_bytes);
+        b += per_expert * m->hp.n_expert_used;
+    }
+    return b;
+}
+
+static int bench_pp(struct bench_job *j, double *tps)
+{
+    const uint32_t n = j->cfg->n_prompt, nv = j->m->hp.n_vocab;
+    for (uint32_t i = 0; i < n; i++)
+        j->ids[i] = (int32_t)bench_rand(j, nv);
+    forward_seq_reset(j->seq);
+    double t0 = bench_now();
+    int rc = forward_embed(j->fw, j->ids, n, j->h);
+    rc = rc ? rc : forward_layers(j->fw, j->seq, j->h, n);
+    rc = rc ? rc : forward_logits(j->fw, j->h + (size_t)(n - 1) * j->m->hp.n_embd, 1, j->logits);
+    *tps = n / (bench_now() - t0);
+    return rc;
+}
+
+static int bench_tg(struct bench_job *j, double *tps)
+{
+    const uint32_t nv = j->m->hp.n_vocab;
+    forward_seq_reset(j->seq);
+    int rc = 0;
+    double t0 = bench_now();
+    for (uint32_t i = 0; i < j->cfg->n_gen && !rc; i++) {
+        int32_t id = (int32_t)bench_rand(j, nv);
+        rc = forward_embed(j->fw, &id, 1, j->h);
+        rc = rc ? rc : forward_layers(j->fw, j->seq, j->h, 1);
+        rc = rc ? rc : forward_logits(j->fw, j->h, 1, j->logits);
+    }
+    *tps = j->cfg->n_gen / (bench_now() - t0);
+    return rc;
+}
+
+static int bench_cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median and half the min-max range of n samples (sorted in place). */
+static void bench_stats(double *v, uint32_t n, double *median, double *spread)
+{
+    qsort(v, n, sizeof(double), bench_cmp);
+    *median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    *spread = 0.5 * (v[n - 1] - v[0]);
+}
+
+static int bench_setup(struct bench_job *j)
+{
+    const struct bench_config *cfg = j->cfg;
+    struct gguf_config gc = {.path = cfg->model_path};
+    j->g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = j->g};
+    j->m = j->g ? arch_load(&ac) : NULL;
+    if (!j->m)
+        return -EINVAL;
+    struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
+    j->pool = threadpool_create(&pc);
+    uint32_t ctx = cfg->n_prompt > cfg->n_gen ? cfg->n_prompt : cfg->n_gen;
+    struct forward_config fc = {.model = j->m, .pool = j->pool, .n_ctx = ctx + 1,
+                                .kv_f16 = cfg->kv_f16, .max_batch = cfg->n_batch};
+    j->fw = j->pool ? forward_create(&fc) : NULL;
+    j->seq = j->fw ? forward_seq_create(j->fw) : NULL;
+    j->h = malloc(((size_t)ctx + 1) * j->m->hp.n_embd * sizeof(float));
+    j->logits = malloc(j->m->hp.n_vocab * sizeof(float));
+    j->ids = malloc(((size_t)ctx + 1) * sizeof(int32_t));
+    j->rng = cfg->seed;
+    return j->seq && j->h && j->logits && j->ids ? 0 : -ENOMEM;
+}
+
+static void bench_print(struct bench_job *j, double pp_med, double pp_spr, double tg_med,
+                        double tg_spr, double bw)
+{
+    const struct bench_config *cfg = j->cfg;
+    const double bpt = bench_bytes_per_token(j->m);
+    const double roof = bw > 0 ? bw * 1e9 / bpt : 0;
+    const int nt = threadpool_n_threads(j->pool);
+    if (cfg->json) {
+        printf("{\"model\":\"%s\",\"arch\":\"%s\",\"backend\":\"cpu\",\"threads\":%d,"
+               "\"pp\":%u,\"pp_tps\":%.3f,\"pp_spread\":%.3f,\"tg\":%u,\"tg_tps\":%.3f,"
+               "\"tg_spread\":%.3f,\"reps\":%u,\"bytes_per_token\":%.0f,\"membw_gbs\":%.2f,"
+               "\"tg_roofline_tps\":%.3f,\"tg_fraction_of_roofline\":%.4f}\n",
+               cfg->model_path, j->m->hp.arch_name, nt, cfg->n_prompt, pp_med, pp_spr,
+               cfg->n_gen, tg_med, tg_spr, cfg->reps, bpt, bw, roof,
+               roof > 0 ? tg_med / roof : 0.0);
+        return;
+    }
+    printf("| model | size | backend | threads | test | t/s |\n");
+    printf("| --- | ---: | --- | ---: | ---: | ---: |\n");
+    const double gib = gguf_file_size(j->g) / 1073741824.0;
+    if (cfg->n_prompt)
+        printf("| %s %u layers | %.2f GiB | cpu | %d | pp%u | %.2f +- %.2f |\n",
+               j->m->hp.arch_name, j->m->hp.n_layer, gib, nt, cfg->n_prompt, pp_med, pp_spr);
+    if (cfg->n_gen)
+        printf("| %s %u layers | %.2f GiB | cpu | %d | tg%u | %.2f +- %.2f |\n",
+               j->m->hp.arch_name, j->m->hp.n_layer, gib, nt, cfg->n_gen, tg_med, tg_spr);
+    printf("\nweights read per generated token: %.1f MB; host read bandwidth %.1f GB/s; "
+           "roofline %.1f tok/s; tg at %.0f%% of it\n",
+           bpt / 1e6, bw, roof, roof > 0 ? 100 * tg_med / roof : 0.0);
+    const struct forward_stats *st = forward_get_stats(j->fw);
+    double tot = st->attn + st->deltanet + st->router + st->experts + st->shared_expert;
+    if (tot > 0)
+        printf("stages (all runs): attention %.0f%%, deltanet %.0f%%, router %.0f%%, routed "
+               "experts %.0f%%, shared expert %.0f%%\n", 100 * st->attn / tot,
+               100 * st->deltanet / tot, 100 * st->router / tot, 100 * st->experts / tot,
+               100 * st->shared_expert / tot);
+}
+
+int bench_run(const struct bench_config *cfg)
+{
+    struct bench_job j = {.cfg = cfg};
+    int rc = cfg->reps ? bench_setup(&j) : -EINVAL;
+    double *pp = calloc(cfg->reps + 1, sizeof(double)), *tg = calloc(cfg->reps + 1, sizeof(double));
+    double pp_med = 0, pp_spr = 0, tg_med = 0, tg_spr = 0, bw = 0;
+    if (!pp || !tg)
+        rc = rc ? rc : -ENOMEM;
+    double warm;
+    if (!rc && cfg->n_gen) /* warm-up: page in the weights, settle the caches */
+        rc = bench_tg(&j, &warm);
+    for (uint32_t r = 0; r < cfg->reps && !rc; r++) {
+        if (cfg->n_prompt)
+            rc = bench_pp(&j, &pp[r]);
+        if (!rc && cfg->n_gen)
+            rc = bench_tg(&j, &tg[r]);
+    }
+    if (!rc) {
+        bench_stats(pp, cfg->reps, &pp_med, &pp_spr);
+        bench_stats(tg, cfg->reps, &tg_med, &tg_spr);
+        bw = cfg->membw ? bench_membw(j.pool) : 0;
+        bench_print(&j, pp_med, pp_spr, tg_med, tg_spr, bw);
+    }
+    free(pp);
+    free(tg);
+    free(j.h);
+    free(j.logits);
+    free(j.ids);
+    forward_seq_destroy(j.seq);
+    forward_destroy(j.fw);
+    threadpool_destroy(j.pool);
+    arch_free(j.m);
+    gguf_close(j.g);
+    return rc;
+}

@@ -1,0 +1,33 @@
+/*
+ * bench: llama-bench's job for lamina: prompt processing (pp) and text
+ * generation (tg) throughput of a model, repeated, with median and spread,
+ * as a markdown table or one JSON object; plus the bytes read per generated
+ * token and the host's measured read bandwidth, so that a figure can be
+ * put against its roofline. Random token ids are fed (as llama-bench does)
+ * so that expert routing varies from token to token.
+ *
+ * Called from the coordinator's main thread.
+ */
+#ifndef COORDINATOR_BENCH_H
+#define COORDINATOR_BENCH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+struct bench_config {
+    const char *model_path;
+    uint32_t n_prompt;     /* pp test length (default 512; 0: skip) */
+    uint32_t n_gen;        /* tg test length (default 128; 0: skip) */
+    uint32_t reps;         /* repetitions (default 5) */
+    int n_threads;         /* <= 0: physical cores */
+    uint32_t n_batch;      /* prefill tokens per pass (default 512) */
+    bool kv_f16;
+    bool json;             /* one JSON object on the last line instead of a table */
+    bool membw;            /* measure host read bandwidth (default true) */
+    uint64_t seed;         /* token ids */
+};
+
+/* Runs and prints the results to stdout. Returns 0 or a negative errno. */
+int bench_run(const struct bench_config *cfg);
+
+#endif
