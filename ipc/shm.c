@@ -281,6 +281,8 @@ static int shm_validate_header(const struct shm_header *h, uint64_t size, uint64
                                const char *what)
 {
     static const uint8_t zero[sizeof(h->reserved)];
+    /* READY first, with acquire order: what it publishes is read after it */
+    uint32_t flags = __atomic_load_n(&h->flags, __ATOMIC_ACQUIRE);
     if (memcmp(h->magic, SHM_MAGIC, sizeof(h->magic)) != 0) {
         log_error("shm %s: bad magic (not a lamina expert segment)", what);
         return -EPROTO;
@@ -305,7 +307,6 @@ static int shm_validate_header(const struct shm_header *h, uint64_t size, uint64
         log_error("shm %s: reserved header bytes are not zero", what);
         return -EPROTO;
     }
-    uint32_t flags = __atomic_load_n(&h->flags, __ATOMIC_ACQUIRE);
     if (flags & ~SHM_FLAG_READY) {
         log_error("shm %s: unknown flags 0x%x", what, flags);
         return -EPROTO;

@@ -198,7 +198,7 @@ struct shm_create_config {
     const struct arch_model *model; /* borrowed: expert tensors to copy */
     const struct gguf *gguf;        /* borrowed: the file behind model (hash, size) */
     uint32_t instance;              /* last part of the name, to make several per process; 0 */
-    uint32_t n_threads;             /* copy threads; 0 = min(8, online CPUs) */
+    uint32_t n_threads;             /* copy threads; 0 = min(8, online CPUs); at most 64 */
     shm_progress_fn progress;       /* optional: called on the calling thread as chunks finish
                                      * (about every 64 MiB) and once at the end; NULL = none */
     void *progress_ctx;             /* passed to progress */

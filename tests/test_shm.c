@@ -121,8 +121,8 @@ static void test_layout(const struct arch_model *m)
         return;
     CHECK(lay.n_layers == m->hp.n_layer, "n_layers %u", lay.n_layers);
     CHECK(lay.n_entries == 3 * m->hp.n_layer, "n_entries %u, expected 3 per layer", lay.n_entries);
-    CHECK(lay.data_offset % SHM_ALIGN == 0 &&
-              lay.data_offset >= sizeof(struct shm_header) + lay.n_entries * sizeof(struct shm_entry),
+    size_t table_end = sizeof(struct shm_header) + lay.n_entries * sizeof(struct shm_entry);
+    CHECK(lay.data_offset % SHM_ALIGN == 0 && lay.data_offset >= table_end,
           "data_offset %llu", (unsigned long long)lay.data_offset);
     CHECK(lay.total_bytes % SHM_ALIGN == 0 && shm_size(&lay) == lay.total_bytes, "total %llu",
           (unsigned long long)lay.total_bytes);
@@ -664,8 +664,8 @@ static void test_stale(const struct tmodel *tm, const struct shm_segment *ours)
               shm_name_exists(shm_name(ours)),
           "our own segments touched");
     CHECK(shm_name_exists("/lamina-notapid-x"), "a name without a pid was removed");
-    MEASURE("cleanup: removed %d stale segment(s) incl. %s of dead pid %d; kept live pid %d", removed,
-            dead_name, (int)dead, (int)live);
+    MEASURE("cleanup: removed %d stale segment(s) incl. %s of dead pid %d; kept live pid %d",
+            removed, dead_name, (int)dead, (int)live);
 
     CHECK(write(go[1], "g", 1) == 1, "signal live child");
     waitpid(live, &st, 0);
