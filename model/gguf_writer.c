@@ -238,6 +238,8 @@ static int gguf_writer_kv_reserve(struct gguf_writer *w, size_t n)
 static void gguf_writer_kv_put(struct gguf_writer *w, const void *p, size_t n)
 {
     ASSERT(n <= w->kv_cap - w->kv_len);
+    if (n == 0)
+        return; /* p may be NULL (an empty array) */
     memcpy(w->kv + w->kv_len, p, n);
     w->kv_len += n;
 }
