@@ -39,7 +39,7 @@ TEST_SRCS := $(wildcard tests/test_*.c)
 TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 CU_SRCS  := $(wildcard kernels/cuda/*.cu)
 CU_OBJS  := $(if $(NVCC),$(CU_SRCS:%.cu=$(BUILD)/%.o))
-BINS     := $(BUILD)/lamina
+BINS     := $(BUILD)/lamina $(BUILD)/lamina-worker
 
 .PHONY: all test test-gpu clean cuda demo
 all: $(BINS) $(TESTS) $(CU_OBJS)
@@ -70,7 +70,10 @@ $(LIB): $(LIB_OBJS)
 $(BUILD)/lamina: $(BUILD)/coordinator/main.o $(LIB)
 	$(CC) -o $@ $^ $(LDLIBS)
 
-$(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB)
+$(BUILD)/lamina-worker: $(BUILD)/worker/main.o $(LIB)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB) | $(BINS)
 	$(CC) -o $@ $^ $(LDLIBS)
 
 cuda: $(CU_OBJS)

@@ -28,6 +28,8 @@ struct generate_job {
     struct threadpool *pool;
     struct forward *fw;
     struct forward_seq *seq;
+    struct cluster *cl;      /* multi-process mode, else NULL */
+    uint32_t pos;            /* tokens consumed */
     struct sampler *smp;
     struct detok *dt;
     int32_t *ids;            /* prompt ids */
@@ -102,12 +104,30 @@ static int generate_load(struct generate_job *job)
         return -ENOMEM;
     struct forward_config fc = {.model = job->m, .pool = job->pool, .n_ctx = cfg->n_ctx,
                                 .kv_f16 = cfg->kv_f16, .max_batch = cfg->n_batch};
+    if (cfg->cluster) { /* the forward only embeds and names the context size */
+        fc.layer_begin = 0;
+        fc.layer_end = 1;
+    }
     job->fw = forward_create(&fc);
-    job->seq = job->fw ? forward_seq_create(job->fw) : NULL;
+    job->seq = job->fw && !cfg->cluster ? forward_seq_create(job->fw) : NULL;
+    if (cfg->cluster && job->fw) {
+        struct cluster_config *cc = cfg->cluster;
+        cc->model_path = cfg->model_path;
+        cc->gguf = job->g;
+        cc->model = job->m;
+        cc->n_ctx = forward_n_ctx(job->fw);
+        cc->kv_f16 = cfg->kv_f16;
+        cc->max_batch = cfg->n_batch ? cfg->n_batch : 256;
+        job->cl = cluster_create(cc);
+        if (!job->cl)
+            return -EIO;
+        if (cfg->on_cluster)
+            cfg->on_cluster(job->cl);
+    }
     job->smp = sampler_create(&cfg->sampler);
     struct detok_config dc = {.tok = job->tok};
     job->dt = detok_create(&dc);
-    if (!job->seq || !job->smp || !job->dt)
+    if ((!job->seq && !job->cl) || !job->smp || !job->dt)
         return -ENOMEM;
     log_info("model %s: %s, %u layers, %u experts (top-%u), vocab %u, %d threads, context %u",
              cfg->model_path, job->m->hp.arch_name, job->m->hp.n_layer, job->m->hp.n_expert,
@@ -161,6 +181,41 @@ static void generate_emit(struct generate_job *job, int32_t id)
     }
 }
 
+/* Embeds n ids and runs them through every layer (here or on the workers);
+ * logits of the last row, or of all rows when all is set, into out. */
+static int generate_eval(struct generate_job *job, const int32_t *ids, uint32_t n, bool all,
+                         float *out)
+{
+    const size_t w = job->m->hp.n_embd, nv = job->m->hp.n_vocab;
+    const uint32_t B = job->cfg->n_batch ? job->cfg->n_batch : 256;
+    if (job->pos + n > forward_n_ctx(job->fw)) {
+        log_error("context full: %u tokens at position %u exceed the context of %u", n, job->pos,
+                  forward_n_ctx(job->fw));
+        return -ENOSPC;
+    }
+    int rc = forward_embed(job->fw, ids, n, job->h);
+    if (rc)
+        return rc;
+    if (!job->cl) {
+        rc = forward_layers(job->fw, job->seq, job->h, n);
+        rc = rc ? rc : forward_logits(job->fw, all ? job->h : job->h + (size_t)(n - 1) * w,
+                                      all ? n : 1, out);
+        job->pos += rc ? 0 : n;
+        return rc;
+    }
+    for (uint32_t s = 0; s < n && !rc; s += B) {
+        const uint32_t c = n - s < B ? n - s : B;
+        const bool last = s + c == n;
+        if (!all && !last)
+            rc = cluster_step(job->cl, job->h + (size_t)s * w, c, job->pos, false, out);
+        else
+            rc = cluster_step(job->cl, job->h + (size_t)s * w, c, job->pos, all,
+                              all ? out + (size_t)s * nv : out);
+        job->pos += rc ? 0 : c;
+    }
+    return rc;
+}
+
 static int generate_prefill(struct generate_job *job, struct generate_stats *st)
 {
     const struct generate_config *cfg = job->cfg;
@@ -174,17 +229,13 @@ static int generate_prefill(struct generate_job *job, struct generate_stats *st)
         for (size_t i = 0; i < n; i++)
             generate_emit(job, job->ids[i]);
     double t0 = generate_now();
-    int rc = forward_embed(job->fw, job->ids, (uint32_t)n, job->h);
-    rc = rc ? rc : forward_layers(job->fw, job->seq, job->h, (uint32_t)n);
+    int rc = generate_eval(job, job->ids, (uint32_t)n, cfg->dump_logits != NULL, job->logits);
     if (rc)
         return rc;
     if (cfg->dump_logits) {
-        rc = forward_logits(job->fw, job->h, (uint32_t)n, job->logits);
-        rc = rc ? rc : generate_write_npy(cfg->dump_logits, job->logits, (uint32_t)n, hp->n_vocab);
+        rc = generate_write_npy(cfg->dump_logits, job->logits, (uint32_t)n, hp->n_vocab);
         if (!rc)
             memmove(job->logits, job->logits + (n - 1) * hp->n_vocab, hp->n_vocab * sizeof(float));
-    } else {
-        rc = forward_logits(job->fw, job->h + (n - 1) * hp->n_embd, 1, job->logits);
     }
     st->n_prompt = (uint32_t)n;
     st->prompt_s = generate_now() - t0;
@@ -205,11 +256,9 @@ static int generate_decode(struct generate_job *job, struct generate_stats *st)
         if (!cfg->ignore_eos && tokenizer_is_eog(job->tok, id))
             break;
         generate_emit(job, id);
-        if (i + 1 == cfg->n_predict || forward_seq_pos(job->seq) >= forward_n_ctx(job->fw))
+        if (i + 1 == cfg->n_predict || job->pos >= forward_n_ctx(job->fw))
             break;
-        int rc = forward_embed(job->fw, &id, 1, job->h);
-        rc = rc ? rc : forward_layers(job->fw, job->seq, job->h, 1);
-        rc = rc ? rc : forward_logits(job->fw, job->h, 1, job->logits);
+        int rc = generate_eval(job, &id, 1, false, job->logits);
         if (rc)
             return rc;
     }
@@ -241,6 +290,11 @@ int generate_run(const struct generate_config *cfg, struct generate_stats *st)
     free(job.ids);
     detok_destroy(job.dt);
     sampler_destroy(job.smp);
+    if (job.cl && !rc && cfg->cluster && log_is_enabled(LOG_LEVEL_INFO))
+        cluster_print_summary(job.cl, stderr);
+    if (cfg->on_cluster)
+        cfg->on_cluster(NULL);
+    cluster_destroy(job.cl);
     forward_seq_destroy(job.seq);
     forward_destroy(job.fw);
     threadpool_destroy(job.pool);

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "coordinator/cluster.h"
 #include "model/sampler.h"
 
 struct generate_config {
@@ -31,6 +32,10 @@ struct generate_config {
     bool echo_prompt;            /* print the prompt before the generated text */
     const char *dump_logits;     /* write prompt logits as .npy here, or NULL */
     struct sampler_config sampler;
+    /* Multi-process: the cluster to build (model fields are filled in by
+     * generate); NULL runs every layer in this process (--inproc). */
+    struct cluster_config *cluster;
+    void (*on_cluster)(struct cluster *c); /* called with the live cluster (or NULL at the end) */
     FILE *out;                   /* generated text goes here (stdout) */
 };
 

@@ -11,6 +11,7 @@
  */
 #include <errno.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +57,17 @@ static const char usage[] =
     "  --no-special            do not turn special-token texts in the prompt into their ids\n"
     "  --no-echo               do not print the prompt\n"
     "  --dump-logits OUT.npy   write float32 logits of every prompt position\n"
+    "  --devices LIST          one worker per entry, e.g. cpu,cpu (default: cpu)\n"
+    "  --inproc                run every layer in this process (no workers)\n"
+    "  --layers auto|LIST      layer ranges per worker, e.g. 0-19,20-39 (default auto)\n"
+    "  --resident SPEC         experts each worker holds: all, none, fit or P%% (default:\n"
+    "                          all; fit when --device-mem is given); the rest run on\n"
+    "                          the coordinator's CPU pool\n"
+    "  --device-mem SIZE[,..]  memory budget per worker, e.g. 6G or 512M,1G\n"
+    "  --timings FILE          JSON lines of per-worker, per-step stage timings\n"
+    "  --listen tcp://H:P      bind on TCP with CURVE and wait for lamina-worker processes\n"
+    "  --worker-threads N      compute threads per worker (default: cores / workers)\n"
+    "  --hang-timeout S        a worker making no progress for S seconds has failed (30)\n"
     "\n"
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
@@ -181,10 +193,98 @@ static int cli_parse_ids(struct cli *c, const char *s, int32_t **ids, uint32_t *
 
 struct run_opts {
     struct generate_config g;
+    struct cluster_config cl;
+    bool inproc;
     const char *prompt_file;
     char *prompt_buf;       /* owned: file contents */
     int32_t *ids;           /* owned: --prompt-ids */
 };
+
+/* "6G", "512M", "1048576" -> bytes. */
+static int cli_size(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0)
+        return -EINVAL;
+    double mul = 1;
+    if (*end == 'K' || *end == 'k')
+        mul = 1024.0, end++;
+    else if (*end == 'M' || *end == 'm')
+        mul = 1048576.0, end++;
+    else if (*end == 'G' || *end == 'g')
+        mul = 1073741824.0, end++;
+    else if (*end == 'T' || *end == 't')
+        mul = 1099511627776.0, end++;
+    if (*end == 'i' || *end == 'B')
+        end += *end == 'i' && end[1] == 'B' ? 2 : 1;
+    if (*end)
+        return -EINVAL;
+    *out = (uint64_t)(v * mul);
+    return 0;
+}
+
+static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, bool *hit)
+{
+    struct cluster_config *cl = &o->cl;
+    const char *v;
+    *hit = true;
+    if (!strcmp(a, "--inproc"))
+        return o->inproc = true, 0;
+    if (!strcmp(a, "--devices") || !strcmp(a, "--device-mem")) {
+        if (cli_value(c, &v))
+            return -EINVAL;
+        bool mem = !strcmp(a, "--device-mem");
+        int n = 0;
+        char *copy = strdup(v), *save = NULL;
+        for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+            if (n == CLUSTER_MAX_WORKERS) {
+                free(copy);
+                return cli_fail(c, "at most 64 devices, not '%s'", v);
+            }
+            if (mem && cli_size(t, &cl->device_mem[n])) {
+                free(copy);
+                return cli_fail(c, "bad size '%s' (use e.g. 6G or 512M)", t);
+            }
+            if (!mem && strcmp(t, "cpu")) {
+                free(copy);
+                return cli_fail(c, "device '%s' is not available in this build (use cpu)", t);
+            }
+            if (!mem)
+                cl->backends[n] = "cpu";
+            n++;
+        }
+        free(copy);
+        if (!mem)
+            cl->n_workers = n;
+        else
+            for (int i = n; i < CLUSTER_MAX_WORKERS; i++) /* one size for all */
+                cl->device_mem[i] = n == 1 ? cl->device_mem[0] : 0;
+        return n ? 0 : cli_fail(c, "empty list for %s", a);
+    }
+    if (!strcmp(a, "--layers"))
+        return cli_value(c, &cl->layers);
+    if (!strcmp(a, "--resident"))
+        return cli_value(c, &cl->resident);
+    if (!strcmp(a, "--timings"))
+        return cli_value(c, &cl->timings_path);
+    if (!strcmp(a, "--listen")) {
+        cl->spawn = false;
+        return cli_value(c, &cl->listen);
+    }
+    if (!strcmp(a, "--worker-threads"))
+        return cli_int(c, 1, 1024, &cl->worker_threads);
+    if (!strcmp(a, "--hang-timeout")) {
+        float t;
+        if (cli_float(c, 0.1, 86400, &t))
+            return -EINVAL;
+        cl->hang_timeout_s = t;
+        return 0;
+    }
+    *hit = false;
+    return 0;
+}
 
 static int run_parse_sampler(struct cli *c, const char *a, struct sampler_config *s, bool *hit)
 {
@@ -257,12 +357,45 @@ static int run_parse_one(struct cli *c, const char *a, struct run_opts *o)
         return cli_value(c, &g->dump_logits);
     bool hit;
     int rc = run_parse_sampler(c, a, &g->sampler, &hit);
+    if (!hit)
+        rc = run_parse_cluster(c, a, o, &hit);
     return hit ? rc : cli_fail(c, "unknown option %s", a);
+}
+
+/* The live cluster, for the signal handler (the one mutable global, here in main.c). */
+static struct cluster *volatile main_cluster;
+
+static void main_on_signal(int sig)
+{
+    (void)sig;
+    struct cluster *c = main_cluster;
+    if (c) {
+        cluster_interrupt(c); /* the step loop ends, then everything is cleaned up */
+        return;
+    }
+    signal(sig, SIG_DFL); /* nothing to clean up yet (a half-made segment is removed as stale) */
+    raise(sig);
+}
+
+static void run_on_cluster(struct cluster *c)
+{
+    main_cluster = c;
+}
+
+static void main_install_signals(void)
+{
+    struct sigaction sa = {0};
+    sa.sa_handler = main_on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
 }
 
 static int cmd_run(struct cli *c)
 {
-    struct run_opts o = {.g = {.n_predict = 128, .kv_f16 = true, .parse_special = true,
+    main_install_signals();
+    struct run_opts o = {.cl = {.spawn = true},.g = {.n_predict = 128, .kv_f16 = true, .parse_special = true,
                                .echo_prompt = true, .out = stdout,
                                .sampler = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f,
                                            .min_p = 0.05f, .repeat_penalty = 1.0f,
@@ -281,6 +414,16 @@ static int cmd_run(struct cli *c)
         rc = o.prompt_buf ? 0 : -EIO;
     }
     o.g.prompt_ids = o.ids;
+    if (!o.inproc) {
+        if (o.cl.n_workers == 0) {
+            o.cl.n_workers = 1;
+            o.cl.backends[0] = "cpu";
+        }
+        if (!o.cl.resident)
+            o.cl.resident = o.cl.device_mem[0] ? "fit" : "all";
+        o.g.cluster = &o.cl;
+        o.g.on_cluster = run_on_cluster;
+    }
     struct generate_stats st;
     if (!rc)
         rc = generate_run(&o.g, &st);

@@ -34,6 +34,7 @@ struct backend_config {
      * copied from here. */
     const struct expert_ref *const *expert_src;
     struct forward_remote remote;     /* for the experts not held */
+    volatile uint64_t *progress;      /* bumped per layer (watchdog), or NULL */
     const char *fail;                 /* failure injection spec (tests), or NULL:
                                          "step:N" fail the N-th layers call with -EIO,
                                          "hang:N" never return from it,

@@ -144,7 +144,7 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
         uint32_t held = 0;
         for (uint32_t e = 0; e < m->hp.n_expert; e++)
             held += cpu_is_resident(cfg, l, e);
-        experts += held * cpu_expert_bytes(&m->layers[l]) / m->hp.n_expert;
+        experts += held * cpu_expert_bytes(&m->layers[l]);
         trunk += cpu_trunk_bytes(&m->layers[l]);
     }
     const uint32_t n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096;
@@ -162,7 +162,7 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
                                 .layer_end = cfg->layer_end, .n_ctx = n_ctx,
                                 .kv_f16 = cfg->kv_f16, .max_batch = cfg->max_batch,
                                 .expert_refs = (const struct expert_ref *const *)c->refs,
-                                .remote = cfg->remote};
+                                .remote = cfg->remote, .progress = cfg->progress};
     /* every expert not copied in goes to the remote pool */
     fc.resident = cfg->resident;
     c->fw = forward_create(&fc);

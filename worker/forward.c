@@ -90,6 +90,7 @@ struct forward {
     const uint8_t *const *resident;          /* borrowed, see forward_config */
     const struct expert_ref *const *expert_refs; /* borrowed */
     struct forward_remote remote;
+    volatile uint64_t *progress;  /* borrowed, see forward_config */
     float *sg;                /* shared gate|up [B][2Fs] */
     float *sact;              /* [B][Fs] */
     float *so;                /* shared out [B][n] */
@@ -572,6 +573,8 @@ static int fw_layers_pass(struct forward *fw, struct forward_seq *seq, float *h,
         if (rc)
             return rc;
         fw_residual(h, fw->mix, (size_t)S * n);
+        if (fw->progress)
+            __atomic_add_fetch(fw->progress, 1, __ATOMIC_RELAXED);
     }
     seq->pos += S;
     fw->stats.tokens += S;
@@ -712,6 +715,7 @@ struct forward *forward_create(const struct forward_config *cfg)
     fw->resident = cfg->resident;
     fw->expert_refs = cfg->expert_refs;
     fw->remote = cfg->remote;
+    fw->progress = cfg->progress;
     if (!fw->n_ctx)
         fw->n_ctx = m->hp.n_ctx_train && m->hp.n_ctx_train < 4096 ? m->hp.n_ctx_train : 4096;
     if (fw->l0 >= fw->l1 || fw->l1 > m->hp.n_layer) {

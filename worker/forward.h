@@ -50,6 +50,9 @@ struct forward_config {
      * live (a copy in device memory). NULL, or a NULL entry: the model's own. */
     const struct expert_ref *const *expert_refs;
     struct forward_remote remote;   /* required when some expert is not resident */
+    /* Incremented after every layer (a watchdog reads it from another
+     * thread to tell a slow step from a hung one); NULL: none. */
+    volatile uint64_t *progress;
 };
 
 /* Wall time spent per stage since the last forward_stats_reset (seconds). */

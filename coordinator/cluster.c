@@ -1,0 +1,844 @@
+/*
+ * cluster: workers, shared memory, plans and steps (see cluster.h).
+ *
+ * Routing ids on the coordinator's ROUTER: "w<i>" is worker i's main socket
+ * (hello, ready, expert requests, results, timings, errors), "h<i>" its
+ * watchdog (heartbeats carrying its layer-progress counter).
+ */
+#include "coordinator/cluster.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "coordinator/expert_pool.h"
+#include "ipc/shm.h"
+#include "ipc/wire.h"
+#include "kernels/cpu/threadpool.h"
+
+#define CLUSTER_HELLO_TIMEOUT_S 30.0  /* spawn -> hello */
+#define CLUSTER_READY_TIMEOUT_S 900.0 /* plan -> ready (large models load slowly) */
+#define CLUSTER_DEAD_S 2.0            /* no heartbeat for this long during a step: dead */
+#define CLUSTER_POLL_MS 50            /* step loop granularity */
+#define CLUSTER_SHUTDOWN_WAIT_S 2.0   /* SHUTDOWN -> SIGKILL */
+
+struct cluster_worker {
+    int index;
+    pid_t pid;                 /* spawned process, or 0 */
+    bool exited;               /* reaped */
+    int status;                /* wait status when exited */
+    bool hello, ready;
+    uint32_t l0, l1;           /* layer range */
+    uint8_t **bitmaps;         /* per layer in range: residency bitmap */
+    uint32_t resident;         /* experts held, as reported */
+    uint64_t mem_used;         /* bytes, as reported */
+    double last_heartbeat;     /* time of the last heartbeat */
+    uint64_t progress;         /* last progress counter seen */
+    double progress_time;      /* when it last changed */
+    /* summary of TIMING lines */
+    uint64_t steps, tokens;
+    double ms_total, ms_attn, ms_deltanet, ms_router, ms_experts, ms_cpu_wait, ms_shared;
+    double ms_send, ms_recv_wait;
+    uint64_t experts_local, experts_cpu;
+};
+
+struct cluster {
+    struct cluster_config cfg;
+    int n;                              /* workers */
+    struct cluster_worker w[CLUSTER_MAX_WORKERS];
+    void *zctx;
+    struct wire_socket *router;
+    char rundir[WIRE_PATH_MAX];
+    char endpoint[256];
+    char data_ep[CLUSTER_MAX_WORKERS][WIRE_PATH_MAX + 16];
+    struct wire_keypair keys;
+    bool curve;
+    struct shm_segment *shm;
+    struct expert_ref **refs;           /* per layer, pool's view of shm */
+    struct expert_pool *pool;
+    float *reply;                       /* expert reply rows */
+    uint32_t reply_rows;
+    uint64_t seq_no, step;
+    FILE *timings;
+    volatile sig_atomic_t interrupted;
+    double pool_busy_prev;
+};
+
+static double cl_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- layer split and residency ---- */
+
+static double cl_layer_cost(const struct arch_model *m, uint32_t l)
+{
+    const struct arch_layer *ly = &m->layers[l];
+    const struct arch_matrix *ms[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz,
+                                      &ly->win, &ly->wba, &ly->wbeta, &ly->walpha, &ly->wout,
+                                      &ly->router, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
+    double b = 0;
+    for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
+        b += ms[i]->data ? ms[i]->mat_bytes : 0;
+    double per_expert = ly->down_exps.mat_bytes + (ly->gate_exps.data
+                            ? ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes
+                            : ly->gate_up_exps.mat_bytes);
+    return b + per_expert * m->hp.n_expert_used;
+}
+
+/* "auto": contiguous ranges with about equal bytes read per token. */
+static int cl_split_auto(struct cluster *c)
+{
+    const struct arch_model *m = c->cfg.model;
+    const uint32_t L = m->hp.n_layer;
+    if ((uint32_t)c->n > L) {
+        log_error("%d workers for %u layers: every worker needs at least one layer", c->n, L);
+        return -EINVAL;
+    }
+    double total = 0;
+    for (uint32_t l = 0; l < L; l++)
+        total += cl_layer_cost(m, l);
+    double acc = 0;
+    uint32_t l = 0;
+    for (int i = 0; i < c->n; i++) {
+        c->w[i].l0 = l;
+        double target = total * (i + 1) / c->n;
+        while (l < L - (uint32_t)(c->n - 1 - i) &&
+               (l == c->w[i].l0 || acc + cl_layer_cost(m, l) / 2 <= target))
+            acc += cl_layer_cost(m, l++);
+        c->w[i].l1 = i == c->n - 1 ? L : l;
+    }
+    return 0;
+}
+
+static int cl_split_list(struct cluster *c, const char *spec)
+{
+    const uint32_t L = c->cfg.model->hp.n_layer;
+    const char *p = spec;
+    uint32_t next = 0;
+    for (int i = 0; i < c->n; i++) {
+        char *end;
+        unsigned long a = strtoul(p, &end, 10), b;
+        if (end == p || *end != '-')
+            goto bad;
+        p = end + 1;
+        b = strtoul(p, &end, 10);
+        if (end == p || (*end != ',' && *end) || a != next || b < a || b >= L)
+            goto bad;
+        c->w[i].l0 = (uint32_t)a;
+        c->w[i].l1 = (uint32_t)b + 1;
+        next = (uint32_t)b + 1;
+        p = *end ? end + 1 : end;
+    }
+    if (next != L || *p)
+        goto bad;
+    return 0;
+bad:
+    log_error("--layers '%s' must list %d contiguous ranges covering layers 0-%u, like 0-3,4-7",
+              spec, c->n, L - 1);
+    return -EINVAL;
+}
+
+/* Experts of one layer a worker holds: count, or all (-1). */
+static int cl_resident_count(struct cluster *c, int i)
+{
+    const char *r = c->cfg.resident ? c->cfg.resident : "all";
+    const struct arch_model *m = c->cfg.model;
+    const uint32_t E = m->hp.n_expert;
+    if (!strcmp(r, "all"))
+        return (int)E;
+    if (!strcmp(r, "none"))
+        return 0;
+    if (!strcmp(r, "fit")) {
+        /* as many experts per layer as fit in three quarters of the budget after the
+         * trunk; the rest of the budget is for KV, state and scratch */
+        const uint64_t budget = c->cfg.device_mem[i];
+        if (!budget)
+            return (int)E;
+        double trunk = 0, one_expert_all_layers = 0;
+        for (uint32_t l = c->w[i].l0; l < c->w[i].l1; l++) {
+            const struct arch_layer *ly = &m->layers[l];
+            double pe = (double)(ly->down_exps.mat_bytes + (ly->gate_exps.data
+                            ? ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes
+                            : ly->gate_up_exps.mat_bytes));
+            trunk += cl_layer_cost(m, l) - pe * m->hp.n_expert_used;
+            one_expert_all_layers += pe;
+        }
+        double room = budget * 0.75 - trunk;
+        int k = room > 0 ? (int)(room / one_expert_all_layers) : 0;
+        return k > (int)E ? (int)E : k;
+    }
+    char *end;
+    double pct = strtod(r, &end);
+    if (end != r && !strcmp(end, "%") && pct >= 0 && pct <= 100)
+        return (int)(E * pct / 100.0 + 0.5);
+    log_error("--resident '%s' must be all, none, fit or a percentage like 50%%", r);
+    return -1;
+}
+
+/* Bitmaps: the first k experts of each layer, rotated by layer so that the
+ * CPU pool's share is spread over expert ids. */
+static int cl_plan_residency(struct cluster *c)
+{
+    const uint32_t E = c->cfg.model->hp.n_expert;
+    for (int i = 0; i < c->n; i++) {
+        struct cluster_worker *w = &c->w[i];
+        int k = cl_resident_count(c, i);
+        if (k < 0)
+            return -EINVAL;
+        w->bitmaps = calloc(w->l1 - w->l0, sizeof(*w->bitmaps));
+        if (!w->bitmaps)
+            return -ENOMEM;
+        for (uint32_t l = w->l0; l < w->l1; l++) {
+            uint8_t *b = calloc((E + 7) / 8, 1);
+            if (!b)
+                return -ENOMEM;
+            for (int j = 0; j < k; j++) {
+                uint32_t e = (uint32_t)(j + l) % E;
+                b[e / 8] |= (uint8_t)(1u << (e % 8));
+            }
+            w->bitmaps[l - w->l0] = b;
+        }
+        log_info("worker %d: layers %u-%u, %d of %u experts per layer resident", i, w->l0,
+                 w->l1 - 1, k, E);
+    }
+    return 0;
+}
+
+/* ---- shared memory and the CPU pool ---- */
+
+static void cl_shm_progress(void *ctx, uint64_t done, uint64_t total)
+{
+    (void)ctx;
+    if (total >= (1ull << 30))
+        log_info("copying experts to shared memory: %.1f of %.1f GiB", done / 1073741824.0,
+                 total / 1073741824.0);
+}
+
+static int cl_setup_shm(struct cluster *c)
+{
+    const struct arch_model *m = c->cfg.model;
+    int stale = shm_cleanup_stale();
+    if (stale > 0)
+        log_info("removed %d shared-memory segment(s) of dead coordinators", stale);
+    struct shm_create_config sc = {.model = m, .gguf = c->cfg.gguf, .progress = cl_shm_progress};
+    c->shm = shm_create(&sc);
+    if (!c->shm)
+        return -EIO;
+    const uint32_t E = m->hp.n_expert, L = m->hp.n_layer;
+    c->refs = calloc(L, sizeof(*c->refs));
+    if (!c->refs)
+        return -ENOMEM;
+    for (uint32_t l = 0; l < L; l++) {
+        c->refs[l] = calloc(E, sizeof(struct expert_ref));
+        if (!c->refs[l])
+            return -ENOMEM;
+        const bool fused = shm_entry(c->shm, l, SHM_KIND_GATE) == NULL;
+        for (uint32_t e = 0; e < E; e++) {
+            struct expert_ref *r = &c->refs[l][e];
+            r->gate = shm_expert(c->shm, l, fused ? SHM_KIND_GATE_UP : SHM_KIND_GATE, e, NULL, NULL);
+            r->up = fused ? NULL : shm_expert(c->shm, l, SHM_KIND_UP, e, NULL, NULL);
+            r->down = shm_expert(c->shm, l, SHM_KIND_DOWN, e, NULL, NULL);
+        }
+    }
+    const uint32_t rows = c->cfg.max_batch * m->hp.n_expert_used;
+    struct expert_pool_config pc = {.model = m, .refs = (const struct expert_ref *const *)c->refs,
+                                    .n_threads = c->cfg.pool_threads, .max_rows = rows};
+    c->pool = expert_pool_create(&pc);
+    c->reply = malloc((size_t)rows * m->hp.n_embd * sizeof(float));
+    return c->pool && c->reply ? 0 : -ENOMEM;
+}
+
+/* ---- sockets and processes ---- */
+
+/* Removes runtime directories of coordinators that are gone. */
+static void cl_cleanup_rundirs(const char *base)
+{
+    DIR *d = opendir(base);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int pid;
+        char rest[64];
+        if (sscanf(e->d_name, "lamina-%d-%63s", &pid, rest) != 2 || pid <= 0)
+            continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH)
+            continue;
+        char path[PATH_MAX];
+        snprintf(path, sizeof(path), "%s/%s", base, e->d_name);
+        if (wire_rundir_remove(path) == 0)
+            log_info("removed the runtime directory %s of dead coordinator %d", path, pid);
+    }
+    closedir(d);
+}
+
+static int cl_setup_router(struct cluster *c)
+{
+    c->zctx = zmq_ctx_new();
+    if (!c->zctx)
+        return -ENOMEM;
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    cl_cleanup_rundirs(xdg && xdg[0] == '/' ? xdg : "/tmp");
+    int rc = wire_rundir_create(NULL, c->rundir, sizeof(c->rundir));
+    if (rc)
+        return rc;
+    struct wire_socket_config sc = wire_socket_config_default();
+    sc.send_timeout_ms = 5000;
+    if (c->cfg.listen) {
+        rc = wire_keypair_generate(&c->keys);
+        if (rc)
+            return rc;
+        c->curve = true;
+        sc.curve_keys = &c->keys;
+        sc.curve_server = true;
+    }
+    c->router = wire_socket_create(c->zctx, ZMQ_ROUTER, &sc);
+    if (!c->router)
+        return -EIO;
+    if (c->cfg.listen) {
+        rc = wire_socket_bind(c->router, c->cfg.listen);
+        rc = rc ? rc : wire_socket_endpoint(c->router, c->endpoint, sizeof(c->endpoint));
+        char z85[WIRE_KEY_Z85_LEN + 1];
+        wire_key_to_z85(c->keys.public_key, z85);
+        if (!rc) {
+            char kp[WIRE_PATH_MAX + 32];
+            snprintf(kp, sizeof(kp), "%s/server.key", c->rundir);
+            FILE *f = fopen(kp, "w");
+            if (f) {
+                fprintf(f, "%s\n", z85);
+                fclose(f);
+            }
+            log_info("listening on %s (CURVE); start workers with: lamina-worker --connect %s "
+                     "--index I --server-key %s", c->endpoint, c->endpoint, z85);
+        }
+        return rc;
+    }
+    rc = wire_endpoint_ipc(c->endpoint, sizeof(c->endpoint), c->rundir, "coord");
+    return rc ? rc : wire_socket_bind(c->router, c->endpoint);
+}
+
+static const char *cl_worker_bin(const struct cluster *c, char *buf, size_t cap)
+{
+    if (c->cfg.worker_bin)
+        return c->cfg.worker_bin;
+    ssize_t n = readlink("/proc/self/exe", buf, cap - 16);
+    if (n <= 0)
+        return "lamina-worker";
+    buf[n] = 0;
+    char *slash = strrchr(buf, '/');
+    strcpy(slash ? slash + 1 : buf, "lamina-worker");
+    return buf;
+}
+
+static int cl_spawn(struct cluster *c, int i)
+{
+    char bin[PATH_MAX], idx[16];
+    cl_worker_bin(c, bin, sizeof(bin));
+    snprintf(idx, sizeof(idx), "%d", i);
+    const pid_t parent = getpid();
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0)
+        return SYS_CHECK(pid);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(127);
+        char *argv[] = {bin, "--connect", c->endpoint, "--index", idx, NULL};
+        execv(bin, argv);
+        fprintf(stderr, "lamina: cannot start worker %s: %s\n", bin, strerror(errno));
+        _exit(127);
+    }
+    c->w[i].pid = pid;
+    log_info("started worker %d (pid %d): %s", i, (int)pid, bin);
+    return 0;
+}
+
+/* Reaps exited workers; returns the index of one that exited, or -1. */
+static int cl_reap(struct cluster *c)
+{
+    for (int i = 0; i < c->n; i++) {
+        struct cluster_worker *w = &c->w[i];
+        if (!w->pid || w->exited)
+            continue;
+        int st;
+        if (waitpid(w->pid, &st, WNOHANG) == w->pid) {
+            w->exited = true;
+            w->status = st;
+            return i;
+        }
+    }
+    return -1;
+}
+
+static void cl_describe_exit(const struct cluster_worker *w, char *buf, size_t cap)
+{
+    if (WIFSIGNALED(w->status))
+        snprintf(buf, cap, "killed by signal %d (%s)", WTERMSIG(w->status),
+                 strsignal(WTERMSIG(w->status)));
+    else
+        snprintf(buf, cap, "exited with status %d", WEXITSTATUS(w->status));
+}
+
+/* Worker index from a routing id "w<i>" / "h<i>"; -1 if unknown. */
+static int cl_worker_of(const struct cluster *c, const char *id, size_t len, bool *watchdog)
+{
+    if (len < 2 || len > 8 || (id[0] != 'w' && id[0] != 'h'))
+        return -1;
+    int v = 0;
+    for (size_t k = 1; k < len; k++) {
+        if (id[k] < '0' || id[k] > '9')
+            return -1;
+        v = v * 10 + (id[k] - '0');
+    }
+    *watchdog = id[0] == 'h';
+    return v < c->n ? v : -1;
+}
+
+static int cl_send(struct cluster *c, int i, struct wire_msg *m)
+{
+    char id[16];
+    snprintf(id, sizeof(id), "w%d", i);
+    m->seq_no = ++c->seq_no;
+    return wire_send(c->router, m, id, strlen(id));
+}
+
+/* ---- timing ---- */
+
+static double cl_json_num(const char *json, const char *key)
+{
+    char pat[48];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    const char *p = strstr(json, pat);
+    return p ? strtod(p + strlen(pat), NULL) : 0.0;
+}
+
+static void cl_timing(struct cluster *c, int i, const char *json)
+{
+    struct cluster_worker *w = &c->w[i];
+    w->steps++;
+    w->tokens += (uint64_t)cl_json_num(json, "tokens");
+    w->ms_total += cl_json_num(json, "total");
+    w->ms_attn += cl_json_num(json, "attn");
+    w->ms_deltanet += cl_json_num(json, "deltanet");
+    w->ms_router += cl_json_num(json, "router");
+    w->ms_experts += cl_json_num(json, "experts_gpu");
+    w->ms_cpu_wait += cl_json_num(json, "experts_cpu_wait");
+    w->ms_shared += cl_json_num(json, "shared_expert");
+    w->ms_send += cl_json_num(json, "send");
+    w->ms_recv_wait += cl_json_num(json, "recv_wait");
+    w->experts_local += (uint64_t)cl_json_num(json, "hit");
+    w->experts_cpu += (uint64_t)cl_json_num(json, "cpu");
+    if (c->timings)
+        fprintf(c->timings, "%s\n", json);
+}
+
+void cluster_print_summary(const struct cluster *c, FILE *out)
+{
+    fprintf(out, "| worker | layers | steps | tokens | total ms | attn | deltanet | router | "
+                 "experts | cpu wait | shared | send | recv wait | experts local/cpu |\n");
+    fprintf(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    for (int i = 0; i < c->n; i++) {
+        const struct cluster_worker *w = &c->w[i];
+        fprintf(out, "| %d | %u-%u | %llu | %llu | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
+                     "%.1f | %.1f | %.1f | %llu/%llu |\n",
+                i, w->l0, w->l1 - 1, (unsigned long long)w->steps,
+                (unsigned long long)w->tokens, w->ms_total, w->ms_attn, w->ms_deltanet,
+                w->ms_router, w->ms_experts, w->ms_cpu_wait, w->ms_shared, w->ms_send,
+                w->ms_recv_wait, (unsigned long long)w->experts_local,
+                (unsigned long long)w->experts_cpu);
+    }
+    fprintf(out, "CPU expert pool: %.1f ms busy, %llu rows\n",
+            1e3 * expert_pool_busy_s(c->pool), (unsigned long long)expert_pool_rows(c->pool));
+}
+
+/* ---- messages ---- */
+
+static int cl_expert_request(struct cluster *c, int i, const struct wire_msg *m)
+{
+    const struct wire_expert_request *r = &m->expert_request;
+    const struct cluster_worker *w = &c->w[i];
+    const struct arch_hparams *hp = &c->cfg.model->hp;
+    uint64_t rows = m->tensor_bytes / (hp->n_embd * sizeof(float));
+    if (r->layer < w->l0 || r->layer >= w->l1 || r->n_embd != hp->n_embd ||
+        r->step != c->step) {
+        log_error("worker %d sent an expert request for layer %u, step %llu, width %u; "
+                  "expected its layers %u-%u, step %llu, width %u", i, r->layer,
+                  (unsigned long long)r->step, r->n_embd, w->l0, w->l1 - 1,
+                  (unsigned long long)c->step, hp->n_embd);
+        return -EPROTO;
+    }
+    int rc = expert_pool_run(c->pool, r->layer, r->experts, r->counts, (uint32_t)r->n_experts,
+                             m->tensor, c->reply);
+    if (rc)
+        return rc;
+    struct wire_msg o = {.type = WIRE_TYPE_EXPERT_REPLY};
+    o.expert_reply = (struct wire_expert_reply){.step = r->step, .layer = r->layer,
+                                                .n_rows = (uint32_t)rows, .n_embd = hp->n_embd};
+    o.tensor = c->reply;
+    o.tensor_bytes = m->tensor_bytes;
+    return cl_send(c, i, &o);
+}
+
+/* What one received message means for the step in flight. */
+enum cl_event { CL_NONE, CL_RESULT, CL_FAIL };
+
+static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
+                               struct wire_msg *m, float *logits, uint32_t want_rows, int *rc)
+{
+    bool wd = false;
+    int i = cl_worker_of(c, id, id_len, &wd);
+    if (i < 0) {
+        log_warn("dropping a %s message from an unknown peer", wire_msg_type_name(m->type));
+        return CL_NONE;
+    }
+    struct cluster_worker *w = &c->w[i];
+    w->last_heartbeat = cl_now();
+    switch (m->type) {
+    case WIRE_TYPE_HEARTBEAT:
+        if (m->heartbeat.step != w->progress) {
+            w->progress = m->heartbeat.step;
+            w->progress_time = cl_now();
+        }
+        return CL_NONE;
+    case WIRE_TYPE_TIMING:
+        cl_timing(c, i, m->timing.json);
+        return CL_NONE;
+    case WIRE_TYPE_EXPERT_REQUEST:
+        *rc = cl_expert_request(c, i, m);
+        return *rc ? CL_FAIL : CL_NONE;
+    case WIRE_TYPE_ERROR:
+        log_error("worker %d failed in step %llu: %s", i, (unsigned long long)m->error.step,
+                  m->error.message);
+        *rc = -EIO;
+        return CL_FAIL;
+    case WIRE_TYPE_RESULT:
+        if (i != c->n - 1 || m->result.step != c->step || m->result.n_rows != want_rows ||
+            m->result.n_vocab != c->cfg.model->hp.n_vocab || !m->tensor) {
+            log_warn("dropping a result from worker %d that does not match step %llu", i,
+                     (unsigned long long)c->step);
+            return CL_NONE;
+        }
+        memcpy(logits, m->tensor, m->tensor_bytes);
+        return CL_RESULT;
+    default:
+        log_warn("dropping an unexpected %s message from worker %d", wire_msg_type_name(m->type),
+                 i);
+        return CL_NONE;
+    }
+}
+
+/* Checks for dead or silent workers during a step; logs and returns an errno. */
+static int cl_check_alive(struct cluster *c)
+{
+    int dead = cl_reap(c);
+    if (dead >= 0) {
+        char how[96];
+        cl_describe_exit(&c->w[dead], how, sizeof(how));
+        log_error("worker %d (pid %d, layers %u-%u) %s during step %llu", dead,
+                  (int)c->w[dead].pid, c->w[dead].l0, c->w[dead].l1 - 1, how,
+                  (unsigned long long)c->step);
+        return -ECONNRESET;
+    }
+    const double now = cl_now();
+    for (int i = 0; i < c->n; i++) {
+        const struct cluster_worker *w = &c->w[i];
+        if (w->exited)
+            continue;
+        if (now - w->last_heartbeat > CLUSTER_DEAD_S) {
+            log_error("worker %d (pid %d) stopped answering: no heartbeat for %.1f s in step %llu",
+                      i, (int)w->pid, now - w->last_heartbeat, (unsigned long long)c->step);
+            return -ETIMEDOUT;
+        }
+        if (now - w->progress_time > c->cfg.hang_timeout_s) {
+            log_error("worker %d (pid %d) is stuck: no layer finished for %.1f s in step %llu",
+                      i, (int)w->pid, now - w->progress_time, (unsigned long long)c->step);
+            return -ETIMEDOUT;
+        }
+    }
+    return c->interrupted ? -EINTR : 0;
+}
+
+int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
+                 float *logits)
+{
+    const struct arch_hparams *hp = &c->cfg.model->hp;
+    if (n == 0 || n > c->cfg.max_batch)
+        return -EINVAL;
+    c->step++;
+    const double now = cl_now();
+    for (int i = 0; i < c->n; i++)
+        c->w[i].progress_time = now;
+    struct wire_msg m = {.type = WIRE_TYPE_STEP};
+    m.step = (struct wire_step){.seq_id = 0, .pos = pos, .n_tokens = n, .step = c->step,
+                                .all_logits = all_logits, .n_embd = hp->n_embd};
+    m.tensor = h;
+    m.tensor_bytes = (size_t)n * hp->n_embd * sizeof(float);
+    int rc = cl_send(c, 0, &m);
+    if (rc) {
+        log_error("cannot send step %llu to worker 0: %s", (unsigned long long)c->step,
+                  strerror(-rc));
+        return rc;
+    }
+    const uint32_t want = all_logits ? n : 1;
+    for (;;) {
+        rc = cl_check_alive(c);
+        if (rc)
+            return rc;
+        char id[WIRE_ID_MAX];
+        size_t id_len = sizeof(id);
+        struct wire_msg r;
+        rc = wire_recv(c->router, &r, id, &id_len, CLUSTER_POLL_MS);
+        if (rc == -ETIMEDOUT || rc == -EPROTO || rc == -EINTR)
+            continue;
+        if (rc)
+            return rc;
+        enum cl_event ev = cl_handle(c, id, id_len, &r, logits, want, &rc);
+        wire_msg_free(&r);
+        if (ev == CL_RESULT)
+            return 0;
+        if (ev == CL_FAIL)
+            return rc;
+    }
+}
+
+int cluster_reset(struct cluster *c)
+{
+    for (int i = 0; i < c->n; i++) {
+        struct wire_msg m = {.type = WIRE_TYPE_RESET};
+        int rc = cl_send(c, i, &m);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+/* ---- start-up ---- */
+
+/* Waits until pred holds for every worker, handling hello/ready/errors. */
+static int cl_wait_all(struct cluster *c, bool ready, double timeout_s)
+{
+    const double deadline = cl_now() + timeout_s;
+    for (;;) {
+        int done = 0;
+        for (int i = 0; i < c->n; i++)
+            done += ready ? c->w[i].ready : c->w[i].hello;
+        if (done == c->n)
+            return 0;
+        int dead = cl_reap(c);
+        if (dead >= 0) {
+            char how[96];
+            cl_describe_exit(&c->w[dead], how, sizeof(how));
+            log_error("worker %d (pid %d) %s while %s", dead, (int)c->w[dead].pid, how,
+                      ready ? "loading" : "starting");
+            return -ECONNRESET;
+        }
+        if (cl_now() > deadline || c->interrupted) {
+            log_error("%s: %d of %d workers %s after %.0f s",
+                      c->interrupted ? "interrupted" : "timed out", done, c->n,
+                      ready ? "ready" : "connected", timeout_s);
+            return c->interrupted ? -EINTR : -ETIMEDOUT;
+        }
+        char id[WIRE_ID_MAX];
+        size_t id_len = sizeof(id);
+        struct wire_msg m;
+        int rc = wire_recv(c->router, &m, id, &id_len, 100);
+        if (rc)
+            continue;
+        bool wd;
+        int i = cl_worker_of(c, id, id_len, &wd);
+        if (i >= 0 && !wd && m.type == WIRE_TYPE_HELLO && m.hello.worker_index == (uint32_t)i)
+            c->w[i].hello = true;
+        else if (i >= 0 && !wd && m.type == WIRE_TYPE_READY) {
+            c->w[i].ready = true;
+            c->w[i].resident = m.ready.resident_experts;
+            c->w[i].mem_used = m.ready.device_mem_used;
+        } else if (i >= 0 && m.type == WIRE_TYPE_ERROR) {
+            log_error("worker %d failed to start: %s", i, m.error.message);
+            wire_msg_free(&m);
+            return -EIO;
+        }
+        wire_msg_free(&m);
+    }
+}
+
+static int cl_send_plan(struct cluster *c, int i)
+{
+    const struct arch_model *m = c->cfg.model;
+    struct cluster_worker *w = &c->w[i];
+    const uint32_t nl = w->l1 - w->l0;
+    struct wire_layer_residency *res = calloc(nl, sizeof(*res));
+    if (!res)
+        return -ENOMEM;
+    for (uint32_t l = 0; l < nl; l++)
+        res[l] = (struct wire_layer_residency){.layer = w->l0 + l, .bitmap = w->bitmaps[l],
+                                               .bitmap_bytes = (m->hp.n_expert + 7) / 8};
+    int threads = c->cfg.worker_threads;
+    if (threads <= 0) {
+        threads = threadpool_physical_cores() / c->n;
+        threads = threads < 1 ? 1 : threads;
+    }
+    struct wire_msg msg = {.type = WIRE_TYPE_LOAD_PLAN};
+    msg.load_plan = (struct wire_load_plan){
+        .model_path = c->cfg.model_path, .shm_name = shm_name(c->shm),
+        .shm_bytes = shm_bytes(c->shm), .layer_begin = w->l0, .layer_end = w->l1,
+        .n_layers_total = m->hp.n_layer, .residency = res, .n_residency = nl,
+        .backend = c->cfg.backends[i] ? c->cfg.backends[i] : "cpu",
+        .device_mem_budget = c->cfg.device_mem[i], .n_ctx = c->cfg.n_ctx,
+        .kv_f16 = c->cfg.kv_f16, .max_batch = c->cfg.max_batch, .n_threads = (uint32_t)threads,
+        .next_endpoint = i + 1 < c->n ? c->data_ep[i + 1] : "",
+        .listen_endpoint = i > 0 ? c->data_ep[i] : "", .is_last = i == c->n - 1,
+        .n_embd = m->hp.n_embd, .n_vocab = m->hp.n_vocab};
+    int rc = cl_send(c, i, &msg);
+    free(res);
+    return rc;
+}
+
+static int cl_data_endpoints(struct cluster *c)
+{
+    for (int i = 1; i < c->n; i++) {
+        if (c->cfg.listen) {
+            /* tcp: worker i listens next to the coordinator's port */
+            const char *colon = strrchr(c->endpoint, ':');
+            int port = colon ? atoi(colon + 1) : 0;
+            snprintf(c->data_ep[i], sizeof(c->data_ep[i]), "%.*s:%d",
+                     (int)(colon ? colon - c->endpoint : 0), c->endpoint, port + i);
+            continue;
+        }
+        char name[16];
+        snprintf(name, sizeof(name), "data%d", i);
+        int rc = wire_endpoint_ipc(c->data_ep[i], sizeof(c->data_ep[i]), c->rundir, name);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+static int cl_start(struct cluster *c)
+{
+    int rc = c->cfg.layers && strcmp(c->cfg.layers, "auto") ? cl_split_list(c, c->cfg.layers)
+                                                            : cl_split_auto(c);
+    rc = rc ? rc : cl_plan_residency(c);
+    rc = rc ? rc : cl_setup_shm(c);
+    rc = rc ? rc : cl_setup_router(c);
+    rc = rc ? rc : cl_data_endpoints(c);
+    for (int i = 0; i < c->n && !rc && c->cfg.spawn; i++)
+        rc = cl_spawn(c, i);
+    rc = rc ? rc : cl_wait_all(c, false, c->cfg.spawn ? CLUSTER_HELLO_TIMEOUT_S : 3600);
+    for (int i = 0; i < c->n && !rc; i++)
+        rc = cl_send_plan(c, i);
+    rc = rc ? rc : cl_wait_all(c, true, CLUSTER_READY_TIMEOUT_S);
+    const double now = cl_now();
+    for (int i = 0; i < c->n; i++)
+        c->w[i].last_heartbeat = c->w[i].progress_time = now;
+    if (!rc && c->cfg.timings_path) {
+        c->timings = fopen(c->cfg.timings_path, "w");
+        if (!c->timings) {
+            log_error("cannot write timings to %s: %s", c->cfg.timings_path, strerror(errno));
+            rc = -errno;
+        }
+    }
+    return rc;
+}
+
+struct cluster *cluster_create(const struct cluster_config *cfg)
+{
+    if (cfg->n_workers < 1 || cfg->n_workers > CLUSTER_MAX_WORKERS || cfg->max_batch == 0) {
+        log_error("bad cluster config: %d workers, batch %u", cfg->n_workers, cfg->max_batch);
+        return NULL;
+    }
+    struct cluster *c = calloc(1, sizeof(*c));
+    if (!c)
+        return NULL;
+    c->cfg = *cfg;
+    if (c->cfg.hang_timeout_s <= 0)
+        c->cfg.hang_timeout_s = 30;
+    c->n = cfg->n_workers;
+    for (int i = 0; i < c->n; i++)
+        c->w[i].index = i;
+    if (cl_start(c)) {
+        cluster_destroy(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* Asks every live worker to stop, waits a bounded time, then kills. */
+static void cl_stop_workers(struct cluster *c)
+{
+    for (int i = 0; i < c->n && c->router; i++) {
+        if (c->w[i].exited || (!c->w[i].hello && c->w[i].pid == 0))
+            continue;
+        struct wire_msg m = {.type = WIRE_TYPE_SHUTDOWN};
+        cl_send(c, i, &m);
+    }
+    const double deadline = cl_now() + CLUSTER_SHUTDOWN_WAIT_S;
+    for (;;) {
+        cl_reap(c);
+        int alive = 0;
+        for (int i = 0; i < c->n; i++)
+            alive += c->w[i].pid && !c->w[i].exited;
+        if (!alive || cl_now() > deadline)
+            break;
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    for (int i = 0; i < c->n; i++) {
+        struct cluster_worker *w = &c->w[i];
+        if (!w->pid || w->exited)
+            continue;
+        log_warn("worker %d (pid %d) did not stop: killing it", i, (int)w->pid);
+        kill(w->pid, SIGKILL);
+        waitpid(w->pid, &w->status, 0);
+        w->exited = true;
+    }
+}
+
+void cluster_destroy(struct cluster *c)
+{
+    if (!c)
+        return;
+    cl_stop_workers(c);
+    if (c->timings)
+        fclose(c->timings);
+    wire_socket_destroy(c->router);
+    if (c->zctx)
+        zmq_ctx_term(c->zctx);
+    if (c->rundir[0])
+        wire_rundir_remove(c->rundir);
+    expert_pool_destroy(c->pool);
+    free(c->reply);
+    for (uint32_t l = 0; c->refs && l < c->cfg.model->hp.n_layer; l++)
+        free(c->refs[l]);
+    free(c->refs);
+    shm_destroy(c->shm);
+    for (int i = 0; i < c->n; i++) {
+        for (uint32_t l = 0; c->w[i].bitmaps && l < c->w[i].l1 - c->w[i].l0; l++)
+            free(c->w[i].bitmaps[l]);
+        free(c->w[i].bitmaps);
+    }
+    free(c);
+}
+
+void cluster_interrupt(struct cluster *c)
+{
+    c->interrupted = 1;
+}
+
+const char *cluster_shm_name(const struct cluster *c)
+{
+    return c->shm ? shm_name(c->shm) : NULL;
+}

@@ -1,0 +1,81 @@
+/*
+ * cluster: the coordinator's side of the multi-process system. It copies
+ * every routed expert into a POSIX shared-memory segment, binds the
+ * coordinator's ROUTER socket in a private runtime directory (or on tcp://
+ * with CURVE when asked), starts one lamina-worker per device (fork+exec,
+ * parent-death signal) or waits for workers started elsewhere, splits the
+ * layers between them, tells each its plan, and then runs steps: hidden
+ * states to worker 0, expert requests answered from the CPU pool, logits back
+ * from the last worker. It notices a worker that dies (its exit) or stops
+ * answering (no heartbeat for 2 s, or no progress for hang_timeout), fails
+ * the step with an error naming it, and on destroy shuts every worker down,
+ * kills what is left, unlinks the segment and removes the runtime directory.
+ *
+ * Called from the coordinator's main thread only; it owns the ZeroMQ
+ * context it creates.
+ */
+#ifndef COORDINATOR_CLUSTER_H
+#define COORDINATOR_CLUSTER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "model/arch.h"
+#include "model/gguf.h"
+
+#define CLUSTER_MAX_WORKERS 64
+
+struct cluster_config {
+    const char *model_path;        /* GGUF path the workers open */
+    const struct gguf *gguf;       /* borrowed: the coordinator's view of it */
+    const struct arch_model *model;/* borrowed */
+    int n_workers;                 /* 1..CLUSTER_MAX_WORKERS */
+    const char *backends[CLUSTER_MAX_WORKERS]; /* "cpu" per worker */
+    uint64_t device_mem[CLUSTER_MAX_WORKERS];  /* budget per worker, bytes; 0 = unlimited */
+    const char *layers;            /* "auto" (default) or "0-19,20-39" */
+    const char *resident;          /* "all" (default), "none", "fit", or "P%" per layer */
+    uint32_t n_ctx;                /* KV positions */
+    bool kv_f16;
+    uint32_t max_batch;            /* tokens per step */
+    int worker_threads;            /* compute threads per worker; <= 0: cores / workers */
+    int pool_threads;              /* CPU expert pool threads; <= 0: physical cores */
+    const char *listen;            /* tcp://HOST:PORT to bind with CURVE, or NULL for ipc */
+    bool spawn;                    /* start the workers (default); false: wait for them */
+    const char *worker_bin;        /* lamina-worker path; NULL: next to this executable */
+    const char *timings_path;      /* JSON lines of every step, or NULL */
+    double hang_timeout_s;         /* no layer progress for this long in a step: hung (30) */
+};
+
+struct cluster;
+
+/* Builds everything and waits until every worker is ready. Returns an owned
+ * cluster or NULL after logging why; nothing (process, segment, directory)
+ * is left behind on failure. */
+struct cluster *cluster_create(const struct cluster_config *cfg);
+
+/* Shuts the workers down (SHUTDOWN, bounded wait, SIGKILL), unlinks the
+ * segment, removes the runtime directory; accepts NULL. */
+void cluster_destroy(struct cluster *c);
+
+/* One step: n rows of hidden states h (positions pos..pos+n-1 of sequence
+ * 0) through every worker; logits of the last row (or all n rows) into
+ * logits. n <= max_batch. Returns 0, or a negative errno after logging an
+ * error that names the worker (-ECONNRESET: a worker died; -ETIMEDOUT: it
+ * stopped answering; -EIO: it reported a failure; -EINTR: interrupted). */
+int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
+                 float *logits);
+
+/* Starts sequence 0 over on every worker. */
+int cluster_reset(struct cluster *c);
+
+/* Prints the per-worker summary table of the steps so far. */
+void cluster_print_summary(const struct cluster *c, FILE *out);
+
+/* Sets the flag the step loop checks (from a signal handler: async-signal-safe). */
+void cluster_interrupt(struct cluster *c);
+
+/* The segment name, for a signal handler that must unlink it. */
+const char *cluster_shm_name(const struct cluster *c);
+
+#endif

@@ -1,0 +1,600 @@
+/*
+ * lamina-worker: one process per device. It connects to the coordinator,
+ * receives its load plan (layer range, resident experts, backend and memory
+ * budget, where hidden states come from and go to), maps the shared-memory
+ * expert stacks read-only, loads its layers onto its backend, and then runs
+ * the steps it is sent: hidden states in, its layers, hidden states out to
+ * the next worker (or logits to the coordinator from the last one). Experts
+ * it does not hold go to the coordinator's CPU pool, one request per layer.
+ *
+ *   lamina-worker --connect ENDPOINT --index N [--server-key Z85]
+ *
+ * Threads: the main thread owns the coordinator, input and output sockets
+ * and all compute; a watchdog thread owns a second coordinator socket and
+ * sends a heartbeat every WORKER_HEARTBEAT_MS carrying the layer progress
+ * counter, so the coordinator can tell a slow step from a hung one.
+ * A worker never talks to the user. It exits 0 on SHUTDOWN, non-zero on any
+ * error (a failed step is reported to the coordinator first), and when its
+ * coordinator goes away (parent-death signal for spawned workers; silence
+ * for hand-started ones).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "ipc/shm.h"
+#include "ipc/wire.h"
+#include "model/arch.h"
+#include "model/gguf.h"
+#include "worker/backend.h"
+
+#define WORKER_HEARTBEAT_MS 250     /* watchdog heartbeat period */
+#define WORKER_PLAN_TIMEOUT_MS 30000 /* hello -> load plan */
+#define WORKER_IDLE_EXIT_MS 15000   /* no word from the coordinator for this long: exit */
+#define WORKER_REPLY_TIMEOUT_MS 60000 /* expert reply wait */
+
+struct worker_args {
+    const char *connect;     /* coordinator endpoint */
+    int index;               /* worker index */
+    const char *server_key;  /* CURVE server public key (Z85), for tcp:// */
+};
+
+struct worker {
+    struct worker_args args;
+    void *zctx;
+    struct wire_socket *coord;     /* DEALER to the coordinator */
+    struct wire_socket *in;        /* PULL from the previous worker, or NULL */
+    struct wire_socket *out;       /* PUSH to the next worker, or NULL */
+    struct wire_keypair keys;      /* own CURVE keys (tcp only) */
+    uint8_t server_key[WIRE_KEY_BYTES];
+    bool curve;
+    /* plan */
+    uint32_t l0, l1, n_ctx, max_batch;
+    bool is_last;
+    struct gguf *g;
+    struct arch_model *m;
+    struct shm_segment *shm;
+    struct expert_ref **src;       /* per model layer: refs into shm */
+    uint8_t **resident;            /* per model layer bitmaps */
+    struct backend *be;
+    float *h, *logits;
+    /* state */
+    uint64_t seq_no;
+    uint64_t step;                 /* step being run */
+    uint32_t pending_layer, pending_rows;
+    double last_coord;             /* time of the last message from the coordinator */
+    volatile uint64_t progress;    /* layers run (watchdog) */
+    atomic_int stop;               /* tells the watchdog to end */
+    pthread_t watchdog;
+    bool watchdog_started;
+    struct forward_stats prev;     /* stats at the end of the previous step */
+};
+
+static double worker_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static struct wire_socket_config worker_sock_cfg(struct worker *w, const char *id)
+{
+    struct wire_socket_config c = wire_socket_config_default();
+    c.routing_id = id;
+    c.send_timeout_ms = 5000;
+    if (w->curve) {
+        c.curve_keys = &w->keys;
+        c.curve_server_key = w->server_key;
+    }
+    return c;
+}
+
+static int worker_send(struct worker *w, struct wire_socket *s, struct wire_msg *m)
+{
+    m->seq_no = ++w->seq_no;
+    return wire_send(s, m, NULL, 0);
+}
+
+static void worker_report_error(struct worker *w, int code, const char *what)
+{
+    struct wire_msg m = {.type = WIRE_TYPE_ERROR};
+    m.error = (struct wire_error){.code = code, .message = what,
+                                  .worker_index = (uint32_t)w->args.index, .step = w->step};
+    worker_send(w, w->coord, &m);
+}
+
+/* ---- watchdog ---- */
+
+static void *worker_watchdog(void *arg)
+{
+    struct worker *w = arg;
+    char id[16];
+    snprintf(id, sizeof(id), "h%d", w->args.index);
+    struct wire_socket_config c = worker_sock_cfg(w, id);
+    struct wire_socket *s = wire_socket_create(w->zctx, ZMQ_DEALER, &c);
+    if (!s || wire_socket_connect(s, w->args.connect)) {
+        wire_socket_destroy(s);
+        return NULL;
+    }
+    uint64_t seq = 0;
+    while (!atomic_load(&w->stop)) {
+        struct wire_msg m = {.type = WIRE_TYPE_HEARTBEAT, .seq_no = ++seq};
+        m.heartbeat.step = __atomic_load_n(&w->progress, __ATOMIC_RELAXED);
+        wire_send(s, &m, NULL, 0);
+        struct timespec ts = {0, WORKER_HEARTBEAT_MS * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    wire_socket_destroy(s);
+    return NULL;
+}
+
+/* ---- remote experts ---- */
+
+static int worker_submit(void *ctx, uint32_t layer, const uint32_t *experts,
+                         const uint32_t *counts, uint32_t n_groups, const float *X,
+                         uint32_t n_rows)
+{
+    struct worker *w = ctx;
+    struct wire_msg m = {.type = WIRE_TYPE_EXPERT_REQUEST};
+    m.expert_request = (struct wire_expert_request){
+        .step = w->step, .layer = layer, .experts = experts, .counts = counts,
+        .n_experts = n_groups, .n_embd = w->m->hp.n_embd};
+    m.tensor = X;
+    m.tensor_bytes = (size_t)n_rows * w->m->hp.n_embd * sizeof(float);
+    w->pending_layer = layer;
+    w->pending_rows = n_rows;
+    int rc = worker_send(w, w->coord, &m);
+    if (rc)
+        log_error("cannot send the expert request of layer %u to the coordinator: %s", layer,
+                  strerror(-rc));
+    return rc;
+}
+
+static int worker_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
+{
+    struct worker *w = ctx;
+    double deadline = worker_now() + WORKER_REPLY_TIMEOUT_MS / 1000.0;
+    while (worker_now() < deadline) {
+        struct wire_msg m;
+        int rc = wire_recv(w->coord, &m, NULL, NULL, 1000);
+        if (rc == -ETIMEDOUT || rc == -EPROTO)
+            continue;
+        if (rc)
+            return rc;
+        w->last_coord = worker_now();
+        if (m.type == WIRE_TYPE_EXPERT_REPLY && m.expert_reply.step == w->step &&
+            m.expert_reply.layer == layer && m.expert_reply.n_rows == n_rows &&
+            m.expert_reply.n_embd == w->m->hp.n_embd) {
+            memcpy(Y, m.tensor, m.tensor_bytes);
+            wire_msg_free(&m);
+            return 0;
+        }
+        enum wire_type t = m.type;
+        wire_msg_free(&m);
+        if (t == WIRE_TYPE_SHUTDOWN) {
+            log_info("shutdown received during step %llu", (unsigned long long)w->step);
+            return -ECANCELED;
+        }
+        if (t == WIRE_TYPE_ERROR) {
+            log_error("coordinator failed the expert request of layer %u", layer);
+            return -EIO;
+        }
+        if (t != WIRE_TYPE_HEARTBEAT)
+            log_warn("dropping a %s message while waiting for experts of layer %u",
+                     wire_msg_type_name(t), layer);
+    }
+    log_error("no expert reply for layer %u of step %llu within %d ms", layer,
+              (unsigned long long)w->step, WORKER_REPLY_TIMEOUT_MS);
+    return -ETIMEDOUT;
+}
+
+/* ---- load plan ---- */
+
+static int worker_build_refs(struct worker *w)
+{
+    const uint32_t E = w->m->hp.n_expert, L = w->m->hp.n_layer;
+    w->src = calloc(L, sizeof(*w->src));
+    if (!w->src)
+        return -ENOMEM;
+    for (uint32_t l = w->l0; l < w->l1; l++) {
+        w->src[l] = calloc(E, sizeof(struct expert_ref));
+        if (!w->src[l])
+            return -ENOMEM;
+        const bool fused = shm_entry(w->shm, l, SHM_KIND_GATE) == NULL;
+        for (uint32_t e = 0; e < E; e++) {
+            struct expert_ref *r = &w->src[l][e];
+            r->gate = shm_expert(w->shm, l, fused ? SHM_KIND_GATE_UP : SHM_KIND_GATE, e, NULL, NULL);
+            r->up = fused ? NULL : shm_expert(w->shm, l, SHM_KIND_UP, e, NULL, NULL);
+            r->down = shm_expert(w->shm, l, SHM_KIND_DOWN, e, NULL, NULL);
+            if (!r->gate || !r->down) {
+                log_error("shm segment lacks the experts of layer %u", l);
+                return -EPROTO;
+            }
+        }
+    }
+    return 0;
+}
+
+static int worker_build_residency(struct worker *w, const struct wire_load_plan *p)
+{
+    const uint32_t E = w->m->hp.n_expert, L = w->m->hp.n_layer;
+    w->resident = calloc(L, sizeof(*w->resident));
+    if (!w->resident)
+        return -ENOMEM;
+    for (size_t i = 0; i < p->n_residency; i++) {
+        const struct wire_layer_residency *r = &p->residency[i];
+        if (r->bitmap_bytes != (E + 7) / 8) {
+            log_error("load plan: residency bitmap of layer %u has %zu bytes, expected %u",
+                      r->layer, r->bitmap_bytes, (E + 7) / 8);
+            return -EPROTO;
+        }
+        w->resident[r->layer] = malloc(r->bitmap_bytes);
+        if (!w->resident[r->layer])
+            return -ENOMEM;
+        memcpy(w->resident[r->layer], r->bitmap, r->bitmap_bytes);
+    }
+    return 0;
+}
+
+static int worker_check_plan(struct worker *w, const struct wire_load_plan *p)
+{
+    const struct arch_hparams *hp = &w->m->hp;
+    if (p->n_layers_total != hp->n_layer || p->n_embd != hp->n_embd ||
+        p->n_vocab != hp->n_vocab) {
+        log_error("load plan does not match %s: plan has %u layers, width %u, vocab %u; file "
+                  "has %u, %u, %u", p->model_path, p->n_layers_total, p->n_embd, p->n_vocab,
+                  hp->n_layer, hp->n_embd, hp->n_vocab);
+        return -EPROTO;
+    }
+    if (p->max_batch == 0 || p->max_batch > 65536 || p->n_ctx == 0 || p->n_ctx > (1u << 24)) {
+        log_error("load plan: max_batch %u or n_ctx %u out of range", p->max_batch, p->n_ctx);
+        return -EPROTO;
+    }
+    return 0;
+}
+
+static int worker_load(struct worker *w, const struct wire_load_plan *p)
+{
+    w->l0 = p->layer_begin;
+    w->l1 = p->layer_end;
+    w->n_ctx = p->n_ctx;
+    w->max_batch = p->max_batch;
+    w->is_last = p->is_last;
+    struct gguf_config gc = {.path = p->model_path};
+    w->g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = w->g};
+    w->m = w->g ? arch_load(&ac) : NULL;
+    if (!w->m)
+        return -EINVAL;
+    int rc = worker_check_plan(w, p);
+    if (rc)
+        return rc;
+    w->shm = shm_open_ro(p->shm_name, shm_model_hash(w->g));
+    if (!w->shm)
+        return -EPROTO;
+    rc = worker_build_refs(w);
+    rc = rc ? rc : worker_build_residency(w, p);
+    if (rc)
+        return rc;
+    struct backend_config bc = {
+        .model = w->m, .layer_begin = w->l0, .layer_end = w->l1,
+        .device_mem = p->device_mem_budget, .n_threads = (int)p->n_threads, .n_ctx = p->n_ctx,
+        .kv_f16 = p->kv_f16, .max_batch = p->max_batch,
+        .resident = (const uint8_t *const *)w->resident,
+        .expert_src = (const struct expert_ref *const *)w->src,
+        .remote = {.ctx = w, .submit = worker_submit, .collect = worker_collect},
+        .progress = &w->progress, .fail = getenv("LAMINA_FAIL")};
+    char want[16];
+    snprintf(want, sizeof(want), "%d:", w->args.index);
+    if (bc.fail && strncmp(bc.fail, want, strlen(want)) == 0)
+        bc.fail += strlen(want); /* "INDEX:kind:N" targets one worker */
+    else if (bc.fail && strchr(bc.fail, ':') != strrchr(bc.fail, ':'))
+        bc.fail = NULL;
+    w->be = backend_create(p->backend, &bc);
+    if (!w->be)
+        return -ENOMEM;
+    w->h = malloc((size_t)p->max_batch * w->m->hp.n_embd * sizeof(float));
+    w->logits = malloc((size_t)p->max_batch * w->m->hp.n_vocab * sizeof(float));
+    return w->h && w->logits ? 0 : -ENOMEM;
+}
+
+static int worker_connect_data(struct worker *w, const struct wire_load_plan *p)
+{
+    struct wire_socket_config c = worker_sock_cfg(w, NULL);
+    c.send_timeout_ms = 30000;
+    if (p->listen_endpoint[0]) {
+        struct wire_socket_config ci = wire_socket_config_default();
+        if (w->curve) {
+            ci.curve_keys = &w->keys;
+            ci.curve_server = true;
+        }
+        w->in = wire_socket_create(w->zctx, ZMQ_PULL, &ci);
+        if (!w->in || wire_socket_bind(w->in, p->listen_endpoint))
+            return -EIO;
+    }
+    if (p->next_endpoint[0]) {
+        w->out = wire_socket_create(w->zctx, ZMQ_PUSH, &c);
+        if (!w->out || wire_socket_connect(w->out, p->next_endpoint))
+            return -EIO;
+    }
+    return 0;
+}
+
+/* Hello, plan, load, ready. */
+static int worker_start(struct worker *w)
+{
+    struct wire_msg m = {.type = WIRE_TYPE_HELLO};
+    m.hello = (struct wire_hello){.worker_index = (uint32_t)w->args.index,
+                                  .pid = (uint32_t)getpid(), .device = "cpu"};
+    int rc = worker_send(w, w->coord, &m);
+    if (rc) {
+        log_error("cannot reach the coordinator at %s: %s", w->args.connect, strerror(-rc));
+        return rc;
+    }
+    struct wire_msg plan;
+    do {
+        rc = wire_recv(w->coord, &plan, NULL, NULL, WORKER_PLAN_TIMEOUT_MS);
+    } while (rc == -EPROTO || (!rc && plan.type == WIRE_TYPE_HEARTBEAT && (wire_msg_free(&plan), 1)));
+    if (rc || plan.type != WIRE_TYPE_LOAD_PLAN) {
+        log_error("no load plan from the coordinator (%s)",
+                  rc ? strerror(-rc) : wire_msg_type_name(plan.type));
+        wire_msg_free(&plan);
+        return rc ? rc : -EPROTO;
+    }
+    rc = worker_load(w, &plan.load_plan);
+    rc = rc ? rc : worker_connect_data(w, &plan.load_plan);
+    wire_msg_free(&plan);
+    if (rc) {
+        worker_report_error(w, rc, "loading the plan failed (see the worker's log)");
+        return rc;
+    }
+    struct wire_msg r = {.type = WIRE_TYPE_READY};
+    r.ready = (struct wire_ready){.device_mem_used = w->be->mem_used,
+                                  .resident_experts = w->be->resident_experts};
+    log_info("layers %u-%u loaded: %u experts resident, %.1f MiB of device memory", w->l0,
+             w->l1 - 1, w->be->resident_experts, w->be->mem_used / 1048576.0);
+    return worker_send(w, w->coord, &r);
+}
+
+/* ---- steps ---- */
+
+static void worker_send_timing(struct worker *w, const struct wire_step *st, double recv_wait,
+                               double send_s, double total_s)
+{
+    const struct forward_stats *s = backend_stats(w->be);
+    const struct forward_stats *p = &w->prev;
+    char json[1024];
+    snprintf(json, sizeof(json),
+             "{\"worker\":%d,\"device\":\"cpu\",\"step\":%llu,\"seq\":%llu,\"tokens\":%u,"
+             "\"layers\":[%u,%u],\"ms\":{\"attn\":%.3f,\"deltanet\":%.3f,\"router\":%.3f,"
+             "\"experts_gpu\":%.3f,\"experts_page_in\":0,\"experts_cpu_wait\":%.3f,"
+             "\"shared_expert\":%.3f,\"send\":%.3f,\"recv_wait\":%.3f,\"total\":%.3f},"
+             "\"experts\":{\"hit\":%llu,\"paged\":0,\"in_place\":0,\"cpu\":%llu},"
+             "\"bytes\":{\"h2d\":0,\"nccl\":0}}",
+             w->args.index, (unsigned long long)st->step, (unsigned long long)st->seq_id,
+             st->n_tokens, w->l0, w->l1, 1e3 * (s->attn - p->attn),
+             1e3 * (s->deltanet - p->deltanet), 1e3 * (s->router - p->router),
+             1e3 * (s->experts - p->experts), 1e3 * (s->remote_wait - p->remote_wait),
+             1e3 * (s->shared_expert - p->shared_expert), 1e3 * send_s, 1e3 * recv_wait,
+             1e3 * total_s, (unsigned long long)(s->expert_rows - p->expert_rows),
+             (unsigned long long)(s->remote_rows - p->remote_rows));
+    w->prev = *s;
+    struct wire_msg m = {.type = WIRE_TYPE_TIMING};
+    m.timing.json = json;
+    worker_send(w, w->coord, &m);
+}
+
+static int worker_check_step(struct worker *w, const struct wire_msg *m)
+{
+    const struct wire_step *st = &m->step;
+    if (st->n_embd != w->m->hp.n_embd || st->n_tokens == 0 || st->n_tokens > w->max_batch ||
+        (uint64_t)st->pos + st->n_tokens > w->n_ctx) {
+        log_error("step %llu rejected: %u tokens of width %u at position %u (batch %u, width "
+                  "%u, context %u)", (unsigned long long)st->step, st->n_tokens, st->n_embd,
+                  st->pos, w->max_batch, w->m->hp.n_embd, w->n_ctx);
+        return -EPROTO;
+    }
+    return 0;
+}
+
+static int worker_finish_step(struct worker *w, const struct wire_step *st)
+{
+    const size_t n = w->m->hp.n_embd;
+    if (!w->is_last) {
+        struct wire_msg o = {.type = WIRE_TYPE_STEP};
+        o.step = *st;
+        o.tensor = w->h;
+        o.tensor_bytes = (size_t)st->n_tokens * n * sizeof(float);
+        return worker_send(w, w->out, &o);
+    }
+    const uint32_t rows = st->all_logits ? st->n_tokens : 1;
+    const float *hr = w->h + (size_t)(st->n_tokens - rows) * n;
+    int rc = backend_logits(w->be, hr, rows, w->logits);
+    if (rc)
+        return rc;
+    struct wire_msg o = {.type = WIRE_TYPE_RESULT};
+    o.result = (struct wire_result){.seq_id = st->seq_id, .step = st->step, .n_rows = rows,
+                                    .n_vocab = w->m->hp.n_vocab, .token = -1};
+    o.tensor = w->logits;
+    o.tensor_bytes = (size_t)rows * w->m->hp.n_vocab * sizeof(float);
+    return worker_send(w, w->coord, &o);
+}
+
+static int worker_step(struct worker *w, const struct wire_msg *m, double recv_wait)
+{
+    int rc = worker_check_step(w, m);
+    if (rc)
+        return rc;
+    const struct wire_step *st = &m->step;
+    double t0 = worker_now();
+    w->step = st->step;
+    memcpy(w->h, m->tensor, m->tensor_bytes);
+    rc = backend_layers(w->be, w->h, st->n_tokens);
+    if (rc)
+        return rc;
+    double t1 = worker_now();
+    rc = worker_finish_step(w, st);
+    if (rc)
+        return rc;
+    double t2 = worker_now();
+    worker_send_timing(w, st, recv_wait, t2 - t1, t2 - t0 + recv_wait);
+    return 0;
+}
+
+/* Handles one message; returns 1 to stop with success, 0 to go on, < 0 on error. */
+static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, double wait)
+{
+    if (from_coord)
+        w->last_coord = worker_now();
+    switch (m->type) {
+    case WIRE_TYPE_STEP: {
+        int rc = worker_step(w, m, wait);
+        if (rc) {
+            char what[160];
+            snprintf(what, sizeof(what), "step %llu failed in layers %u-%u: %s",
+                     (unsigned long long)m->step.step, w->l0, w->l1 - 1, strerror(-rc));
+            worker_report_error(w, rc, what);
+        }
+        return rc;
+    }
+    case WIRE_TYPE_RESET:
+        backend_reset(w->be);
+        return 0;
+    case WIRE_TYPE_SHUTDOWN:
+        return 1;
+    case WIRE_TYPE_HEARTBEAT:
+        return 0;
+    default:
+        log_warn("ignoring an unexpected %s message", wire_msg_type_name(m->type));
+        return 0;
+    }
+}
+
+static int worker_loop(struct worker *w)
+{
+    w->last_coord = worker_now();
+    double idle_since = worker_now();
+    for (;;) {
+        zmq_pollitem_t items[2] = {{wire_socket_zmq(w->coord), 0, ZMQ_POLLIN, 0}};
+        int n_items = 1;
+        if (w->in)
+            items[n_items++] = (zmq_pollitem_t){wire_socket_zmq(w->in), 0, ZMQ_POLLIN, 0};
+        int r = zmq_poll(items, n_items, 1000);
+        if (r < 0 && zmq_errno() != EINTR)
+            return -EIO;
+        for (int i = 0; i < n_items && r > 0; i++) {
+            if (!(items[i].revents & ZMQ_POLLIN))
+                continue;
+            struct wire_msg m;
+            int rc = wire_recv(i == 0 ? w->coord : w->in, &m, NULL, NULL, 0);
+            if (rc == -ETIMEDOUT || rc == -EPROTO)
+                continue;
+            if (rc)
+                return rc;
+            rc = worker_handle(w, &m, i == 0, worker_now() - idle_since);
+            wire_msg_free(&m);
+            idle_since = worker_now();
+            if (rc)
+                return rc > 0 ? 0 : rc;
+        }
+        if (worker_now() - w->last_coord > WORKER_IDLE_EXIT_MS / 1000.0) {
+            log_error("no word from the coordinator for %d s: exiting", WORKER_IDLE_EXIT_MS / 1000);
+            return -ETIMEDOUT;
+        }
+    }
+}
+
+/* ---- process ---- */
+
+static int worker_parse(int argc, char **argv, struct worker_args *a)
+{
+    a->index = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--connect") && v)
+            a->connect = v, i++;
+        else if (!strcmp(argv[i], "--index") && v)
+            a->index = atoi(v), i++;
+        else if (!strcmp(argv[i], "--server-key") && v)
+            a->server_key = v, i++;
+        else {
+            fprintf(stderr, "usage: lamina-worker --connect ENDPOINT --index N "
+                            "[--server-key Z85]\n(unknown or incomplete option %s)\n", argv[i]);
+            return -EINVAL;
+        }
+    }
+    if (!a->connect || a->index < 0 || a->index > 1023) {
+        fprintf(stderr, "lamina-worker: --connect ENDPOINT and --index 0..1023 are required\n");
+        return -EINVAL;
+    }
+    if (!a->server_key)
+        a->server_key = getenv("LAMINA_SERVER_KEY");
+    return 0;
+}
+
+static void worker_cleanup(struct worker *w)
+{
+    atomic_store(&w->stop, 1);
+    if (w->watchdog_started)
+        pthread_join(w->watchdog, NULL);
+    wire_socket_destroy(w->in);
+    wire_socket_destroy(w->out);
+    wire_socket_destroy(w->coord);
+    backend_destroy(w->be);
+    for (uint32_t l = 0; w->m && l < w->m->hp.n_layer; l++) {
+        if (w->src)
+            free(w->src[l]);
+        if (w->resident)
+            free(w->resident[l]);
+    }
+    free(w->src);
+    free(w->resident);
+    free(w->h);
+    free(w->logits);
+    shm_destroy(w->shm);
+    arch_free(w->m);
+    gguf_close(w->g);
+    if (w->zctx)
+        zmq_ctx_term(w->zctx);
+}
+
+int main(int argc, char **argv)
+{
+    static struct worker w;
+    if (worker_parse(argc, argv, &w.args))
+        return 2;
+    log_init("worker", w.args.index);
+    signal(SIGPIPE, SIG_IGN);
+    w.zctx = zmq_ctx_new();
+    int rc = w.zctx ? 0 : -ENOMEM;
+    if (!rc && w.args.server_key) {
+        w.curve = true;
+        rc = wire_key_from_z85(w.args.server_key, w.server_key);
+        rc = rc ? rc : wire_keypair_generate(&w.keys);
+    }
+    char id[16];
+    snprintf(id, sizeof(id), "w%d", w.args.index);
+    struct wire_socket_config c = worker_sock_cfg(&w, id);
+    if (!rc) {
+        w.coord = wire_socket_create(w.zctx, ZMQ_DEALER, &c);
+        rc = w.coord ? wire_socket_connect(w.coord, w.args.connect) : -EIO;
+    }
+    rc = rc ? rc : worker_start(&w);
+    if (!rc) {
+        w.watchdog_started = pthread_create(&w.watchdog, NULL, worker_watchdog, &w) == 0;
+        rc = worker_loop(&w);
+    }
+    worker_cleanup(&w);
+    if (rc)
+        log_error("worker %d exits after an error: %s", w.args.index, strerror(-rc));
+    return rc ? 1 : 0;
+}
