@@ -30,6 +30,7 @@
 #endif
 
 #define GGUF_WRITER_MAGIC 0x46554747u /* "GGUF" as a little-endian uint32 */
+#define GGUF_WRITER_DIRECT_ALIGN 4096u /* O_DIRECT buffer, offset and length unit, bytes */
 #define GGUF_WRITER_VERSION 3u
 
 enum gguf_writer_phase {
@@ -52,6 +53,7 @@ struct gguf_writer {
     char *path;                 /* owned copy of cfg->path, for messages and unlink */
     int fd;                     /* the output file, -1 once closed */
     bool remove_on_fail;        /* path is a regular file we may unlink */
+    bool direct;                /* fd has O_DIRECT: write whole aligned blocks from buf */
     uint32_t alignment;         /* power of two >= 8 */
     enum gguf_writer_phase phase;
     int err;                    /* first I/O failure, 0 if none */
@@ -87,6 +89,20 @@ static uint64_t gguf_writer_pad(uint64_t n, uint64_t a)
     return (a - n % a) % a;
 }
 
+/* Turns O_DIRECT off (a refused or unaligned direct write); 0 or -errno. */
+static int gguf_writer_undirect(struct gguf_writer *w)
+{
+    int flags = fcntl(w->fd, F_GETFL);
+    if (flags < 0 || fcntl(w->fd, F_SETFL, flags & ~O_DIRECT) < 0) {
+        int e = errno;
+        log_error("gguf writer %s: cannot turn O_DIRECT off: %s", w->path, strerror(e));
+        w->err = -e;
+        return w->err;
+    }
+    w->direct = false;
+    return 0;
+}
+
 /* Writes n bytes to the file, retrying short writes; fails the writer. */
 static int gguf_writer_write_all(struct gguf_writer *w, const uint8_t *p, size_t n)
 {
@@ -94,6 +110,11 @@ static int gguf_writer_write_all(struct gguf_writer *w, const uint8_t *p, size_t
         ssize_t k = write(w->fd, p, n);
         if (k < 0 && errno == EINTR)
             continue;
+        if (k < 0 && errno == EINVAL && w->direct) {
+            if (gguf_writer_undirect(w))
+                return w->err;
+            continue;
+        }
         if (k <= 0) {
             int e = k < 0 ? errno : EIO;
             log_error("gguf writer %s: write of %zu bytes at offset %llu failed: %s", w->path, n,
@@ -117,11 +138,33 @@ static int gguf_writer_flush(struct gguf_writer *w)
     return rc;
 }
 
+/* O_DIRECT output: everything is copied into the aligned buffer, which is
+ * written out whenever it is full (a whole number of aligned blocks). */
+static int gguf_writer_out_direct(struct gguf_writer *w, const uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        size_t k = w->buf_cap - w->buf_used;
+        k = k < n ? k : n;
+        memcpy(w->buf + w->buf_used, p, k);
+        w->buf_used += k;
+        p += k;
+        n -= k;
+        if (w->buf_used == w->buf_cap) {
+            int rc = gguf_writer_flush(w);
+            if (rc)
+                return rc;
+        }
+    }
+    return 0;
+}
+
 /* Appends n bytes to the output: buffered when small, direct when large. */
 static int gguf_writer_out(struct gguf_writer *w, const void *p, size_t n)
 {
     if (w->err)
         return w->err;
+    if (w->direct)
+        return gguf_writer_out_direct(w, p, n);
     if (w->buf_used + n <= w->buf_cap) {
         memcpy(w->buf + w->buf_used, p, n);
         w->buf_used += n;
@@ -167,11 +210,17 @@ struct gguf_writer *gguf_writer_create(const struct gguf_writer_config *cfg)
     w->fd = -1;
     w->alignment = a;
     w->buf_cap = cfg->buffer_bytes ? cfg->buffer_bytes : GGUF_WRITER_DEFAULT_BUFFER;
+    if (cfg->direct) /* O_DIRECT writes whole blocks */
+        w->buf_cap = (w->buf_cap + GGUF_WRITER_DIRECT_ALIGN - 1) / GGUF_WRITER_DIRECT_ALIGN *
+                     GGUF_WRITER_DIRECT_ALIGN;
     w->path = strdup(cfg->path);
-    w->buf = malloc(w->buf_cap);
-    if (!w->path || !w->buf)
+    if (!w->path || posix_memalign((void **)&w->buf, GGUF_WRITER_DIRECT_ALIGN, w->buf_cap))
         goto out_free;
-    w->fd = open(cfg->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+    w->fd = cfg->direct ? open(cfg->path, flags | O_DIRECT, 0644) : -1;
+    w->direct = w->fd >= 0;
+    if (w->fd < 0)
+        w->fd = open(cfg->path, flags, 0644);
     if (w->fd < 0) {
         log_error("gguf writer %s: cannot create the file: %s", cfg->path, strerror(errno));
         goto out_free_quiet;
@@ -714,6 +763,18 @@ int gguf_writer_finish(struct gguf_writer *w)
                   (unsigned long long)w->cur);
         w->err = -EINVAL;
         return w->err;
+    }
+    if (w->direct) { /* whole blocks directly, the tail through the page cache */
+        size_t whole = w->buf_used / GGUF_WRITER_DIRECT_ALIGN * GGUF_WRITER_DIRECT_ALIGN;
+        size_t tail = w->buf_used - whole;
+        int rc = gguf_writer_write_all(w, w->buf, whole);
+        if (!rc && tail && w->direct)
+            rc = gguf_writer_undirect(w);
+        if (!rc)
+            rc = gguf_writer_write_all(w, w->buf + whole, tail);
+        if (rc)
+            return rc;
+        w->buf_used = 0;
     }
     int rc = gguf_writer_flush(w);
     if (rc)

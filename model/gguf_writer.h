@@ -26,7 +26,12 @@
  * the caller and hits ASSERT.
  *
  * Output goes through one large buffer (cfg->buffer_bytes); pieces at least
- * that large bypass it. Host byte order must be little-endian.
+ * that large bypass it. With cfg->direct the file is written with O_DIRECT
+ * (no page cache: much cheaper for multi-GB files, and it leaves other
+ * processes' cached pages alone): everything then goes through the 4 KiB-
+ * aligned buffer and is written in whole 4 KiB blocks, the tail at finish
+ * without O_DIRECT; a file system that refuses O_DIRECT gets normal writes.
+ * Host byte order must be little-endian.
  *
  * Threading: a writer is used by one thread at a time.
  */
@@ -43,7 +48,9 @@
 struct gguf_writer_config {
     const char *path;      /* file to create or truncate; copied */
     uint32_t alignment;    /* bytes; a power of two >= 8; 0 = 32 (GGUF default) */
-    size_t buffer_bytes;   /* output buffer size, bytes; 0 = GGUF_WRITER_DEFAULT_BUFFER */
+    size_t buffer_bytes;   /* output buffer size, bytes; 0 = GGUF_WRITER_DEFAULT_BUFFER;
+                              rounded up to 4 KiB with direct */
+    bool direct;           /* bypass the page cache (O_DIRECT) where possible; default false */
 };
 
 struct gguf_writer;

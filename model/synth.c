@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "common/check.h"
@@ -1533,7 +1534,7 @@ static uint64_t synth_router0(const struct synth_plan *p)
 static int synth_write_file(const struct synth_plan *p, double t0)
 {
     const struct synth_config *cfg = p->cfg;
-    struct gguf_writer_config wc = {.path = cfg->path, .buffer_bytes = 1u << 20};
+    struct gguf_writer_config wc = {.path = cfg->path, .buffer_bytes = 8u << 20, .direct = true};
     struct gguf_writer *w = gguf_writer_create(&wc);
     if (!w)
         return -EIO;
@@ -1566,8 +1567,14 @@ int synth_write(const struct synth_config *cfg)
         struct synth_report *r = cfg->report;
         r->seconds = synth_now() - t0;
         r->mb_per_s = (double)r->bytes / 1e6 / (r->seconds > 0 ? r->seconds : 1e-9);
-        if (cfg->heat_measure)
+        memset(&r->heat, 0, sizeof(r->heat));
+        struct stat st;
+        bool regular = stat(cfg->path, &st) == 0 && S_ISREG(st.st_mode);
+        if (cfg->heat_measure && regular)
             rc = synth_heat_measure(&p, &r->heat);
+        else if (cfg->heat_measure)
+            snprintf(r->heat.summary, sizeof(r->heat.summary), "not measured: %s is not a "
+                     "regular file", cfg->path);
     }
     if (!rc)
         log_info("synth %s: %s %s, %u layers, %s, %llu tensors, %.2f GB in %.2f s", cfg->path,

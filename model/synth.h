@@ -81,7 +81,8 @@ struct synth_config {
     uint32_t threads;     /* generator threads; 0 = 2 */
     bool exact;           /* quantize every row (no block pool): slower */
     bool progress;        /* log a progress line at most once per second (files > 256 MB) */
-    bool heat_measure;    /* measure expert popularity from the file into report->heat */
+    bool heat_measure;    /* measure expert popularity from the file into report->heat (skipped,
+                             with a note in its summary, when path is not a regular file) */
     struct synth_report *report; /* optional: filled on success; borrowed */
 };
 

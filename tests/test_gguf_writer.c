@@ -219,9 +219,10 @@ static void tw_check_tensors(const struct gguf *g, uint32_t alignment)
 
 /* Writes the round-trip file with the data in pieces of up to max_piece bytes. */
 static int tw_write(const char *path, uint32_t alignment, size_t buffer, uint64_t max_piece,
-                    uint64_t seed)
+                    uint64_t seed, bool direct)
 {
-    struct gguf_writer_config cfg = {.path = path, .alignment = alignment, .buffer_bytes = buffer};
+    struct gguf_writer_config cfg = {.path = path, .alignment = alignment, .buffer_bytes = buffer,
+                                     .direct = direct};
     struct gguf_writer *w = gguf_writer_create(&cfg);
     CHECK(w != NULL, "create %s", path);
     if (!w)
@@ -258,10 +259,10 @@ static int tw_write(const char *path, uint32_t alignment, size_t buffer, uint64_
 }
 
 static void test_round_trip(const char *path, uint32_t alignment, size_t buffer,
-                            uint64_t max_piece)
+                            uint64_t max_piece, bool direct)
 {
     tw_fill(alignment * 1000 + max_piece);
-    if (tw_write(path, alignment, buffer, max_piece, alignment + buffer))
+    if (tw_write(path, alignment, buffer, max_piece, alignment + buffer, direct))
         return;
     char err[512] = "";
     struct gguf_config gc = {.path = path, .err = err, .err_len = sizeof(err)};
@@ -373,10 +374,13 @@ int main(void)
     log_init("test", -1);
     char path[64];
     snprintf(path, sizeof(path), "/tmp/test_gguf_writer_%d.gguf", (int)getpid());
-    test_round_trip(path, 0, 0, 1000);            /* default 32, big buffer */
-    test_round_trip(path, 64, 100, 37);           /* small buffer, small pieces */
-    test_round_trip(path, 8, 16, 5000);           /* pieces bypassing the buffer */
-    test_round_trip(path, 4096, 1 << 20, 3);      /* padding larger than data */
+    test_round_trip(path, 0, 0, 1000, false);          /* default 32, big buffer */
+    test_round_trip(path, 64, 100, 37, false);         /* small buffer, small pieces */
+    test_round_trip(path, 8, 16, 5000, false);         /* pieces bypassing the buffer */
+    test_round_trip(path, 4096, 1 << 20, 3, false);    /* padding larger than data */
+    test_round_trip(path, 32, 4096, 777, true);        /* O_DIRECT, many 4 KiB blocks + tail */
+    test_round_trip(path, 64, 0, 100000, true);        /* O_DIRECT, all in the tail */
+    test_round_trip("/dev/shm/test_gguf_writer.gguf", 32, 4096, 333, true); /* tmpfs */
     test_bad_inputs(path);
     test_io_errors();
     for (size_t i = 0; i < TW_N; i++)
