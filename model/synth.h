@@ -24,14 +24,19 @@
  * ne[0] % 32 != 0) where ne[0] is not a multiple of the type's block size.
  *
  * Heat S > 0: every token embedding gets a shared offset c (std 0.5 per
- * element against 1 for the token's own part) and router row e of layer L
- * gets beta[rank_L(e)] * c/|c|, where rank_L is a seeded permutation per
- * layer and beta is calibrated on 1024 sample tokens (embedding -> RMSNorm
- * -> router -> top-k) so that the share of routes of the expert of rank r
- * follows p_r ~ 1/(r+1)^S, capped at 0.9/top_k (an expert can be chosen at
- * most once per token; the cap keeps the top ones at 90% of tokens) with the
- * excess spread over the others. After writing,
- * popularity is measured from the file itself on 1024 other tokens.
+ * element against 1 for the token's own part); router row e of layer L is a
+ * random unit vector orthogonal to c (so every expert sees logit noise of the
+ * same spread and no per-expert constant) plus beta[rank_L(e)] * c/|c|, where
+ * rank_L is a seeded permutation per layer and beta is calibrated once on
+ * 1024 sample tokens (embedding -> RMSNorm -> router -> top-k, layer 0) so
+ * that the share of routes of the expert of rank r follows p_r ~ 1/(r+1)^S,
+ * capped at 0.9/top_k (an expert can be chosen at most once per token; the
+ * cap keeps the top ones at 90% of tokens) with the excess spread over the
+ * others. With heat_measure, popularity is then measured from the written
+ * file on 1024 other tokens for evenly spaced layers (as many as 2^31
+ * multiply-adds allow, layer 0 first). Deeper layers see the residual stream
+ * rather than the embedding; the offset c persists in it (the output
+ * projections are scaled down), so the skew carries over approximately.
  *
  * Threading: synth_write() runs cfg->threads generator threads plus the
  * calling thread, which writes. The functions are reentrant.

@@ -165,7 +165,7 @@ static bool ts_str_is(const struct gguf_str *s, const char *want)
     return s->len == strlen(want) && memcmp(s->ptr, want, s->len) == 0;
 }
 
-static void ts_check_meta(const struct gguf *g, const char *arch, uint32_t type)
+static void ts_check_meta(const struct gguf *g, const char *arch, uint32_t ftype)
 {
     bool hybrid = strcmp(arch, "qwen3moe") != 0, q35 = strcmp(arch, "qwen35moe") == 0;
     struct gguf_str s;
@@ -182,7 +182,6 @@ static void ts_check_meta(const struct gguf *g, const char *arch, uint32_t type)
     ts_u32(g, arch, ".expert_feed_forward_length", F);
     ts_f32(g, arch, ".attention.layer_norm_rms_epsilon", 1e-6f);
     ts_f32(g, arch, ".rope.freq_base", 1e6f);
-    uint32_t ftype = type == QUANT_TYPE_F32 ? 0 : type == QUANT_TYPE_Q8_0 ? 7 : 2;
     ts_u32(g, arch, "general.file_type", ftype);
     ts_u32(g, arch, "general.quantization_version", 2);
     ts_u32(g, arch, "general.alignment", 32);
@@ -352,7 +351,9 @@ static void ts_check_values(const struct gguf *g, const char *arch)
 
 /* ---- tests ------------------------------------------------------------------ */
 
-static void test_tiny(const char *arch, uint32_t type)
+/* type: what synth is asked for; matrix_type: what the matrices must be
+ * (Q8_0 where a K-quant's 256-blocks do not fit ne[0] = 64 or 32). */
+static void test_tiny(const char *arch, uint32_t type, uint32_t matrix_type, uint32_t ftype)
 {
     char path[128], err[256] = "";
     ts_path(path, sizeof(path), arch);
@@ -362,8 +363,8 @@ static void test_tiny(const char *arch, uint32_t type)
     struct gguf *g = gguf_open(&gc);
     CHECK(g != NULL, "%s: gguf_open: %s", arch, err);
     if (g) {
-        ts_check_tensors(g, arch, type);
-        ts_check_meta(g, arch, type);
+        ts_check_tensors(g, arch, matrix_type);
+        ts_check_meta(g, arch, ftype);
         ts_check_vocab(g, arch);
         ts_check_values(g, arch);
         struct arch_config ac = {.gguf = g};
@@ -529,9 +530,12 @@ int main(void)
     snprintf(ts_dir, sizeof(ts_dir), "/tmp/test_synth_%d", (int)getpid());
     static const char *const archs[] = {"qwen3moe", "qwen3next", "qwen35moe"};
     static const uint32_t types[] = {QUANT_TYPE_F32, QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_0};
+    static const uint32_t ftypes[] = {0, 7, 2}; /* llama_ftype ALL_F32, Q8_0, Q4_0 */
     for (int a = 0; a < 3; a++)
         for (int t = 0; t < 3; t++)
-            test_tiny(archs[a], types[t]);
+            test_tiny(archs[a], types[t], types[t], ftypes[t]);
+    test_tiny("qwen3next", QUANT_TYPE_F16, QUANT_TYPE_F16, 1);
+    test_tiny("qwen35moe", QUANT_TYPE_Q4_K, QUANT_TYPE_Q8_0, 14); /* Q4_K_S */
     test_determinism();
     test_heat_all();
     test_errors();
