@@ -40,6 +40,7 @@
 #define SYNTH_MEASURE_MACS (1ull << 31)  /* multiply-adds allowed for measuring heat */
 #define SYNTH_MAX_MERGES 400             /* BPE merges for large vocabularies */
 #define SYNTH_PROGRESS_BYTES (256ull << 20) /* files above this log progress */
+#define SYNTH_MAX_THREADS 1024           /* generator threads accepted */
 #define SYNTH_EPS 1e-6f                  /* layer_norm_rms_epsilon */
 #define SYNTH_SQRT3 1.7320508f           /* std of U(-1,1) is 1/sqrt(3) */
 
@@ -1426,7 +1427,7 @@ static int synth_pipe_run(const struct synth_plan *p, struct gguf_writer *w, uin
                           double t0)
 {
     struct synth_pipe q = {0};
-    pthread_t tid[64];
+    pthread_t tid[SYNTH_MAX_THREADS];
     uint32_t started = 0;
     int rc = synth_pipe_init(&q, p, threads);
     if (rc) {
@@ -1488,7 +1489,8 @@ static int synth_check_config(const struct synth_config *cfg, struct synth_plan 
         log_error("synth: heat exponent %g is not in [0, 8]", cfg->heat);
         return -EINVAL;
     }
-    if (!cfg->path || !cfg->path[0] || cfg->layers > 4096 || cfg->threads > 64) {
+    if (!cfg->path || !cfg->path[0] || cfg->layers > 4096 ||
+        cfg->threads > SYNTH_MAX_THREADS) {
         log_error("synth: bad config (path '%s', layers %u, threads %u)",
                   cfg->path ? cfg->path : "", cfg->layers, cfg->threads);
         return -EINVAL;

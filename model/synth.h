@@ -83,7 +83,7 @@ struct synth_config {
     float heat;           /* Zipf exponent S of expert popularity; 0 = no skew */
     uint64_t seed;        /* PRNG seed */
     const char *path;     /* output file (created or truncated) */
-    uint32_t threads;     /* generator threads; 0 = 2 */
+    uint32_t threads;     /* generator threads; 0 = 2; at most 1024 */
     bool exact;           /* quantize every row (no block pool): slower */
     bool progress;        /* log a progress line at most once per second (files > 256 MB) */
     bool heat_measure;    /* measure expert popularity from the file into report->heat (skipped,
