@@ -129,8 +129,8 @@ static void test_dots(void)
                                        31,  32,  33,  63,   64,   65,   100,  255,  256,
                                        257, 1000, 1023, 1024, 1025, 2049, 4096, 4103};
     static const uint64_t blocks32[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 32, 33, 64, 65, 129};
-    static const uint64_t blocks256[] = {0, 1, 2, 3, 4, 5, 8, 9, 16, 17};
-    enum { MAXN = 4352 };
+    static const uint64_t blocks256[] = {0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 40};
+    enum { MAXN = 10240 };
     uint8_t *rowbuf = malloc(MAXN * 4 + 64);
     float *xbuf = malloc((MAXN + 16) * sizeof(float)), *scratch = malloc(MAXN * sizeof(float));
     for (size_t k = 0; k < NTYPES; k++) {
@@ -182,9 +182,10 @@ static void test_dots(void)
 
 static uint64_t test_n(uint32_t t)
 {
-    /* crosses the 1024-element decode chunk and is not a multiple of it */
+    /* crosses the 1024-element decode chunk (and for K-quants the 8192-element
+     * segment) without being a multiple of either */
     uint32_t be = quant_block_elems(t);
-    return be == 1 ? 1029 : be == 32 ? 32 * 35 : 256 * 5;
+    return be == 1 ? 1029 : be == 32 ? 32 * 35 : 256 * 33;
 }
 
 static void test_rows(void)
@@ -273,6 +274,44 @@ static void test_batches(void)
         }
 }
 
+/* Results do not depend on how a caller splits rows or batches: every row
+ * of matvec_rows equals matvec_dot bit for bit, and batch outputs are the
+ * same bits whether computed in one call or row by row, S at a time. */
+static void test_split_invariance(void)
+{
+    enum { R = 7, S = 4 };
+    for (size_t k = 0; k < NTYPES; k++) {
+        const struct tinfo *ti = &types[k];
+        uint32_t t = ti->type;
+        uint64_t n = test_n(t);
+        size_t rb = quant_row_size(t, n);
+        uint8_t *w = malloc(R * rb);
+        float *X = malloc(S * n * sizeof(float)), y[R], one[R], Y[S * R], Y1[S * R], Y3[S * R];
+        for (int r = 0; r < R; r++)
+            random_row(ti, w + r * rb, n);
+        fill_x(X, S * n);
+        matvec_rows(t, w, rb, X, n, y, 0, R);
+        int bad = 0;
+        for (int r = 0; r < R; r++) {
+            matvec_rows(t, w, rb, X, n, one, (uint64_t)r, (uint64_t)r + 1);
+            float d = matvec_dot(t, w + r * rb, X, n);
+            bad += memcmp(&one[r], &y[r], 4) != 0 || memcmp(&d, &y[r], 4) != 0;
+        }
+        matvec_rows_batch(t, w, rb, X, n, S, n, Y, R, 0, R);
+        matvec_rows_batch(t, w, rb, X, n, S - 1, n, Y3, R, 0, R);
+        for (int r = 0; r < R; r++)
+            for (int s0 = 0; s0 < S; s0 += 2)
+                matvec_rows_batch(t, w, rb, X + s0 * n, n, 2, n, Y1 + s0 * R, R, (uint64_t)r,
+                                  (uint64_t)r + 1);
+        bad += memcmp(Y, Y1, sizeof(Y)) != 0;
+        bad += memcmp(Y, Y3, (S - 1) * R * sizeof(float)) != 0;
+        CHECK(bad == 0, "%s: results depend on the row or batch split (%d differences)",
+              quant_type_name(t), bad);
+        free(w);
+        free(X);
+    }
+}
+
 /* ---- speed ------------------------------------------------------------------------------ */
 
 static void measure_speed(void)
@@ -328,6 +367,7 @@ int main(void)
     test_dots();
     test_rows();
     test_batches();
+    test_split_invariance();
     measure_speed();
     return test_main_result("test_matvec");
 }

@@ -2,15 +2,24 @@
  * matvec: dot products of GGUF weight rows with f32 activations (see
  * matvec.h for the contract).
  *
- * Maths: for a row of blocks, sum_i w_i x_i where w_i is the dequantized
- * value of model-spec 2.2/2.3. The fused paths factor the block scales out:
- * per block (or sub-block) they form p = sum q_i x_i in 8 f32 lanes from the
- * integer levels q_i, then accumulate d * p (and subtract m * sum x_i for the
- * affine types), so the only differences from the reference are f32
- * rounding. Tails of F32/F16/BF16 rows shorter than 8 are done in scalar.
+ * Maths: for a row of blocks, sum_i w_i x_i with w_i the dequantized value of
+ * model-spec 2.2/2.3. Every block type is written once as blk_NAME(), which
+ * turns its bytes into groups of 16 or 32 float levels q with a scale s and
+ * a min m (w = s*q - m) and hands each group to emit(): the dot path adds
+ * s * sum(q*x) in 8 f32 lanes (mins are added once per block from sums of x
+ * made beforehand, x_sums, or on the spot for Q4_1/Q5_1), the decode path
+ * stores w. So the only differences from the reference are f32 rounding.
+ *
+ * Paths: rows_simd (AVX2, fused, one row at a time; K-quants with mins walk
+ * rows in segments of MV_SEG elements so the sums of x are made once per
+ * segment), rows_batch (tiles of MV_TILE rows x MV_CHUNK elements decoded
+ * into a stack buffer once, then multiplied with activation rows two at a
+ * time), and the portable C path (scalar dequantization into a stack buffer,
+ * then an 8-lane dot). Stack use stays under 20 KiB per call.
  *
  * The AVX2 functions carry __attribute__((target)) and are only called after
- * matvec_has_simd() says yes; the rest of the file is plain C11.
+ * matvec_has_simd() says yes; the rest of the file is plain C11. Everything
+ * here is pure and reentrant.
  */
 #include "kernels/cpu/matvec.h"
 
@@ -28,6 +37,7 @@
 
 #define MV_CHUNK 1024 /* elements decoded into a stack buffer at once (multiple of 256) */
 #define MV_TILE 4     /* weight rows per tile of the batch path */
+#define MV_SEG 8192   /* elements per row segment of the dots that use sums of x */
 
 static inline uint16_t rd16(const uint8_t *p)
 {
@@ -46,14 +56,12 @@ static void check_args(uint32_t type, uint64_t n)
     ASSERT(n % quant_block_elems(type) == 0);
 }
 
-bool matvec_has_simd(void)
+static void check_batch_args(uint32_t type, size_t row_bytes, size_t ldx, uint64_t n, size_t ldy,
+                             uint64_t r0, uint64_t r1)
 {
-#if MATVEC_X86
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-#else
-    return false;
-#endif
+    check_args(type, n);
+    ASSERT(row_bytes >= quant_row_size(type, n) && r0 <= r1);
+    ASSERT(ldx >= n && ldy >= r1);
 }
 
 /* ---- portable path ------------------------------------------------------ */
@@ -80,31 +88,27 @@ static void decode_scalar(uint32_t type, const uint8_t *row, uint64_t k, uint64_
     ASSERT(rc == 0);
 }
 
-float matvec_dot_portable(uint32_t type, const void *row, const float *x, uint64_t n)
+/* out[2i + j] = w[i][0..len) . xj[0..len) for 4 rows and 2 activations,
+ * each in 8 partial sums. */
+static void tile_portable(const float *const w[MV_TILE], const float *x0, const float *x1,
+                          uint64_t len, float out[8])
 {
-    check_args(type, n);
-    float buf[MV_CHUNK];
-    float sum = 0.0f;
-    for (uint64_t k = 0; k < n; k += MV_CHUNK) {
-        uint64_t len = n - k < MV_CHUNK ? n - k : MV_CHUNK;
-        decode_scalar(type, row, k, len, buf);
-        sum += dot_f32_portable(buf, x + k, len);
-    }
-    return sum;
-}
-
-double matvec_dot_ref(uint32_t type, const void *row, const float *x, uint64_t n)
-{
-    check_args(type, n);
-    float buf[MV_CHUNK];
-    double sum = 0.0;
-    for (uint64_t k = 0; k < n; k += MV_CHUNK) {
-        uint64_t len = n - k < MV_CHUNK ? n - k : MV_CHUNK;
-        decode_scalar(type, row, k, len, buf);
-        for (uint64_t i = 0; i < len; i++)
-            sum += (double)buf[i] * (double)x[k + i];
-    }
-    return sum;
+    float a[8][8] = {{0}};
+    uint64_t j = 0;
+    for (; j + 8 <= len; j += 8)
+        for (int i = 0; i < MV_TILE; i++)
+            for (int l = 0; l < 8; l++) {
+                a[2 * i][l] += w[i][j + l] * x0[j + l];
+                a[2 * i + 1][l] += w[i][j + l] * x1[j + l];
+            }
+    for (int k = 0; k < 8; k++)
+        out[k] = ((a[k][0] + a[k][1]) + (a[k][2] + a[k][3])) +
+                 ((a[k][4] + a[k][5]) + (a[k][6] + a[k][7]));
+    for (; j < len; j++)
+        for (int i = 0; i < MV_TILE; i++) {
+            out[2 * i] += w[i][j] * x0[j];
+            out[2 * i + 1] += w[i][j] * x1[j];
+        }
 }
 
 /* ---- AVX2 path ------------------------------------------------------------ */
@@ -123,9 +127,12 @@ static inline SIMD float hsum8(__m256 v)
     return _mm_cvtss_f32(a);
 }
 
+/* The fp16 at p (x86 is little-endian: one 16-bit load). */
 static inline SIMD float f16_at(const uint8_t *p)
 {
-    return _cvtsh_ss(rd16(p));
+    uint16_t h;
+    memcpy(&h, p, sizeof(h));
+    return _cvtsh_ss(h);
 }
 
 /* 8 bytes at p, zero- or sign-extended to 8 x i32. */
@@ -149,51 +156,70 @@ static inline SIMD __m256 cvt8(__m256i v)
     return _mm256_cvtepi32_ps(v);
 }
 
-static inline SIMD __m256 dot32(const __m256 q[4], const float *x)
+/*
+ * The one place where levels meet activations. A group of nv*8 elements has
+ * float levels q[0..nv) and values w = s*q - m (s and m broadcast in sv and
+ * mv). In dot mode (acc given, y NULL) adds s * sum(q*x) to acc[0], x taken
+ * from x + off; the m part is the caller's (from sums of x). In decode mode
+ * (acc NULL, x NULL) stores w to y + off. acc is either a local array or the
+ * literal NULL and nv (2 or 4) a constant, so the branches fold away.
+ */
+static inline SIMD void emit(int nv, const __m256 *q, __m256 sv, __m256 mv, const float *x,
+                             float *y, size_t off, __m256 *acc)
 {
-    __m256 p = _mm256_mul_ps(q[0], ld8(x));
-    __m256 r = _mm256_mul_ps(q[1], ld8(x + 8));
-    p = _mm256_fmadd_ps(q[2], ld8(x + 16), p);
-    r = _mm256_fmadd_ps(q[3], ld8(x + 24), r);
-    return _mm256_add_ps(p, r);
+    if (!acc) {
+        UNROLL
+        for (int v = 0; v < nv; v++)
+            _mm256_storeu_ps(y + off + 8 * v, _mm256_fmsub_ps(q[v], sv, mv));
+        return;
+    }
+    x += off;
+    __m256 p = _mm256_mul_ps(q[0], ld8(x)), r = _mm256_mul_ps(q[1], ld8(x + 8));
+    if (nv == 4) {
+        p = _mm256_fmadd_ps(q[2], ld8(x + 16), p);
+        r = _mm256_fmadd_ps(q[3], ld8(x + 24), r);
+    }
+    acc[0] = _mm256_fmadd_ps(sv, _mm256_add_ps(p, r), acc[0]);
 }
 
 static inline SIMD __m256 sum32(const float *x)
 {
     __m256 a = _mm256_add_ps(ld8(x), ld8(x + 8));
-    __m256 b = _mm256_add_ps(ld8(x + 16), ld8(x + 24));
-    return _mm256_add_ps(a, b);
+    return _mm256_add_ps(a, _mm256_add_ps(ld8(x + 16), ld8(x + 24)));
 }
 
-/* Elements 8k..8k+7 of a 32-element block of nibbles (low nibbles first). */
-static inline SIMD void nib32(const uint8_t *qs, __m256i q[4])
+/* 32 nibbles of 16 bytes (low nibbles are elements 0..15) as 4 x 8 i32. */
+static inline SIMD void nib32(const uint8_t *qs, __m256i v[4])
 {
     const __m256i m = _mm256_set1_epi32(0x0F);
     __m256i a = u8x8(qs), b = u8x8(qs + 8);
-    q[0] = _mm256_and_si256(a, m);
-    q[1] = _mm256_and_si256(b, m);
-    q[2] = _mm256_srli_epi32(a, 4);
-    q[3] = _mm256_srli_epi32(b, 4);
+    v[0] = _mm256_and_si256(a, m);
+    v[1] = _mm256_and_si256(b, m);
+    v[2] = _mm256_srli_epi32(a, 4);
+    v[3] = _mm256_srli_epi32(b, 4);
 }
 
-/* Adds the fifth bits of Q5_0/Q5_1 (bit j of the little-endian qh word). */
-static inline SIMD void fifth_bits(const uint8_t *qh, __m256i q[4])
+/* Q5_0/Q5_1 levels plus bias: nibbles, plus 16 * bit j of the
+ * little-endian qh word for element j. */
+static inline SIMD void q5_levels(const uint8_t *qh, const uint8_t *qs, int bias, __m256 q[4])
 {
     uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 |
                  (uint32_t)qh[3] << 24;
-    __m256i hv = _mm256_set1_epi32((int)h), one = _mm256_set1_epi32(1);
-    __m256i sh = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
+    __m256i v[4], hv = _mm256_set1_epi32((int)h), one = _mm256_set1_epi32(1);
+    __m256i sh = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    nib32(qs, v);
     UNROLL
     for (int k = 0; k < 4; k++) {
         __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(hv, sh), one);
-        q[k] = _mm256_or_si256(q[k], _mm256_slli_epi32(bit, 4));
-        sh = _mm256_add_epi32(sh, eight);
+        v[k] = _mm256_add_epi32(_mm256_or_si256(v[k], _mm256_slli_epi32(bit, 4)),
+                                _mm256_set1_epi32(bias));
+        q[k] = cvt8(v[k]);
+        sh = _mm256_add_epi32(sh, _mm256_set1_epi32(8));
     }
 }
 
-/* IQ4_NL / IQ4_XS: 32 table levels (kvalues_iq4nl) from 16 bytes of
- * nibbles, low nibbles first. */
-static inline SIMD void iq4_unpack(const uint8_t *qs, __m256 q[4])
+/* IQ4_NL / IQ4_XS: 32 table levels (kvalues_iq4nl) of 16 nibble bytes. */
+static inline SIMD void iq4_levels(const uint8_t *qs, __m256 q[4])
 {
     const __m128i tbl = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
                                       53, 69, 89, 113);
@@ -206,174 +232,158 @@ static inline SIMD void iq4_unpack(const uint8_t *qs, __m256 q[4])
     q[3] = cvt8(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-/* Levels of one block of a 32-element type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
- * IQ4_NL) as floats, with the block's d and m such that w = d*q + m (m is 0
- * for the symmetric types). */
-static inline SIMD void unpack32(uint32_t type, const uint8_t *b, __m256 q[4], float *d, float *m)
+/*
+ * One block of each type: blk_NAME(b, x, xs, y, acc) emits the block's
+ * groups (see emit). In dot mode (acc given) the types with mins also add
+ * m * sum(x) to acc[1]: Q4_K/Q5_K and Q2_K from xs, the precomputed sums of
+ * x over their 32- or 16-element groups; Q4_1/Q5_1 by summing x directly.
+ */
+static inline SIMD void blk_q8_0(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
 {
+    (void)xs;
+    __m256 q[4];
+    UNROLL
+    for (int k = 0; k < 4; k++)
+        q[k] = cvt8(i8x8(b + 2 + 8 * k));
+    emit(4, q, _mm256_set1_ps(f16_at(b)), _mm256_setzero_ps(), x, y, 0, acc);
+}
+
+static inline SIMD void blk_q4_0(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
+{
+    (void)xs;
+    /* nibbles minus 8 as 32 signed bytes (low nibbles first), then widened */
+    __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
+    __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, m4), eight);
+    __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), eight);
+    __m256 q[4] = {cvt8(_mm256_cvtepi8_epi32(lo)), cvt8(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                   cvt8(_mm256_cvtepi8_epi32(hi)), cvt8(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+    emit(4, q, _mm256_set1_ps(f16_at(b)), _mm256_setzero_ps(), x, y, 0, acc);
+}
+
+/* Q4_1/Q5_1: w = d*q + m, so the "min" subtracted is -m. */
+static inline SIMD void affine32(const __m256 *q, const uint8_t *b, const float *x, float *y,
+                                 __m256 *acc)
+{
+    __m256 mv = _mm256_set1_ps(-f16_at(b + 2));
+    emit(4, q, _mm256_set1_ps(f16_at(b)), mv, x, y, 0, acc);
+    if (acc)
+        acc[1] = _mm256_fmadd_ps(mv, sum32(x), acc[1]);
+}
+
+static inline SIMD void blk_q4_1(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
+{
+    (void)xs;
     __m256i v[4];
-    *d = f16_at(b);
-    *m = 0.0f;
-    switch (type) {
-    case QUANT_TYPE_Q8_0:
-        UNROLL
-        for (int k = 0; k < 4; k++)
-            q[k] = cvt8(i8x8(b + 2 + 8 * k));
-        return;
-    case QUANT_TYPE_Q4_0:
-        nib32(b + 2, v);
-        UNROLL
-        for (int k = 0; k < 4; k++)
-            q[k] = cvt8(_mm256_sub_epi32(v[k], _mm256_set1_epi32(8)));
-        return;
-    case QUANT_TYPE_Q4_1:
-        *m = f16_at(b + 2);
-        nib32(b + 4, v);
-        break;
-    case QUANT_TYPE_Q5_0:
-        nib32(b + 6, v);
-        fifth_bits(b + 2, v);
-        UNROLL
-        for (int k = 0; k < 4; k++)
-            q[k] = cvt8(_mm256_sub_epi32(v[k], _mm256_set1_epi32(16)));
-        return;
-    case QUANT_TYPE_Q5_1:
-        *m = f16_at(b + 2);
-        nib32(b + 8, v);
-        fifth_bits(b + 4, v);
-        break;
-    default: /* IQ4_NL */
-        iq4_unpack(b + 2, q);
-        return;
-    }
+    __m256 q[4];
+    nib32(b + 4, v);
     UNROLL
     for (int k = 0; k < 4; k++)
         q[k] = cvt8(v[k]);
+    affine32(q, b, x, y, acc);
 }
 
-/* One 32-element type, specialized per call site by inlining with a
- * constant type. */
-static inline SIMD float dot_blocks32(uint32_t type, const uint8_t *w, const float *x,
-                                      uint64_t nb)
+static inline SIMD void blk_q5_0(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
 {
-    uint32_t bb = quant_block_bytes(type);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (uint64_t i = 0; i < nb; i++, w += bb, x += 32) {
-        __m256 q[4];
-        float d, m;
-        unpack32(type, w, q, &d, &m);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), dot32(q, x), acc);
-        if (type == QUANT_TYPE_Q4_1 || type == QUANT_TYPE_Q5_1)
-            accm = _mm256_fmadd_ps(_mm256_set1_ps(m), sum32(x), accm);
-    }
-    return hsum8(_mm256_add_ps(acc, accm));
+    (void)xs;
+    __m256 q[4];
+    q5_levels(b + 2, b + 6, -16, q);
+    emit(4, q, _mm256_set1_ps(f16_at(b)), _mm256_setzero_ps(), x, y, 0, acc);
 }
 
-static SIMD float dot_q8_0_simd(const uint8_t *w, const float *x, uint64_t nb)
+static inline SIMD void blk_q5_1(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
 {
-    return dot_blocks32(QUANT_TYPE_Q8_0, w, x, nb);
+    (void)xs;
+    __m256 q[4];
+    q5_levels(b + 4, b + 8, 0, q);
+    affine32(q, b, x, y, acc);
 }
 
-static SIMD float dot_q4_0_simd(const uint8_t *w, const float *x, uint64_t nb)
+static inline SIMD void blk_iq4_nl(const uint8_t *b, const float *x, const float *xs, float *y,
+                                   __m256 *acc)
 {
-    return dot_blocks32(QUANT_TYPE_Q4_0, w, x, nb);
+    (void)xs;
+    __m256 q[4];
+    iq4_levels(b + 2, q);
+    emit(4, q, _mm256_set1_ps(f16_at(b)), _mm256_setzero_ps(), x, y, 0, acc);
 }
 
-static SIMD float dot_q4_1_simd(const uint8_t *w, const float *x, uint64_t nb)
+static inline uint32_t rd32(const uint8_t *p)
 {
-    return dot_blocks32(QUANT_TYPE_Q4_1, w, x, nb);
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static SIMD float dot_q5_0_simd(const uint8_t *w, const float *x, uint64_t nb)
+/* The 8 scales (times d) and mins (times dmin) of a Q4_K/Q5_K block, all at
+ * once: get_scale_min_k4 of model-spec 2.3 done on 32-bit words, bytes k of
+ * the words holding sub-blocks k (low words) and 4 + k (high words). */
+static inline SIMD void k4_scales(const uint8_t *s, float d, float dmin, float sc[8], float mn[8])
 {
-    return dot_blocks32(QUANT_TYPE_Q5_0, w, x, nb);
+    uint32_t u0 = rd32(s), u1 = rd32(s + 4), u2 = rd32(s + 8);
+    uint32_t sc_lo = u0 & 0x3F3F3F3F, m_lo = u1 & 0x3F3F3F3F;
+    uint32_t sc_hi = (u2 & 0x0F0F0F0F) | ((u0 & 0xC0C0C0C0) >> 2);
+    uint32_t m_hi = ((u2 >> 4) & 0x0F0F0F0F) | ((u1 & 0xC0C0C0C0) >> 2);
+    __m128i v = _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi);
+    _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(d), cvt8(_mm256_cvtepu8_epi32(v))));
+    _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                       cvt8(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
 }
 
-static SIMD float dot_q5_1_simd(const uint8_t *w, const float *x, uint64_t nb)
-{
-    return dot_blocks32(QUANT_TYPE_Q5_1, w, x, nb);
-}
-
-static SIMD float dot_iq4_nl_simd(const uint8_t *w, const float *x, uint64_t nb)
-{
-    return dot_blocks32(QUANT_TYPE_IQ4_NL, w, x, nb);
-}
-
-/* Scale and min of Q4_K/Q5_K sub-block j (get_scale_min_k4 of model-spec 2.3). */
-static inline void scale_min_k4(int j, const uint8_t *s, float *sc, float *m)
-{
-    if (j < 4) {
-        *sc = (float)(s[j] & 63);
-        *m = (float)(s[j + 4] & 63);
-    } else {
-        *sc = (float)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
-        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
-}
-
-/* Levels of chunk c (64 elements) of a Q4_K or Q5_K block: lo[k] are
- * elements 8k.. of sub-block 2c, hi[k] of sub-block 2c+1. For Q5_K, qh[k]
- * holds qh bytes 8k..8k+7 shifted right by 2c and is advanced here. */
-static inline SIMD void unpack_k_chunk(const uint8_t *qs, __m256i *qh, __m256 lo[4], __m256 hi[4])
+/* Q4_K (qh NULL) or Q5_K: chunk c of 64 elements is sub-blocks 2c (low
+ * nibbles of qs[32c..]) and 2c+1 (high nibbles); Q5_K's fifth bits are bits
+ * 2c and 2c+1 of qh[l]. */
+static inline SIMD void blk_k45(const uint8_t *b, const uint8_t *qh, const uint8_t *qs,
+                                const float *x, const float *xs, float *y, __m256 *acc)
 {
     const __m256i m4 = _mm256_set1_epi32(0x0F), b4 = _mm256_set1_epi32(16);
+    float sc[8], mn[8];
+    k4_scales(b + 4, f16_at(b), f16_at(b + 2), sc, mn);
+    __m256i h[4];
     UNROLL
-    for (int k = 0; k < 4; k++) {
-        __m256i v = u8x8(qs + 8 * k);
-        __m256i l = _mm256_and_si256(v, m4), h = _mm256_srli_epi32(v, 4);
-        if (qh) {
-            l = _mm256_or_si256(l, _mm256_and_si256(_mm256_slli_epi32(qh[k], 4), b4));
-            h = _mm256_or_si256(h, _mm256_and_si256(_mm256_slli_epi32(qh[k], 3), b4));
-            qh[k] = _mm256_srli_epi32(qh[k], 2);
-        }
-        lo[k] = cvt8(l);
-        hi[k] = cvt8(h);
-    }
-}
-
-/* Q4_K (qs at byte 16) or Q5_K (five: qh at byte 16, qs at 48). */
-static inline SIMD float dot_k45(const uint8_t *w, const float *x, uint64_t nb, bool five)
-{
-    uint32_t bb = five ? 176 : 144;
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (uint64_t i = 0; i < nb; i++, w += bb, x += 256) {
-        float d = f16_at(w), dmin = f16_at(w + 2);
-        const uint8_t *s = w + 4, *qs = w + (five ? 48 : 16);
-        __m256i qh[4];
-        if (five)
-            UNROLL
-            for (int k = 0; k < 4; k++)
-                qh[k] = u8x8(w + 16 + 8 * k);
+    for (int k = 0; k < 4; k++)
+        h[k] = qh ? u8x8(qh + 8 * k) : _mm256_setzero_si256();
+    UNROLL
+    for (int c = 0; c < 4; c++) {
+        __m256 lo[4], hi[4];
         UNROLL
-        for (int c = 0; c < 4; c++) {
-            __m256 lo[4], hi[4];
-            float sc1, m1, sc2, m2;
-            unpack_k_chunk(qs + 32 * c, five ? qh : NULL, lo, hi);
-            scale_min_k4(2 * c, s, &sc1, &m1);
-            scale_min_k4(2 * c + 1, s, &sc2, &m2);
-            const float *xc = x + 64 * c;
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1), dot32(lo, xc), acc);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc2), dot32(hi, xc + 32), acc);
-            accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * m1), sum32(xc), accm);
-            accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * m2), sum32(xc + 32), accm);
+        for (int k = 0; k < 4; k++) {
+            __m256i v = u8x8(qs + 32 * c + 8 * k);
+            __m256i l = _mm256_and_si256(v, m4), u = _mm256_srli_epi32(v, 4);
+            if (qh) { /* h[k] is shifted right by 2 per chunk: bits 0 and 1 are current */
+                l = _mm256_or_si256(l, _mm256_and_si256(_mm256_slli_epi32(h[k], 4), b4));
+                u = _mm256_or_si256(u, _mm256_and_si256(_mm256_slli_epi32(h[k], 3), b4));
+                h[k] = _mm256_srli_epi32(h[k], 2);
+            }
+            lo[k] = cvt8(l);
+            hi[k] = cvt8(u);
         }
+        emit(4, lo, _mm256_set1_ps(sc[2 * c]), _mm256_set1_ps(mn[2 * c]), x, y, 64 * c, acc);
+        emit(4, hi, _mm256_set1_ps(sc[2 * c + 1]), _mm256_set1_ps(mn[2 * c + 1]), x, y,
+             64 * c + 32, acc);
     }
-    return hsum8(_mm256_sub_ps(acc, accm));
+    if (acc)
+        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(mn), ld8(xs), acc[1]);
 }
 
-static SIMD float dot_q4_k_simd(const uint8_t *w, const float *x, uint64_t nb)
+static inline SIMD void blk_q4_k(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
 {
-    return dot_k45(w, x, nb, false);
+    blk_k45(b, NULL, b + 16, x, xs, y, acc);
 }
 
-static SIMD float dot_q5_k_simd(const uint8_t *w, const float *x, uint64_t nb)
+static inline SIMD void blk_q5_k(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
 {
-    return dot_k45(w, x, nb, true);
+    blk_k45(b, b + 16, b + 48, x, xs, y, acc);
 }
 
-/* Q6_K levels (already minus 32) of lanes 8i..8i+7 of one half: q[0..3] are
- * the outputs at l, l+32, l+64, l+96 of model-spec 2.3. */
-static inline SIMD void unpack_q6_k(const uint8_t *ql, const uint8_t *qh, int i, __m256 q[4])
+/* Q6_K levels (minus 32) of lanes l = 8i..8i+7 of one half: q[k] are the
+ * outputs at l + 32k of model-spec 2.3 (k = 0..3). */
+static inline SIMD void q6_levels(const uint8_t *ql, const uint8_t *qh, int i, __m256 q[4])
 {
     const __m256i m4 = _mm256_set1_epi32(0x0F), m30 = _mm256_set1_epi32(0x30);
     const __m256i off = _mm256_set1_epi32(32);
@@ -388,59 +398,186 @@ static inline SIMD void unpack_q6_k(const uint8_t *ql, const uint8_t *qh, int i,
         q[k] = cvt8(_mm256_sub_epi32(v[k], off));
 }
 
-static SIMD float dot_q6_k_simd(const uint8_t *w, const float *x, uint64_t nb)
+/* Q6_K: groups of 16 elements (lanes 16is.. of output k of half h), group
+ * 8h + is + 2k with int8 scale scales[8h + is + 2k]. */
+static inline SIMD void blk_q6_k(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
 {
-    __m256 acc = _mm256_setzero_ps();
-    for (uint64_t b = 0; b < nb; b++, w += 210, x += 256) {
-        float d = f16_at(w + 208);
+    (void)xs;
+    float sc[16];
+    __m256 dv = _mm256_set1_ps(f16_at(b + 208)), zero = _mm256_setzero_ps();
+    _mm256_storeu_ps(sc, _mm256_mul_ps(dv, cvt8(i8x8(b + 192))));
+    _mm256_storeu_ps(sc + 8, _mm256_mul_ps(dv, cvt8(i8x8(b + 200))));
+    UNROLL
+    for (int h = 0; h < 2; h++) {
         UNROLL
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(w + 192 + 8 * h);
-            const float *xh = x + 128 * h;
+        for (int is = 0; is < 2; is++) {
+            __m256 qa[4], qb[4];
+            q6_levels(b + 64 * h, b + 128 + 32 * h, 2 * is, qa);
+            q6_levels(b + 64 * h, b + 128 + 32 * h, 2 * is + 1, qb);
             UNROLL
-            for (int is = 0; is < 2; is++) {
-                __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                               _mm256_setzero_ps()};
-                UNROLL
-                for (int i = 2 * is; i < 2 * is + 2; i++) {
-                    __m256 q[4];
-                    unpack_q6_k(ql, qh, i, q);
-                    UNROLL
-                    for (int k = 0; k < 4; k++)
-                        p[k] = _mm256_fmadd_ps(q[k], ld8(xh + 32 * k + 8 * i), p[k]);
-                }
-                UNROLL
-                for (int k = 0; k < 4; k++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[is + 2 * k]), p[k], acc);
+            for (int k = 0; k < 4; k++) {
+                __m256 g[2] = {qa[k], qb[k]};
+                emit(2, g, _mm256_set1_ps(sc[8 * h + is + 2 * k]), zero, x, y,
+                     128 * h + 32 * k + 16 * is, acc);
             }
         }
     }
-    return hsum8(acc);
 }
 
-/* IQ4_XS sub-block scale: d * (ls - 32) with the 6-bit ls of model-spec 2.3. */
-static inline float iq4_xs_scale(const uint8_t *b, float d, int ib)
+/* Q2_K and Q3_K: in half h and shift step t, the 16-element groups
+ * 128h + 32t + 16s (s = 0, 1) take bits 2t..2t+1 of qs[32h + 16s + l]; group
+ * index 8h + 2t + s selects the scale. */
+static inline SIMD void q23_levels(const __m256i *q, int s, int t, __m256i v[2])
 {
-    int sh = rd16(b + 2);
-    int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
-    return d * (float)(ls - 32);
+    const __m256i m3 = _mm256_set1_epi32(3), sh = _mm256_set1_epi32(2 * t);
+    v[0] = _mm256_and_si256(_mm256_srlv_epi32(q[2 * s], sh), m3);
+    v[1] = _mm256_and_si256(_mm256_srlv_epi32(q[2 * s + 1], sh), m3);
 }
 
-static SIMD float dot_iq4_xs_simd(const uint8_t *w, const float *x, uint64_t nb)
+static inline SIMD void blk_q2_k(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
 {
-    __m256 acc = _mm256_setzero_ps();
-    for (uint64_t b = 0; b < nb; b++, w += 136, x += 256) {
-        float d = f16_at(w);
+    float sc[16], mn[16];
+    __m128i raw = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    __m256 dv = _mm256_set1_ps(f16_at(b + 80)), mv = _mm256_set1_ps(f16_at(b + 82));
+    _mm256_storeu_ps(sc, _mm256_mul_ps(dv, cvt8(_mm256_cvtepu8_epi32(lo))));
+    _mm256_storeu_ps(sc + 8, _mm256_mul_ps(dv, cvt8(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))));
+    _mm256_storeu_ps(mn, _mm256_mul_ps(mv, cvt8(_mm256_cvtepu8_epi32(hi))));
+    _mm256_storeu_ps(mn + 8, _mm256_mul_ps(mv, cvt8(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))));
+    UNROLL
+    for (int h = 0; h < 2; h++) {
+        __m256i q[4];
         UNROLL
-        for (int ib = 0; ib < 8; ib++) {
-            __m256 q[4];
-            iq4_unpack(w + 8 + 16 * ib, q);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(iq4_xs_scale(w, d, ib)), dot32(q, x + 32 * ib),
-                                  acc);
+        for (int i = 0; i < 4; i++)
+            q[i] = u8x8(b + 16 + 32 * h + 8 * i);
+        UNROLL
+        for (int g = 0; g < 8; g++) { /* g = 2t + s */
+            __m256i v[2];
+            q23_levels(q, g % 2, g / 2, v);
+            __m256 f[2] = {cvt8(v[0]), cvt8(v[1])};
+            emit(2, f, _mm256_set1_ps(sc[8 * h + g]), _mm256_set1_ps(mn[8 * h + g]), x, y,
+                 128 * h + 16 * g, acc);
         }
     }
-    return hsum8(acc);
+    if (acc) {
+        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(mn), ld8(xs), acc[1]);
+        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8), ld8(xs + 8), acc[1]);
+    }
+}
+
+/* Q3_K scales times d: 16 signed 6-bit values, low 4 bits in the nibbles of
+ * s[0..7] (low nibbles first), high 2 bits of scale j at bit 2*(j/4) of
+ * s[8 + j%4]; built as 16 bytes on 64-bit words. */
+static inline SIMD void q3_scales(const uint8_t *s, float d, float sc[16])
+{
+    uint64_t l = (uint64_t)rd32(s) | (uint64_t)rd32(s + 4) << 32;
+    uint32_t u = rd32(s + 8);
+    uint64_t h_lo = (uint64_t)(u & 0x03030303) | (uint64_t)((u >> 2) & 0x03030303) << 32;
+    uint64_t h_hi = (uint64_t)((u >> 4) & 0x03030303) | (uint64_t)((u >> 6) & 0x03030303) << 32;
+    uint64_t lo = (l & 0x0F0F0F0F0F0F0F0Full) | h_lo << 4;
+    uint64_t hi = ((l >> 4) & 0x0F0F0F0F0F0F0F0Full) | h_hi << 4;
+    __m128i v = _mm_sub_epi8(_mm_set_epi64x((long long)hi, (long long)lo), _mm_set1_epi8(32));
+    __m256 dv = _mm256_set1_ps(d);
+    _mm256_storeu_ps(sc, _mm256_mul_ps(dv, cvt8(_mm256_cvtepi8_epi32(v))));
+    _mm256_storeu_ps(sc + 8, _mm256_mul_ps(dv, cvt8(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+}
+
+/* Q3_K: level - 4, plus 4 where hmask bit 4h + t of hmask[16s + l] is set;
+ * hm[] is shifted right once per step t so that bit 0 is current. */
+static inline SIMD void blk_q3_k(const uint8_t *b, const float *x, const float *xs, float *y,
+                                 __m256 *acc)
+{
+    (void)xs;
+    const __m256i four = _mm256_set1_epi32(4), m3 = _mm256_set1_epi32(3);
+    const __m256 zero = _mm256_setzero_ps();
+    float sc[16];
+    q3_scales(b + 96, f16_at(b + 108), sc);
+    __m256i hm[4];
+    UNROLL
+    for (int i = 0; i < 4; i++)
+        hm[i] = _mm256_slli_epi32(u8x8(b + 8 * i), 2); /* bit 0 of the mask as value 4 */
+    UNROLL
+    for (int h = 0; h < 2; h++) {
+        __m256i q[4];
+        UNROLL
+        for (int i = 0; i < 4; i++)
+            q[i] = u8x8(b + 32 + 32 * h + 8 * i);
+        UNROLL
+        for (int t = 0; t < 4; t++) {
+            __m256 f[4];
+            UNROLL
+            for (int i = 0; i < 4; i++) {
+                __m256i lv = _mm256_and_si256(q[i], m3), hb = _mm256_and_si256(hm[i], four);
+                f[i] = cvt8(_mm256_sub_epi32(_mm256_add_epi32(lv, hb), four));
+                q[i] = _mm256_srli_epi32(q[i], 2);
+                hm[i] = _mm256_srli_epi32(hm[i], 1);
+            }
+            emit(2, f, _mm256_set1_ps(sc[8 * h + 2 * t]), zero, x, y, 128 * h + 32 * t, acc);
+            emit(2, f + 2, _mm256_set1_ps(sc[8 * h + 2 * t + 1]), zero, x, y,
+                 128 * h + 32 * t + 16, acc);
+        }
+    }
+}
+
+/* IQ4_XS: sub-block ib has scale d * (ls - 32) with the 6-bit ls of
+ * model-spec 2.3 and its 32 levels in qs[16ib..]. */
+static inline SIMD void blk_iq4_xs(const uint8_t *b, const float *x, const float *xs, float *y,
+                                   __m256 *acc)
+{
+    (void)xs;
+    float d = f16_at(b);
+    int sh = rd16(b + 2);
+    UNROLL
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
+        __m256 q[4];
+        iq4_levels(b + 8 + 16 * ib, q);
+        emit(4, q, _mm256_set1_ps(d * (float)(ls - 32)), _mm256_setzero_ps(), x, y, 32 * ib,
+             acc);
+    }
+}
+
+/* dot_NAME(w, x, xs, nb) and decode_NAME(w, nb, y) over nb blocks of a block
+ * type, from its blk_NAME; a block's sums of x start at xs + block * nxs. */
+#define BLOCK_KERNELS(name, elems, bytes, nxs)                                                     \
+    static SIMD float dot_##name(const uint8_t *w, const float *x, const float *xs, uint64_t nb)  \
+    {                                                                                              \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                               \
+        for (uint64_t i = 0; i < nb; i++)                                                          \
+            blk_##name(w + i * (bytes), x + i * (elems), (nxs) ? xs + i * (nxs) : NULL, NULL,   \
+                       acc);                                                                       \
+        return hsum8(_mm256_sub_ps(acc[0], acc[1]));                                               \
+    }                                                                                              \
+    static SIMD void decode_##name(const uint8_t *w, uint64_t nb, float *y)                        \
+    {                                                                                              \
+        for (uint64_t i = 0; i < nb; i++)                                                          \
+            blk_##name(w + i * (bytes), NULL, NULL, y + i * (elems), NULL);                        \
+    }
+
+BLOCK_KERNELS(q8_0, 32, 34, 0)
+BLOCK_KERNELS(q4_0, 32, 18, 0)
+BLOCK_KERNELS(q4_1, 32, 20, 0)
+BLOCK_KERNELS(q5_0, 32, 22, 0)
+BLOCK_KERNELS(q5_1, 32, 24, 0)
+BLOCK_KERNELS(iq4_nl, 32, 18, 0)
+BLOCK_KERNELS(q2_k, 256, 84, 16)
+BLOCK_KERNELS(q3_k, 256, 110, 0)
+BLOCK_KERNELS(q4_k, 256, 144, 8)
+BLOCK_KERNELS(q5_k, 256, 176, 8)
+BLOCK_KERNELS(q6_k, 256, 210, 0)
+BLOCK_KERNELS(iq4_xs, 256, 136, 0)
+
+/* Sums of x over groups of g (16 or 32) elements, n a multiple of g. */
+static SIMD void x_sums(const float *x, uint64_t n, int g, float *xs)
+{
+    for (uint64_t i = 0; i < n; i += (uint64_t)g) {
+        __m256 s = _mm256_add_ps(ld8(x + i), ld8(x + i + 8));
+        if (g == 32)
+            s = _mm256_add_ps(s, _mm256_add_ps(ld8(x + i + 16), ld8(x + i + 24)));
+        xs[i / (uint64_t)g] = hsum8(s);
+    }
 }
 
 /* Plain types: 8 values of type at p as floats. */
@@ -485,171 +622,19 @@ static inline SIMD float dot_plain(uint32_t type, const uint8_t *w, const float 
     return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + tail;
 }
 
-static SIMD float dot_f32_simd(const uint8_t *w, const float *x, uint64_t n)
+static SIMD float dot_f32(const uint8_t *w, const float *x, uint64_t n)
 {
     return dot_plain(QUANT_TYPE_F32, w, x, n);
 }
 
-static SIMD float dot_f16_simd(const uint8_t *w, const float *x, uint64_t n)
+static SIMD float dot_f16(const uint8_t *w, const float *x, uint64_t n)
 {
     return dot_plain(QUANT_TYPE_F16, w, x, n);
 }
 
-static SIMD float dot_bf16_simd(const uint8_t *w, const float *x, uint64_t n)
+static SIMD float dot_bf16(const uint8_t *w, const float *x, uint64_t n)
 {
     return dot_plain(QUANT_TYPE_BF16, w, x, n);
-}
-
-/* Decoders of the batch path: len elements of a row into buf. */
-static inline SIMD void decode_blocks32(uint32_t type, const uint8_t *w, uint64_t nb, float *y)
-{
-    uint32_t bb = quant_block_bytes(type);
-    for (uint64_t i = 0; i < nb; i++, w += bb, y += 32) {
-        __m256 q[4];
-        float d, m;
-        unpack32(type, w, q, &d, &m);
-        __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-        UNROLL
-        for (int k = 0; k < 4; k++)
-            _mm256_storeu_ps(y + 8 * k, _mm256_fmadd_ps(q[k], dv, mv));
-    }
-}
-
-static SIMD void decode_k45(const uint8_t *w, uint64_t nb, float *y, bool five)
-{
-    uint32_t bb = five ? 176 : 144;
-    for (uint64_t i = 0; i < nb; i++, w += bb, y += 256) {
-        float d = f16_at(w), dmin = f16_at(w + 2);
-        const uint8_t *s = w + 4, *qs = w + (five ? 48 : 16);
-        __m256i qh[4];
-        if (five)
-            UNROLL
-            for (int k = 0; k < 4; k++)
-                qh[k] = u8x8(w + 16 + 8 * k);
-        UNROLL
-        for (int c = 0; c < 4; c++) {
-            __m256 lo[4], hi[4];
-            float sc1, m1, sc2, m2;
-            unpack_k_chunk(qs + 32 * c, five ? qh : NULL, lo, hi);
-            scale_min_k4(2 * c, s, &sc1, &m1);
-            scale_min_k4(2 * c + 1, s, &sc2, &m2);
-            __m256 d1 = _mm256_set1_ps(d * sc1), o1 = _mm256_set1_ps(dmin * m1);
-            __m256 d2 = _mm256_set1_ps(d * sc2), o2 = _mm256_set1_ps(dmin * m2);
-            UNROLL
-            for (int k = 0; k < 4; k++) {
-                _mm256_storeu_ps(y + 64 * c + 8 * k, _mm256_fmsub_ps(lo[k], d1, o1));
-                _mm256_storeu_ps(y + 64 * c + 32 + 8 * k, _mm256_fmsub_ps(hi[k], d2, o2));
-            }
-        }
-    }
-}
-
-static SIMD void decode_q6_k(const uint8_t *w, uint64_t nb, float *y)
-{
-    for (uint64_t b = 0; b < nb; b++, w += 210, y += 256) {
-        float d = f16_at(w + 208);
-        UNROLL
-        for (int h = 0; h < 2; h++) {
-            const int8_t *sc = (const int8_t *)(w + 192 + 8 * h);
-            __m256 s[8];
-            UNROLL
-            for (int g = 0; g < 8; g++)
-                s[g] = _mm256_set1_ps(d * (float)sc[g]);
-            UNROLL
-            for (int i = 0; i < 4; i++) {
-                __m256 q[4];
-                unpack_q6_k(w + 64 * h, w + 128 + 32 * h, i, q);
-                UNROLL
-                for (int k = 0; k < 4; k++)
-                    _mm256_storeu_ps(y + 128 * h + 32 * k + 8 * i,
-                                     _mm256_mul_ps(q[k], s[i / 2 + 2 * k]));
-            }
-        }
-    }
-}
-
-static SIMD void decode_iq4_xs(const uint8_t *w, uint64_t nb, float *y)
-{
-    for (uint64_t b = 0; b < nb; b++, w += 136, y += 256) {
-        float d = f16_at(w);
-        UNROLL
-        for (int ib = 0; ib < 8; ib++) {
-            __m256 q[4], dl = _mm256_set1_ps(iq4_xs_scale(w, d, ib));
-            iq4_unpack(w + 8 + 16 * ib, q);
-            UNROLL
-            for (int k = 0; k < 4; k++)
-                _mm256_storeu_ps(y + 32 * ib + 8 * k, _mm256_mul_ps(q[k], dl));
-        }
-    }
-}
-
-/* Q2_K and Q3_K: in half h, shift step t, the 32 outputs y[128h + 32t + l]
- * take bits 2t..2t+1 of qs[32h + l]; outputs l < 16 and l >= 16 have their
- * own scale. */
-static SIMD void decode_q2_k(const uint8_t *w, uint64_t nb, float *y)
-{
-    const __m256i m3 = _mm256_set1_epi32(3);
-    for (uint64_t b = 0; b < nb; b++, w += 84, y += 256) {
-        float d = f16_at(w + 80), dmin = f16_at(w + 82);
-        UNROLL
-        for (int h = 0; h < 2; h++) {
-            __m256i q[4];
-            UNROLL
-            for (int i = 0; i < 4; i++)
-                q[i] = u8x8(w + 16 + 32 * h + 8 * i);
-            UNROLL
-            for (int t = 0; t < 4; t++) {
-                __m256i sh = _mm256_set1_epi32(2 * t);
-                UNROLL
-                for (int i = 0; i < 4; i++) {
-                    int sc = w[8 * h + 2 * t + i / 2];
-                    __m256 v = cvt8(_mm256_and_si256(_mm256_srlv_epi32(q[i], sh), m3));
-                    __m256 dl = _mm256_set1_ps(d * (float)(sc & 0x0F));
-                    __m256 ml = _mm256_set1_ps(dmin * (float)(sc >> 4));
-                    _mm256_storeu_ps(y + 128 * h + 32 * t + 8 * i, _mm256_fmsub_ps(v, dl, ml));
-                }
-            }
-        }
-    }
-}
-
-static SIMD void decode_q3_k(const uint8_t *w, uint64_t nb, float *y)
-{
-    const __m256i m3 = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
-    const __m256i four = _mm256_set1_epi32(4);
-    for (uint64_t b = 0; b < nb; b++, w += 110, y += 256) {
-        const uint8_t *s = w + 96;
-        float d = f16_at(w + 108), dl[16];
-        for (int j = 0; j < 16; j++) {
-            int low = j < 8 ? s[j] & 0x0F : s[j - 8] >> 4;
-            int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-            dl[j] = d * (float)((low | high << 4) - 32);
-        }
-        __m256i hm[4];
-        UNROLL
-        for (int i = 0; i < 4; i++)
-            hm[i] = u8x8(w + 8 * i);
-        UNROLL
-        for (int h = 0; h < 2; h++) {
-            __m256i q[4];
-            UNROLL
-            for (int i = 0; i < 4; i++)
-                q[i] = u8x8(w + 32 + 32 * h + 8 * i);
-            UNROLL
-            for (int t = 0; t < 4; t++) {
-                __m256i sh = _mm256_set1_epi32(2 * t), hs = _mm256_set1_epi32(4 * h + t);
-                UNROLL
-                for (int i = 0; i < 4; i++) {
-                    /* level - 4, plus 4 where the hmask bit is set */
-                    __m256i lv = _mm256_and_si256(_mm256_srlv_epi32(q[i], sh), m3);
-                    __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(hm[i], hs), one);
-                    lv = _mm256_add_epi32(_mm256_sub_epi32(lv, four), _mm256_slli_epi32(hb, 2));
-                    __m256 v = _mm256_mul_ps(cvt8(lv), _mm256_set1_ps(dl[8 * h + 2 * t + i / 2]));
-                    _mm256_storeu_ps(y + 128 * h + 32 * t + 8 * i, v);
-                }
-            }
-        }
-    }
 }
 
 static SIMD void decode_plain(uint32_t type, const uint8_t *w, uint64_t n, float *y)
@@ -660,6 +645,30 @@ static SIMD void decode_plain(uint32_t type, const uint8_t *w, uint64_t n, float
         _mm256_storeu_ps(y + i, load_plain8(type, w + es * i));
     for (; i < n; i++)
         y[i] = plain_at(type, w, i);
+}
+
+/* One row segment; xs as made by x_sums for the types of xs_group. */
+static SIMD float dot_seg(uint32_t type, const uint8_t *w, const float *x, const float *xs,
+                          uint64_t n)
+{
+    switch (type) {
+    case QUANT_TYPE_F32: return dot_f32(w, x, n);
+    case QUANT_TYPE_F16: return dot_f16(w, x, n);
+    case QUANT_TYPE_BF16: return dot_bf16(w, x, n);
+    case QUANT_TYPE_Q8_0: return dot_q8_0(w, x, xs, n / 32);
+    case QUANT_TYPE_Q4_0: return dot_q4_0(w, x, xs, n / 32);
+    case QUANT_TYPE_Q4_1: return dot_q4_1(w, x, xs, n / 32);
+    case QUANT_TYPE_Q5_0: return dot_q5_0(w, x, xs, n / 32);
+    case QUANT_TYPE_Q5_1: return dot_q5_1(w, x, xs, n / 32);
+    case QUANT_TYPE_IQ4_NL: return dot_iq4_nl(w, x, xs, n / 32);
+    case QUANT_TYPE_Q2_K: return dot_q2_k(w, x, xs, n / 256);
+    case QUANT_TYPE_Q3_K: return dot_q3_k(w, x, xs, n / 256);
+    case QUANT_TYPE_Q4_K: return dot_q4_k(w, x, xs, n / 256);
+    case QUANT_TYPE_Q5_K: return dot_q5_k(w, x, xs, n / 256);
+    case QUANT_TYPE_Q6_K: return dot_q6_k(w, x, xs, n / 256);
+    case QUANT_TYPE_IQ4_XS: return dot_iq4_xs(w, x, xs, n / 256);
+    default: ASSERT(!"type without an AVX2 dot"); return 0.0f;
+    }
 }
 
 /* len elements from element k of row into buf (or the row itself when it is
@@ -676,54 +685,51 @@ static SIMD const float *decode_simd(uint32_t type, const uint8_t *row, uint64_t
         break;
     case QUANT_TYPE_F16:
     case QUANT_TYPE_BF16: decode_plain(type, w, len, buf); break;
-    case QUANT_TYPE_Q8_0: decode_blocks32(QUANT_TYPE_Q8_0, w, len / 32, buf); break;
-    case QUANT_TYPE_Q4_0: decode_blocks32(QUANT_TYPE_Q4_0, w, len / 32, buf); break;
-    case QUANT_TYPE_Q4_1: decode_blocks32(QUANT_TYPE_Q4_1, w, len / 32, buf); break;
-    case QUANT_TYPE_Q5_0: decode_blocks32(QUANT_TYPE_Q5_0, w, len / 32, buf); break;
-    case QUANT_TYPE_Q5_1: decode_blocks32(QUANT_TYPE_Q5_1, w, len / 32, buf); break;
-    case QUANT_TYPE_IQ4_NL: decode_blocks32(QUANT_TYPE_IQ4_NL, w, len / 32, buf); break;
-    case QUANT_TYPE_Q4_K: decode_k45(w, len / 256, buf, false); break;
-    case QUANT_TYPE_Q5_K: decode_k45(w, len / 256, buf, true); break;
-    case QUANT_TYPE_Q6_K: decode_q6_k(w, len / 256, buf); break;
-    case QUANT_TYPE_IQ4_XS: decode_iq4_xs(w, len / 256, buf); break;
+    case QUANT_TYPE_Q8_0: decode_q8_0(w, len / 32, buf); break;
+    case QUANT_TYPE_Q4_0: decode_q4_0(w, len / 32, buf); break;
+    case QUANT_TYPE_Q4_1: decode_q4_1(w, len / 32, buf); break;
+    case QUANT_TYPE_Q5_0: decode_q5_0(w, len / 32, buf); break;
+    case QUANT_TYPE_Q5_1: decode_q5_1(w, len / 32, buf); break;
+    case QUANT_TYPE_IQ4_NL: decode_iq4_nl(w, len / 32, buf); break;
     case QUANT_TYPE_Q2_K: decode_q2_k(w, len / 256, buf); break;
     case QUANT_TYPE_Q3_K: decode_q3_k(w, len / 256, buf); break;
-    default: decode_scalar(type, row, k, len, buf); break;
+    case QUANT_TYPE_Q4_K: decode_q4_k(w, len / 256, buf); break;
+    case QUANT_TYPE_Q5_K: decode_q5_k(w, len / 256, buf); break;
+    case QUANT_TYPE_Q6_K: decode_q6_k(w, len / 256, buf); break;
+    case QUANT_TYPE_IQ4_XS: decode_iq4_xs(w, len / 256, buf); break;
+    default: ASSERT(!"type without an AVX2 decoder");
     }
     return buf;
 }
 
-/* Types without a fused kernel (Q2_K, Q3_K): decode chunks of MV_CHUNK
- * elements into a stack buffer, then dot. */
-static SIMD float dot_decoded_simd(uint32_t type, const uint8_t *row, const float *x, uint64_t n)
+/* Group size of the sums of x that a type's fused dot uses, 0 for none. */
+static int xs_group(uint32_t type)
 {
-    _Alignas(32) float buf[MV_CHUNK];
-    float sum = 0.0f;
-    for (uint64_t k = 0; k < n; k += MV_CHUNK) {
-        uint64_t len = n - k < MV_CHUNK ? n - k : MV_CHUNK;
-        const float *p = decode_simd(type, row, k, len, buf);
-        sum += dot_f32_simd((const uint8_t *)p, x + k, len);
-    }
-    return sum;
+    if (type == QUANT_TYPE_Q2_K)
+        return 16;
+    return type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q5_K ? 32 : 0;
 }
 
-static SIMD float dot_simd(uint32_t type, const uint8_t *w, const float *x, uint64_t n)
+/* y[r] = W[r] . x for r in [r0, r1). Types with mins go segment by segment
+ * (segments outside, rows inside) so that the sums of x of a segment are
+ * made once for all rows; a row's result is the same whatever the range. */
+static SIMD void rows_simd(uint32_t type, const uint8_t *w, size_t row_bytes, const float *x,
+                           uint64_t n, float *y, uint64_t r0, uint64_t r1)
 {
-    switch (type) {
-    case QUANT_TYPE_F32: return dot_f32_simd(w, x, n);
-    case QUANT_TYPE_F16: return dot_f16_simd(w, x, n);
-    case QUANT_TYPE_BF16: return dot_bf16_simd(w, x, n);
-    case QUANT_TYPE_Q8_0: return dot_q8_0_simd(w, x, n / 32);
-    case QUANT_TYPE_Q4_0: return dot_q4_0_simd(w, x, n / 32);
-    case QUANT_TYPE_Q4_1: return dot_q4_1_simd(w, x, n / 32);
-    case QUANT_TYPE_Q5_0: return dot_q5_0_simd(w, x, n / 32);
-    case QUANT_TYPE_Q5_1: return dot_q5_1_simd(w, x, n / 32);
-    case QUANT_TYPE_IQ4_NL: return dot_iq4_nl_simd(w, x, n / 32);
-    case QUANT_TYPE_Q4_K: return dot_q4_k_simd(w, x, n / 256);
-    case QUANT_TYPE_Q5_K: return dot_q5_k_simd(w, x, n / 256);
-    case QUANT_TYPE_Q6_K: return dot_q6_k_simd(w, x, n / 256);
-    case QUANT_TYPE_IQ4_XS: return dot_iq4_xs_simd(w, x, n / 256);
-    default: return dot_decoded_simd(type, w, x, n);
+    int g = xs_group(type);
+    if (!g) {
+        for (uint64_t r = r0; r < r1; r++)
+            y[r] = dot_seg(type, w + r * row_bytes, x, NULL, n);
+        return;
+    }
+    float xs[MV_SEG / 16];
+    for (uint64_t k = 0; k == 0 || k < n; k += MV_SEG) {
+        uint64_t len = n - k < MV_SEG ? n - k : MV_SEG;
+        x_sums(x + k, len, g, xs);
+        for (uint64_t r = r0; r < r1; r++) {
+            float v = dot_seg(type, w + r * row_bytes + elem_offset(type, k), x + k, xs, len);
+            y[r] = k ? y[r] + v : v;
+        }
     }
 }
 
@@ -760,16 +766,122 @@ static SIMD void tile_simd(const float *const w[MV_TILE], const float *x0, const
 }
 #endif /* MATVEC_X86 */
 
-/* ---- dispatch -------------------------------------------------------------- */
+/* ---- batch path -------------------------------------------------------------- */
+
+/* Points wr[0..MV_TILE) at elements [k, k + len) of rows r .. r + nr - 1,
+ * decoded into buf; a short last tile repeats its first row. */
+static void decode_tile(bool simd, uint32_t type, const uint8_t *w, size_t row_bytes, uint64_t r,
+                        int nr, uint64_t k, uint64_t len, float buf[][MV_CHUNK],
+                        const float *wr[MV_TILE])
+{
+    for (int i = 0; i < MV_TILE; i++) {
+        const uint8_t *row = w + (r + (i < nr ? i : 0)) * row_bytes;
+#if MATVEC_X86
+        if (simd) {
+            wr[i] = decode_simd(type, row, k, len, buf[i]);
+            continue;
+        }
+#endif
+        decode_scalar(type, row, k, len, buf[i]);
+        wr[i] = buf[i];
+    }
+}
+
+/* Multiplies a decoded tile with activation rows s and s + 1 (or s alone
+ * when it is the last) and adds the results into Y (k == 0: stores them). */
+static void multiply_tile(bool simd, const float *const wr[MV_TILE], int nr, const float *X,
+                          size_t ldx, uint64_t S, uint64_t s, uint64_t k, uint64_t len, float *Y,
+                          size_t ldy, uint64_t r)
+{
+    const float *x0 = X + s * ldx + k;
+    const float *x1 = s + 1 < S ? x0 + ldx : x0;
+    int ns = s + 1 < S ? 2 : 1;
+    float out[8];
+#if MATVEC_X86
+    if (simd)
+        tile_simd(wr, x0, x1, len, out);
+    else
+#endif
+        tile_portable(wr, x0, x1, len, out);
+    for (int j = 0; j < ns; j++)
+        for (int i = 0; i < nr; i++) {
+            float *y = Y + (s + (uint64_t)j) * ldy + r + (uint64_t)i;
+            *y = k ? *y + out[2 * i + j] : out[2 * i + j];
+        }
+}
+
+/* The batch loop of both paths: tiles of MV_TILE rows x MV_CHUNK elements,
+ * each decoded once, times all S activation rows two at a time. */
+static void rows_batch(bool simd, uint32_t type, const uint8_t *w, size_t row_bytes,
+                       const float *X, size_t ldx, uint64_t S, uint64_t n, float *Y, size_t ldy,
+                       uint64_t r0, uint64_t r1)
+{
+    _Alignas(32) float buf[MV_TILE][MV_CHUNK];
+    for (uint64_t r = r0; r < r1; r += MV_TILE) {
+        int nr = r1 - r < MV_TILE ? (int)(r1 - r) : MV_TILE;
+        for (uint64_t k = 0; k == 0 || k < n; k += MV_CHUNK) {
+            uint64_t len = n - k < MV_CHUNK ? n - k : MV_CHUNK;
+            const float *wr[MV_TILE];
+            decode_tile(simd, type, w, row_bytes, r, nr, k, len, buf, wr);
+            for (uint64_t s = 0; s < S; s += 2)
+                multiply_tile(simd, wr, nr, X, ldx, S, s, k, len, Y, ldy, r);
+        }
+    }
+}
+
+/* ---- public functions ------------------------------------------------------------ */
 
 float matvec_dot(uint32_t type, const void *row, const float *x, uint64_t n)
 {
     check_args(type, n);
 #if MATVEC_X86
-    if (matvec_has_simd())
-        return dot_simd(type, row, x, n);
+    if (matvec_has_simd()) {
+        float y;
+        rows_simd(type, row, 0, x, n, &y, 0, 1);
+        return y;
+    }
 #endif
     return matvec_dot_portable(type, row, x, n);
+}
+
+float matvec_dot_portable(uint32_t type, const void *row, const float *x, uint64_t n)
+{
+    check_args(type, n);
+    float buf[MV_CHUNK];
+    float sum = 0.0f;
+    for (uint64_t k = 0; k < n; k += MV_CHUNK) {
+        uint64_t len = n - k < MV_CHUNK ? n - k : MV_CHUNK;
+        decode_scalar(type, row, k, len, buf);
+        sum += dot_f32_portable(buf, x + k, len);
+    }
+    return sum;
+}
+
+double matvec_dot_ref(uint32_t type, const void *row, const float *x, uint64_t n)
+{
+    check_args(type, n);
+    float buf[MV_CHUNK];
+    double sum = 0.0;
+    for (uint64_t k = 0; k < n; k += MV_CHUNK) {
+        uint64_t len = n - k < MV_CHUNK ? n - k : MV_CHUNK;
+        decode_scalar(type, row, k, len, buf);
+        for (uint64_t i = 0; i < len; i++)
+            sum += (double)buf[i] * (double)x[k + i];
+    }
+    return sum;
+}
+
+bool matvec_has_simd(void)
+{
+#if MATVEC_X86 && defined(__clang__)
+    /* clang's builtin does not know "f16c"; no AVX2 CPU lacks it */
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#elif MATVEC_X86
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
 }
 
 void matvec_rows(uint32_t type, const void *w, size_t row_bytes, const float *x, uint64_t n,
@@ -780,8 +892,7 @@ void matvec_rows(uint32_t type, const void *w, size_t row_bytes, const float *x,
     const uint8_t *base = w;
 #if MATVEC_X86
     if (matvec_has_simd()) {
-        for (uint64_t r = r0; r < r1; r++)
-            y[r] = dot_simd(type, base + r * row_bytes, x, n);
+        rows_simd(type, base, row_bytes, x, n, y, r0, r1);
         return;
     }
 #endif
@@ -789,100 +900,15 @@ void matvec_rows(uint32_t type, const void *w, size_t row_bytes, const float *x,
         y[r] = matvec_dot_portable(type, base + r * row_bytes, x, n);
 }
 
-/* Portable twin of tile_simd. */
-static void tile_portable(const float *const w[MV_TILE], const float *x0, const float *x1,
-                          uint64_t len, float out[8])
-{
-    float a[8][8] = {{0}};
-    uint64_t j = 0;
-    for (; j + 8 <= len; j += 8)
-        for (int i = 0; i < MV_TILE; i++)
-            for (int l = 0; l < 8; l++) {
-                a[2 * i][l] += w[i][j + l] * x0[j + l];
-                a[2 * i + 1][l] += w[i][j + l] * x1[j + l];
-            }
-    for (int k = 0; k < 8; k++)
-        out[k] = ((a[k][0] + a[k][1]) + (a[k][2] + a[k][3])) +
-                 ((a[k][4] + a[k][5]) + (a[k][6] + a[k][7]));
-    for (; j < len; j++)
-        for (int i = 0; i < MV_TILE; i++) {
-            out[2 * i] += w[i][j] * x0[j];
-            out[2 * i + 1] += w[i][j] * x1[j];
-        }
-}
-
-/* The batch loop shared by both paths: tiles of 4 rows x MV_CHUNK elements,
- * each decoded once, times all S activation rows two at a time. */
-static void rows_batch(bool simd, uint32_t type, const uint8_t *w, size_t row_bytes,
-                       const float *X, size_t ldx, uint64_t S, uint64_t n, float *Y, size_t ldy,
-                       uint64_t r0, uint64_t r1)
-{
-    _Alignas(32) float buf[MV_TILE][MV_CHUNK];
-    for (uint64_t r = r0; r < r1; r += MV_TILE) {
-        int nr = r1 - r < MV_TILE ? (int)(r1 - r) : MV_TILE;
-        for (uint64_t k = 0; k < n; k += MV_CHUNK) {
-            uint64_t len = n - k < MV_CHUNK ? n - k : MV_CHUNK;
-            const float *wr[MV_TILE];
-            for (int i = 0; i < MV_TILE; i++) {
-                if (i >= nr) { /* pad the last tile with its first row */
-                    wr[i] = wr[0];
-                    continue;
-                }
-                const uint8_t *row = w + (r + i) * row_bytes;
-#if MATVEC_X86
-                if (simd) {
-                    wr[i] = decode_simd(type, row, k, len, buf[i]);
-                    continue;
-                }
-#endif
-                decode_scalar(type, row, k, len, buf[i]);
-                wr[i] = buf[i];
-            }
-            for (uint64_t s = 0; s < S; s += 2) {
-                const float *x0 = X + s * ldx + k;
-                const float *x1 = s + 1 < S ? x0 + ldx : x0;
-                float out[8];
-#if MATVEC_X86
-                if (simd)
-                    tile_simd(wr, x0, x1, len, out);
-                else
-#endif
-                    tile_portable(wr, x0, x1, len, out);
-                for (int i = 0; i < nr; i++) {
-                    float *y0 = Y + s * ldy + r + i;
-                    *y0 = k ? *y0 + out[2 * i] : out[2 * i];
-                    if (s + 1 < S)
-                        y0[ldy] = k ? y0[ldy] + out[2 * i + 1] : out[2 * i + 1];
-                }
-            }
-        }
-    }
-}
-
-static void check_batch_args(uint32_t type, size_t row_bytes, size_t ldx, uint64_t n, size_t ldy,
-                             uint64_t r0, uint64_t r1)
-{
-    check_args(type, n);
-    ASSERT(row_bytes >= quant_row_size(type, n) && r0 <= r1);
-    ASSERT(ldx >= n && ldy >= r1);
-}
-
 void matvec_rows_batch(uint32_t type, const void *w, size_t row_bytes, const float *X,
                        size_t ldx, uint64_t S, uint64_t n, float *Y, size_t ldy, uint64_t r0,
                        uint64_t r1)
 {
     check_batch_args(type, row_bytes, ldx, n, ldy, r0, r1);
-    if (S == 1) {
+    if (S == 1)
         matvec_rows(type, w, row_bytes, X, n, Y, r0, r1);
-        return;
-    }
-    if (n == 0) {
-        for (uint64_t s = 0; s < S; s++)
-            for (uint64_t r = r0; r < r1; r++)
-                Y[s * ldy + r] = 0.0f;
-        return;
-    }
-    rows_batch(matvec_has_simd(), type, w, row_bytes, X, ldx, S, n, Y, ldy, r0, r1);
+    else
+        rows_batch(matvec_has_simd(), type, w, row_bytes, X, ldx, S, n, Y, ldy, r0, r1);
 }
 
 void matvec_rows_batch_portable(uint32_t type, const void *w, size_t row_bytes, const float *X,
@@ -890,11 +916,5 @@ void matvec_rows_batch_portable(uint32_t type, const void *w, size_t row_bytes, 
                                 uint64_t r0, uint64_t r1)
 {
     check_batch_args(type, row_bytes, ldx, n, ldy, r0, r1);
-    if (n == 0) {
-        for (uint64_t s = 0; s < S; s++)
-            for (uint64_t r = r0; r < r1; r++)
-                Y[s * ldy + r] = 0.0f;
-        return;
-    }
     rows_batch(false, type, w, row_bytes, X, ldx, S, n, Y, ldy, r0, r1);
 }
