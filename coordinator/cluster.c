@@ -28,7 +28,7 @@
 
 #define CLUSTER_HELLO_TIMEOUT_S 30.0  /* spawn -> hello */
 #define CLUSTER_READY_TIMEOUT_S 900.0 /* plan -> ready (large models load slowly) */
-#define CLUSTER_DEAD_S 2.0            /* no heartbeat for this long during a step: dead */
+#define CLUSTER_DEAD_S 1.5            /* no heartbeat (sent every 0.25 s) for this long: dead */
 #define CLUSTER_POLL_MS 50            /* step loop granularity */
 #define CLUSTER_SHUTDOWN_WAIT_S 2.0   /* SHUTDOWN -> SIGKILL */
 
@@ -38,6 +38,7 @@ struct cluster_worker {
     bool exited;               /* reaped */
     int status;                /* wait status when exited */
     bool hello, ready;
+    bool failed;               /* found dead or hung: killed at once on shutdown */
     uint32_t l0, l1;           /* layer range */
     uint8_t **bitmaps;         /* per layer in range: residency bitmap */
     uint32_t resident;         /* experts held, as reported */
@@ -559,11 +560,13 @@ static int cl_check_alive(struct cluster *c)
         if (w->exited)
             continue;
         if (now - w->last_heartbeat > CLUSTER_DEAD_S) {
+            c->w[i].failed = true;
             log_error("worker %d (pid %d) stopped answering: no heartbeat for %.1f s in step %llu",
                       i, (int)w->pid, now - w->last_heartbeat, (unsigned long long)c->step);
             return -ETIMEDOUT;
         }
         if (now - w->progress_time > c->cfg.hang_timeout_s) {
+            c->w[i].failed = true;
             log_error("worker %d (pid %d) is stuck: no layer finished for %.1f s in step %llu",
                       i, (int)w->pid, now - w->progress_time, (unsigned long long)c->step);
             return -ETIMEDOUT;
@@ -779,6 +782,14 @@ struct cluster *cluster_create(const struct cluster_config *cfg)
 /* Asks every live worker to stop, waits a bounded time, then kills. */
 static void cl_stop_workers(struct cluster *c)
 {
+    for (int i = 0; i < c->n; i++) {
+        struct cluster_worker *w = &c->w[i];
+        if (w->failed && w->pid && !w->exited) {
+            kill(w->pid, SIGKILL);
+            waitpid(w->pid, &w->status, 0);
+            w->exited = true;
+        }
+    }
     for (int i = 0; i < c->n && c->router; i++) {
         if (c->w[i].exited || (!c->w[i].hello && c->w[i].pid == 0))
             continue;

@@ -1,0 +1,205 @@
+#!/bin/sh
+# System tests of the coordinator + workers (real processes, CPU backend):
+#   1. logits byte-identical to --inproc and the same greedy text, for every
+#      conformance fixture and a gen-model tiny model, with 1, 2 and 3 workers
+#      and placements that keep some experts in worker memory and send the
+#      rest to the coordinator's CPU pool;
+#   2. kill -9 of a worker: error naming it within 2 s, non-zero exit, no
+#      process and no /dev/shm segment left;
+#   3. a stopped (hung) worker: reported as not answering, same cleanup;
+#   4. an injected step failure in worker 1: reported, non-zero exit;
+#   5. kill -9 of the coordinator: workers gone within 10 s, next run clean;
+#   6. SIGINT: clean exit, nothing left;
+#   7. tcp:// with CURVE and hand-started workers: same logits as ipc;
+#   8. bad command lines: clear errors.
+set -u
+BUILD=${BUILD:-build}
+L=$BUILD/lamina
+W=$BUILD/lamina-worker
+FX=${LAMINA_FIXTURES:-../shared/fixtures}
+T=$(mktemp -d /tmp/lamina-sys-XXXXXX)
+fails=0
+export LAMINA_LOG=warn
+
+fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
+ok() { echo "ok: $*"; }
+
+cleanup() { rm -rf "$T"; }
+trap cleanup EXIT
+
+# No worker of coordinator $2 (its runtime directory is in the endpoint), and
+# no segment of pid $2, is left.
+check_clean() {
+    sleep 0.2
+    left=$(pgrep -f "lamina-worker --connect ipc://.*/lamina-$2-" | tr '\n' ' ')
+    if [ -n "$left" ]; then
+        fail "$1: lamina-worker processes left: $left"
+        kill -9 $left 2>/dev/null
+    fi
+    if ls /dev/shm 2>/dev/null | grep -q "^lamina-$2-"; then
+        fail "$1: shm segment of pid $2 left: $(ls /dev/shm | grep "^lamina-$2-")"
+    fi
+}
+
+ids_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open('$FX/conformance/refs.json'))['$1']['prompt_ids'])))"; }
+
+# 1. identity
+$L gen-model --arch qwen35moe --shape tiny --type q4_0 --seed 3 -o "$T/tiny.gguf" >/dev/null 2>&1 ||
+    fail "gen-model tiny"
+for m in qwen3moe/qwen3moe-q8_0 qwen3next/qwen3next-f32 qwen35moe/qwen35moe-q8_0 tiny; do
+    if [ "$m" = tiny ]; then
+        file=$T/tiny.gguf; ids=5,17,99,3,250,42,7,7,301,12,64,128
+    else
+        file=$FX/conformance/$m.gguf; ids=$(ids_of "$(dirname $m)")
+    fi
+    common="-m $file --prompt-ids $ids -n 12 --greedy -b 32 --no-echo"
+    $L run $common --inproc --dump-logits "$T/ref.npy" >"$T/ref.txt" 2>"$T/err" ||
+        { fail "$m inproc: $(tail -1 $T/err)"; continue; }
+    for spec in "cpu 30%" "cpu,cpu 50%" "cpu,cpu,cpu 25%" "cpu,cpu none" "cpu,cpu,cpu all"; do
+        set -- $spec
+        $L run $common --devices "$1" --resident "$2" --dump-logits "$T/out.npy" >"$T/out.txt" 2>"$T/err" ||
+            { fail "$m --devices $1 --resident $2: $(tail -1 $T/err)"; continue; }
+        if cmp -s "$T/ref.npy" "$T/out.npy" && cmp -s "$T/ref.txt" "$T/out.txt"; then
+            ok "$m --devices $1 --resident $2: logits byte-identical, same text"
+        else
+            fail "$m --devices $1 --resident $2: differs from --inproc"
+        fi
+    done
+done
+
+# A long generation to disturb: tiny model, big context.
+long_run() { # sets cpid (not in a subshell: the test must be able to wait for it)
+    $L run -m "$T/tiny.gguf" -p "hello" -n 200000 -c 200000 --ignore-eos --devices cpu,cpu \
+        --resident 50% "$@" >/dev/null 2>"$T/long.err" &
+    cpid=$!
+}
+
+workers_of() { pgrep -P "$1" -f lamina-worker | tr '\n' ' '; }
+
+wait_workers() { # coordinator pid: wait until 2 workers run
+    i=0
+    while [ $i -lt 100 ]; do
+        [ "$(workers_of "$1" | wc -w)" -ge 2 ] && return 0
+        sleep 0.1; i=$((i + 1))
+    done
+    return 1
+}
+
+# 2. kill -9 of a worker
+long_run
+if wait_workers "$cpid"; then
+    sleep 1
+    victim=$(workers_of "$cpid" | awk '{print $2}')
+    t0=$(date +%s.%N)
+    kill -9 "$victim"
+    wait "$cpid"; rc=$?
+    dt=$(echo "$(date +%s.%N) - $t0" | bc)
+    if [ $rc -ne 0 ] && grep -q "worker 1 (pid $victim.*killed by signal 9" "$T/long.err" &&
+        [ "$(echo "$dt < 2.5" | bc)" = 1 ]; then
+        ok "kill -9 worker: named in the error, exit $rc after ${dt}s"
+    else
+        fail "kill -9 worker: rc $rc after ${dt}s: $(grep error "$T/long.err" | head -2)"
+    fi
+else
+    fail "workers did not start"; kill -9 "$cpid" 2>/dev/null; wait "$cpid" 2>/dev/null
+fi
+check_clean "kill -9 worker" "$cpid"
+
+# 3. a stopped worker
+long_run
+if wait_workers "$cpid"; then
+    sleep 1
+    victim=$(workers_of "$cpid" | awk '{print $1}')
+    t0=$(date +%s.%N)
+    kill -STOP "$victim"
+    wait "$cpid"; rc=$?
+    dt=$(echo "$(date +%s.%N) - $t0" | bc)
+    if [ $rc -ne 0 ] && grep -q "worker 0 (pid $victim) stopped answering" "$T/long.err" &&
+        [ "$(echo "$dt < 5" | bc)" = 1 ]; then
+        ok "stopped worker: reported after ${dt}s"
+    else
+        fail "stopped worker: rc $rc after ${dt}s: $(grep error "$T/long.err" | head -2)"
+    fi
+fi
+check_clean "stopped worker" "$cpid"
+
+# 4. injected failure
+LAMINA_FAIL=1:step:5 $L run -m "$T/tiny.gguf" -p "hello" -n 20 --devices cpu,cpu >/dev/null 2>"$T/err"
+rc=$?
+if [ $rc -ne 0 ] && grep -q "worker 1 failed in step" "$T/err"; then
+    ok "injected step failure: reported, exit $rc"
+else
+    fail "injected step failure: rc $rc: $(grep error "$T/err" | head -2)"
+fi
+
+# 5. kill -9 of the coordinator
+long_run
+if wait_workers "$cpid"; then
+    ws=$(workers_of "$cpid")
+    kill -9 "$cpid"; wait "$cpid" 2>/dev/null
+    i=0
+    while [ $i -lt 100 ] && for p in $ws; do kill -0 "$p" 2>/dev/null && break; done; do
+        alive=0; for p in $ws; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && break
+        sleep 0.1; i=$((i + 1))
+    done
+    alive=0; for p in $ws; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && ok "kill -9 coordinator: workers gone within $((i / 10)) s" ||
+        fail "kill -9 coordinator: workers still alive after 10 s"
+    LAMINA_LOG=info $L run -m "$T/tiny.gguf" -p "hi" -n 4 --devices cpu >/dev/null 2>"$T/err"
+    if [ $? -eq 0 ] && ! ls /dev/shm | grep -q "^lamina-$cpid-"; then
+        ok "next run after a dead coordinator: clean ($(grep -c 'dead coordinator' "$T/err") stale item(s) removed)"
+    else
+        fail "next run after a dead coordinator"
+    fi
+fi
+check_clean "kill -9 coordinator" "$cpid"
+
+# 6. SIGINT
+long_run
+if wait_workers "$cpid"; then
+    sleep 0.5
+    kill -INT "$cpid"
+    wait "$cpid"; rc=$?
+    [ $rc -ne 0 ] && ok "SIGINT: exit $rc" || fail "SIGINT: exit 0"
+fi
+check_clean "SIGINT" "$cpid"
+
+# 7. tcp with CURVE, workers started by hand
+port=$((20000 + $$ % 20000))
+ids=5,17,99,3,250,42,7,7,301,12,64,128
+$L run -m "$T/tiny.gguf" --prompt-ids $ids -n 6 --greedy --no-echo --inproc --dump-logits "$T/ref.npy" >"$T/ref.txt" 2>/dev/null
+LAMINA_LOG=info $L run -m "$T/tiny.gguf" --prompt-ids $ids -n 6 --greedy --no-echo --devices cpu,cpu \
+    --resident 50% --listen "tcp://127.0.0.1:$port" --dump-logits "$T/out.npy" >"$T/out.txt" 2>"$T/tcp.err" &
+cpid=$!
+i=0
+while [ $i -lt 100 ] && ! grep -q -- "--server-key" "$T/tcp.err"; do sleep 0.1; i=$((i + 1)); done
+key=$(grep -o -- "--server-key [^ ]*" "$T/tcp.err" | head -1 | awk '{print $2}')
+if [ -n "$key" ]; then
+    timeout -s KILL 60 $W --connect "tcp://127.0.0.1:$port" --index 0 --server-key "$key" 2>"$T/w0.err" &
+    w0=$!
+    timeout -s KILL 60 $W --connect "tcp://127.0.0.1:$port" --index 1 --server-key "$key" 2>"$T/w1.err" &
+    w1=$!
+    wait "$cpid"; rc=$?
+    wait "$w0" "$w1"
+    if [ $rc -eq 0 ] && cmp -s "$T/ref.npy" "$T/out.npy" && cmp -s "$T/ref.txt" "$T/out.txt"; then
+        ok "tcp + CURVE with hand-started workers: same logits and text as in-process"
+    else
+        fail "tcp: rc $rc: $(grep error "$T/tcp.err" "$T/w0.err" | head -3)"
+    fi
+else
+    fail "tcp: coordinator printed no server key: $(tail -2 "$T/tcp.err")"; kill -9 "$cpid"
+fi
+check_clean "tcp" "$cpid"
+
+# 8. bad command lines
+$L run -m "$T/tiny.gguf" -p hi --devices gpu9 >/dev/null 2>"$T/err" ||
+    grep -q "not available" "$T/err" && ok "unknown device rejected" || fail "unknown device"
+$L run -m "$T/tiny.gguf" -p hi --devices cpu,cpu --layers 0-1,3-3 >/dev/null 2>"$T/err"
+[ $? -ne 0 ] && grep -q "contiguous ranges" "$T/err" && ok "bad --layers rejected" || fail "bad --layers"
+$L run -m "$T/tiny.gguf" -p hi --devices cpu --device-mem 1K --resident all >/dev/null 2>"$T/err"
+[ $? -ne 0 ] && grep -q "budget" "$T/err" && ok "too small --device-mem rejected" || fail "device-mem: $(grep error "$T/err" | head -1)"
+check_clean "bad command lines" "$$"
+
+echo "sys_cluster: $fails failure(s)"
+[ $fails -eq 0 ]
