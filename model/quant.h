@@ -78,9 +78,11 @@ uint16_t quant_f32_to_bf16(float f);
  * type or a bad n. */
 int quant_dequantize_row(uint32_t type, const void *src, float *dst, uint64_t n);
 
-/* Quantizes one row of n f32 values into dst (quant_row_size bytes), with
- * llama.cpp's reference rounding. Supported targets: F32, F16, BF16, Q8_0,
- * Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Returns 0 or -EINVAL. */
+/* Quantizes one row of n finite f32 values into dst (quant_row_size bytes,
+ * any alignment). Supported targets: F32, F16, BF16 (round to nearest even),
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (llama.cpp's reference rounding), Q4_K, Q5_K,
+ * Q6_K (our own scale search, close to llama.cpp's reference quality).
+ * Returns 0, or -EINVAL for another type or a bad n. */
 int quant_quantize_row(uint32_t type, const float *src, void *dst, uint64_t n);
 
 #endif

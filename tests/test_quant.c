@@ -727,13 +727,19 @@ static void test_round_trips(void)
     for (int i = 0; i < 1024; i++)
         x[i] = rng_gauss() * 1000.0f;
     quant_quantize_row(QUANT_TYPE_F16, x, q + 1, 1024);
+    quant_dequantize_row(QUANT_TYPE_F16, q + 1, y, 1024);
     int bad = 0;
-    for (int i = 0; i < 1024; i++)
-        bad += (q[1 + 2 * i] | q[2 + 2 * i] << 8) != quant_f32_to_f16(x[i]);
+    for (int i = 0; i < 1024; i++) {
+        uint16_t h = (uint16_t)(q[1 + 2 * i] | q[2 + 2 * i] << 8);
+        bad += h != quant_f32_to_f16(x[i]) || bits_of(y[i]) != bits_of(quant_f16_to_f32(h));
+    }
     quant_quantize_row(QUANT_TYPE_BF16, x, q + 1, 1024);
-    for (int i = 0; i < 1024; i++)
-        bad += (q[1 + 2 * i] | q[2 + 2 * i] << 8) != quant_f32_to_bf16(x[i]);
-    CHECK(bad == 0, "%d f16/bf16 elements differ from the scalar conversion", bad);
+    quant_dequantize_row(QUANT_TYPE_BF16, q + 1, y, 1024);
+    for (int i = 0; i < 1024; i++) {
+        uint16_t h = (uint16_t)(q[1 + 2 * i] | q[2 + 2 * i] << 8);
+        bad += h != quant_f32_to_bf16(x[i]) || bits_of(y[i]) != bits_of(quant_bf16_to_f32(h));
+    }
+    CHECK(bad == 0, "%d f16/bf16 elements differ from the scalar conversions", bad);
     free(x);
     free(y);
     free(q);

@@ -9,17 +9,16 @@
  * once. Scratch lives on the stack (under 20 KiB per call).
  *
  * Paths: on a CPU with AVX2, FMA and F16C (checked at run time, so the same
- * binary runs on older CPUs) F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
- * IQ4_NL, IQ4_XS, Q4_K, Q5_K and Q6_K rows are decoded and multiplied in
- * registers; Q2_K and Q3_K rows are decoded with AVX2 into a stack buffer,
- * 1024 elements at a time, and multiplied there. Without AVX2 every type
- * takes the portable C path (matvec_dot_portable): scalar dequantization
- * into a stack buffer, then a dot product. All paths accumulate in f32 with
- * at least 8 independent partial sums per row and never quantize the
- * activations, so results differ from the exact dot product of the
- * dequantized row by f32 rounding only (the test bounds it by 2e-6 of
- * sum |w_i x_i|); different paths may differ from each other in the last
- * bits.
+ * binary runs on older CPUs) every supported type is decoded and multiplied
+ * in registers, one row at a time (matvec_dot, matvec_rows), or decoded once
+ * per tile into a stack buffer and multiplied with several activation rows
+ * (matvec_rows_batch). Without AVX2 every type takes the portable C path
+ * (the *_portable functions): scalar dequantization into a stack buffer,
+ * then an 8-lane dot. All paths accumulate in f32 with at least 8
+ * independent partial sums per row and never quantize the activations, so
+ * results differ from the exact dot product of the dequantized row by f32
+ * rounding only (the test bounds it by 2e-6 of sum |w_i x_i|); different
+ * paths may differ from each other in the last bits.
  *
  * Shared contract of every function below (bugs, checked with ASSERT):
  * quant_is_supported(type); n a multiple of quant_block_elems(type) (n may
@@ -33,7 +32,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The fastest dot product of one weight row with x, in f32. */
+/* The fastest dot product of one weight row with x, in f32; the same bits
+ * as matvec_rows gives for that row. */
 float matvec_dot(uint32_t type, const void *row, const float *x, uint64_t n);
 
 /* The same dot product through the portable C path only (what matvec_dot
@@ -50,7 +50,7 @@ bool matvec_has_simd(void);
 /* y[r] = W[r] . x for r in [r0, r1), where W[r] starts at
  * (const char *)w + r * row_bytes and row_bytes >= quant_row_size(type, n).
  * y is indexed by absolute row: it must hold at least r1 floats; y[r] outside
- * [r0, r1) is not touched. */
+ * [r0, r1) is not touched. A row's result does not depend on r0 and r1. */
 void matvec_rows(uint32_t type, const void *w, size_t row_bytes, const float *x, uint64_t n,
                  float *y, uint64_t r0, uint64_t r1);
 
@@ -58,11 +58,11 @@ void matvec_rows(uint32_t type, const void *w, size_t row_bytes, const float *x,
  * [r0, r1); ldx >= n, ldy >= r1, and Y must not overlap X or W. Each weight
  * row is read and decoded once for all S activation rows (tiles of 4 rows x
  * 1024 elements in L1, each multiplied with 2 activation rows at a time), so
- * this is the prefill and grouped-expert path; S == 1 falls back to
- * matvec_rows. Each output depends only on its own row and activation row,
- * never on S, r0, r1 or how a caller splits rows (but may differ from
- * matvec_rows in the last bits when S > 1). Elements of Y outside the given
- * rows are not touched. */
+ * this is the prefill and grouped-expert path. For S >= 2 each output
+ * depends only on its weight row and activation row, not on S, r0, r1 or how
+ * a caller splits the work; S == 1 is exactly matvec_rows (which may differ
+ * from S >= 2 in the last bits). Elements of Y outside the given rows are
+ * not touched. */
 void matvec_rows_batch(uint32_t type, const void *w, size_t row_bytes, const float *X,
                        size_t ldx, uint64_t S, uint64_t n, float *Y, size_t ldy, uint64_t r0,
                        uint64_t r1);
