@@ -40,9 +40,19 @@ TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 CU_SRCS  := $(wildcard kernels/cuda/*.cu)
 CU_OBJS  := $(if $(NVCC),$(CU_SRCS:%.cu=$(BUILD)/%.o))
 BINS     := $(BUILD)/lamina $(BUILD)/lamina-worker
+# CUDA: every .cu builds where nvcc exists; the CUDA backend and the GPU tests
+# link against the static runtime so the binaries run on any driver >= 13.
+ifneq ($(NVCC),)
+CUDA_HOME := $(patsubst %/bin/nvcc,%,$(NVCC))
+CFLAGS   += -DLAMINA_CUDA -isystem $(CUDA_HOME)/include
+CUDA_LIB := $(BUILD)/liblamina_cuda.a
+CUDA_LDLIBS := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt
+GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c)
+GPU_TESTS := $(GPU_TEST_SRCS:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
+endif
 
 .PHONY: all test test-gpu clean cuda demo
-all: $(BINS) $(TESTS) $(CU_OBJS)
+all: $(BINS) $(TESTS) $(CU_OBJS) $(GPU_TESTS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -61,7 +71,14 @@ $(LIB_OBJS) $(TESTS:%=%.o) $(BUILD)/coordinator/main.o $(BUILD)/worker/main.o: |
 
 $(BUILD)/kernels/cuda/%.o: kernels/cuda/%.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -std=c++17 -I. $(CUDA_ARCHS) -Xcompiler -Wall -c $< -o $@
+	$(NVCC) -O3 -std=c++17 -I. $(CUDA_ARCHS) -Xcompiler -Wall,-Werror -MMD -MP -c $< -o $@
+
+$(CUDA_LIB): $(CU_OBJS)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/tests/gpu/%: $(BUILD)/tests/gpu/%.o $(LIB) $(CUDA_LIB)
+	$(CC) -o $@ $< $(LIB) $(CUDA_LDLIBS) $(LDLIBS)
 
 $(LIB): $(LIB_OBJS)
 	@mkdir -p $(dir $@)
@@ -70,8 +87,8 @@ $(LIB): $(LIB_OBJS)
 $(BUILD)/lamina: $(BUILD)/coordinator/main.o $(LIB)
 	$(CC) -o $@ $^ $(LDLIBS)
 
-$(BUILD)/lamina-worker: $(BUILD)/worker/main.o $(LIB)
-	$(CC) -o $@ $^ $(LDLIBS)
+$(BUILD)/lamina-worker: $(BUILD)/worker/main.o $(LIB) $(CUDA_LIB)
+	$(CC) -o $@ $(BUILD)/worker/main.o $(LIB) $(CUDA_LDLIBS) $(LDLIBS)
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB) | $(BINS)
 	$(CC) -o $@ $^ $(LDLIBS)
@@ -91,7 +108,8 @@ test: all
 	@BUILD=$(BUILD) sh tests/run.sh $(TESTS)
 
 test-gpu: all
-	@echo "test-gpu: GPU tests arrive with the CUDA worker (issue 4)"; exit 1
+	@test -n "$(NVCC)" || { echo "test-gpu: nvcc not found"; exit 1; }
+	@BUILD=$(BUILD) SYS_GLOB='tests/gpu/sys_*.sh' sh tests/run.sh $(GPU_TESTS)
 
 clean:
 	rm -rf build
