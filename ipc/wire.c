@@ -12,6 +12,8 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -366,6 +368,8 @@ static void wire_build_load_plan(Lamina__LoadPlan *q, const struct wire_load_pla
     q->is_last = p->is_last;
     q->n_embd = p->n_embd;
     q->n_vocab = p->n_vocab;
+    if (p->has_next_key)
+        q->next_server_key = (ProtobufCBinaryData){WIRE_KEY_BYTES, (uint8_t *)p->next_server_key};
 }
 
 /* Fills u from m for every type but LoadPlan. */
@@ -379,6 +383,9 @@ static void wire_build(union wire_pb *u, const struct wire_msg *m)
         u->hello.device = wire_pb_str(m->hello.device);
         u->hello.device_mem_bytes = m->hello.device_mem_bytes;
         u->hello.n_threads = m->hello.n_threads;
+        if (m->hello.has_curve_key)
+            u->hello.curve_public_key =
+                (ProtobufCBinaryData){WIRE_KEY_BYTES, (uint8_t *)m->hello.curve_public_key};
         break;
     case WIRE_TYPE_READY:
         lamina__ready__init(&u->ready);
@@ -561,7 +568,10 @@ static void wire_fill_load_plan(struct wire_load_plan *p, const Lamina__LoadPlan
         .is_last = q->is_last,
         .n_embd = q->n_embd,
         .n_vocab = q->n_vocab,
+        .has_next_key = q->next_server_key.len == WIRE_KEY_BYTES,
     };
+    if (p->has_next_key)
+        memcpy(p->next_server_key, q->next_server_key.data, WIRE_KEY_BYTES);
 }
 
 /* Copies the unpacked inner message pm into m's union; strings and arrays go to a. */
@@ -571,7 +581,10 @@ static void wire_fill(struct wire_msg *m, const ProtobufCMessage *pm, struct wir
     case WIRE_TYPE_HELLO: {
         const Lamina__Hello *q = (const Lamina__Hello *)pm;
         m->hello = (struct wire_hello){q->worker_index, q->pid, wire_arena_str(a, q->device),
-                                       q->device_mem_bytes, q->n_threads};
+                                       q->device_mem_bytes, q->n_threads,
+                                       q->curve_public_key.len == WIRE_KEY_BYTES, {0}};
+        if (m->hello.has_curve_key)
+            memcpy(m->hello.curve_public_key, q->curve_public_key.data, WIRE_KEY_BYTES);
         break;
     }
     case WIRE_TYPE_LOAD_PLAN:
@@ -645,6 +658,28 @@ static const ProtobufCMessageDescriptor *wire_descriptor(enum wire_type type)
     return d[type];
 }
 
+/* What must hold before an unpacked message can be copied into our structs: one count for
+ * experts and counts, CURVE keys of 0 or WIRE_KEY_BYTES bytes. */
+static bool wire_pb_is_copyable(enum wire_type type, const ProtobufCMessage *pm,
+                                struct wire_verdict *v)
+{
+    if (type == WIRE_TYPE_EXPERT_REQUEST) {
+        const Lamina__ExpertRequest *q = (const Lamina__ExpertRequest *)pm;
+        if (q->n_experts != q->n_counts)
+            return wire_fail(v, WIRE_REJECT_FIELDS, "expert_request has %zu experts but %zu "
+                             "counts", q->n_experts, q->n_counts);
+    }
+    size_t key = 0;
+    if (type == WIRE_TYPE_HELLO)
+        key = ((const Lamina__Hello *)pm)->curve_public_key.len;
+    if (type == WIRE_TYPE_LOAD_PLAN)
+        key = ((const Lamina__LoadPlan *)pm)->next_server_key.len;
+    if (key != 0 && key != WIRE_KEY_BYTES)
+        return wire_fail(v, WIRE_REJECT_FIELDS, "%s CURVE key of %zu bytes (0 or %d)",
+                         wire_msg_type_name(type), key, WIRE_KEY_BYTES);
+    return true;
+}
+
 /*
  * Unpacks the inner message of m->type from payload into m, with one storage allocation for
  * its strings and arrays (m->storage, also returned when there is nothing to copy so that the
@@ -661,14 +696,9 @@ static int wire_decode_payload(struct wire_msg *m, const ProtobufCBinaryData *pa
         return -EPROTO;
     }
     int rc = 0;
-    if (m->type == WIRE_TYPE_EXPERT_REQUEST) {
-        const Lamina__ExpertRequest *q = (const Lamina__ExpertRequest *)pm;
-        if (q->n_experts != q->n_counts) {
-            wire_fail(v, WIRE_REJECT_FIELDS, "expert_request has %zu experts but %zu counts",
-                      q->n_experts, q->n_counts);
-            rc = -EPROTO;
-            goto out_free_pm;
-        }
+    if (!wire_pb_is_copyable(m->type, pm, v)) {
+        rc = -EPROTO;
+        goto out_free_pm;
     }
     struct wire_arena a = {NULL, 0};
     wire_fill(m, pm, &a);
@@ -1057,16 +1087,23 @@ static int wire_read_frames(struct wire_socket *s, struct wire_frames *fr)
     }
 }
 
-static int wire_reject(struct wire_socket *s, const struct wire_verdict *v, uint32_t type)
+/* Counts a malformed message and logs the first of each reason, naming the peer when known. */
+static int wire_reject(struct wire_socket *s, const struct wire_verdict *v, uint32_t type,
+                       const uint8_t *id, size_t id_len)
 {
     s->stats.rejected++;
     s->stats.rejected_by[v->why]++;
-    if (!s->reject_logged[v->why]) {
-        s->reject_logged[v->why] = true;
-        log_warn("wire: dropped a malformed message (%s, type %s): %s; further ones of this "
-                 "kind are only counted", wire_reject_name(v->why), wire_msg_type_name(type),
-                 v->detail);
-    }
+    if (s->reject_logged[v->why])
+        return -EPROTO;
+    s->reject_logged[v->why] = true;
+    char peer[33] = "";
+    size_t n = id_len < sizeof peer - 1 ? id_len : sizeof peer - 1;
+    for (size_t i = 0; i < n; i++) /* ids are bytes: show printable ones */
+        peer[i] = id[i] >= 0x20 && id[i] < 0x7f ? (char)id[i] : '.';
+    peer[n] = '\0';
+    log_warn("wire: dropped a malformed message from '%s' (%s, type %s): %s; further ones of "
+             "this kind are only counted", peer, wire_reject_name(v->why),
+             wire_msg_type_name(type), v->detail);
     return -EPROTO;
 }
 
@@ -1140,7 +1177,7 @@ static int wire_accept(struct wire_socket *s, struct wire_frames *fr, struct wir
     uint32_t type = m->type;
     if (rc) {
         wire_msg_free(m);
-        return rc == -EPROTO ? wire_reject(s, &v, type) : rc;
+        return rc == -EPROTO ? wire_reject(s, &v, type, id_buf, router ? *id_len : 0) : rc;
     }
     s->stats.received++;
     for (size_t i = first; i < fr->kept; i++)
@@ -1197,12 +1234,20 @@ int wire_recv(struct wire_socket *s, struct wire_msg *m, void *id_buf, size_t *i
 
 /* ---- runtime directory and endpoints -------------------------------------------------------- */
 
-int wire_rundir_create(const char *base, char *dir, size_t cap)
+/* base, else $XDG_RUNTIME_DIR when absolute, else /tmp; *from_env tells which. */
+static const char *wire_rundir_base(const char *base, bool *from_env)
 {
     const char *xdg = getenv("XDG_RUNTIME_DIR");
-    bool from_env = !base && xdg && xdg[0] == '/';
-    if (!base)
-        base = from_env ? xdg : "/tmp";
+    *from_env = !base && xdg && xdg[0] == '/';
+    if (base)
+        return base;
+    return *from_env ? xdg : "/tmp";
+}
+
+int wire_rundir_create(const char *base, char *dir, size_t cap)
+{
+    bool from_env;
+    base = wire_rundir_base(base, &from_env);
     char tmpl[WIRE_PATH_MAX];
     int n = snprintf(tmpl, sizeof tmpl, "%s/lamina-%ld-XXXXXX", base, (long)getpid());
     /* room for "/NAME.sock" of the longest name */
@@ -1249,6 +1294,51 @@ int wire_rundir_remove(const char *dir)
         log_error("wire: removing runtime directory %s failed: %s", dir, strerror(-rc));
     }
     return rc;
+}
+
+/* The pid in a name "lamina-PID-XXXXXX" that mkdtemp made, or 0 for any other name. */
+static long wire_rundir_pid(const char *name)
+{
+    if (strncmp(name, "lamina-", 7) != 0 || name[7] < '1' || name[7] > '9')
+        return 0;
+    char *end;
+    long pid = strtol(name + 7, &end, 10);
+    if (*end != '-' || strlen(end + 1) != 6 ||
+        strspn(end + 1, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789") != 6)
+        return 0;
+    return pid;
+}
+
+int wire_rundir_sweep(const char *base)
+{
+    bool from_env;
+    base = wire_rundir_base(base, &from_env);
+    DIR *d = opendir(base);
+    if (!d) {
+        int e = errno;
+        log_error("wire: opening %s to sweep old runtime directories failed: %s", base,
+                  strerror(e));
+        return -e;
+    }
+    int removed = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        long pid = wire_rundir_pid(de->d_name);
+        struct stat st;
+        if (pid <= 0 || pid > INT32_MAX || kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+            continue; /* not ours by name, or its process lives (EPERM: someone else's) */
+        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+            !S_ISDIR(st.st_mode) || st.st_uid != getuid())
+            continue;
+        char path[2 * WIRE_PATH_MAX + 64];
+        snprintf(path, sizeof path, "%s/%s", base, de->d_name);
+        if (wire_rundir_remove(path) == 0) {
+            removed++;
+            log_info("wire: removed runtime directory %s of dead process %ld", path, pid);
+        }
+    }
+    closedir(d);
+    return removed;
 }
 
 int wire_endpoint_ipc(char *buf, size_t cap, const char *dir, const char *name)

@@ -20,7 +20,8 @@
  * arrays of different lengths (experts vs counts), zero counts or widths, or more than
  * WIRE_EXPERTS_MAX experts; a LoadPlan whose layer range is empty or past n_layers_total, whose
  * residency is not by strictly increasing layer inside the range, or whose bitmaps exceed
- * WIRE_BITMAP_MAX; strings longer than their limit; a Result with neither token nor logits or a
+ * WIRE_BITMAP_MAX; CURVE keys of a length other than 0 or WIRE_KEY_BYTES; strings longer than
+ * their limit; a Result with neither token nor logits or a
  * token outside [-1, n_vocab); a Timing line containing a newline.
  *
  * Left to the caller, which knows the model and the plan (check before use):
@@ -30,6 +31,12 @@
  *     request's sum(counts) and its step/layer those of a request in flight;
  *   - worker_index, seq_id and step known; seq_no ordering per peer; backend a known name;
  *     endpoints, shm name and model path acceptable; the float values themselves (NaN, inf).
+ *
+ * A dead peer: a closed process is seen at once on ipc and tcp, and one that stops answering
+ * is dropped after heartbeat_timeout_ms (ZeroMQ heartbeats, ipc and tcp only). From then a
+ * ROUTER's wire_send to its id fails with -EHOSTUNREACH and a DEALER's (immediate) wire_send
+ * times out. A peer that is alive but stuck is the caller's to notice (Heartbeat messages,
+ * step deadlines).
  *
  * Threading: a wire_socket belongs to one thread (style habit 13), like the ZeroMQ socket in it.
  * The ZeroMQ context is made by main and passed in. No function here keeps process state.
@@ -96,6 +103,8 @@ struct wire_hello {
     const char *device;        /* device name, <= WIRE_STRING_MAX bytes */
     uint64_t device_mem_bytes; /* bytes */
     uint32_t n_threads;
+    bool has_curve_key; /* the worker's data socket listens on tcp:// with this CURVE key */
+    uint8_t curve_public_key[WIRE_KEY_BYTES];
 };
 
 struct wire_layer_residency {
@@ -124,6 +133,8 @@ struct wire_load_plan {
     bool is_last;
     uint32_t n_embd;
     uint32_t n_vocab;
+    bool has_next_key; /* next_endpoint is tcp:// and its CURVE server key follows */
+    uint8_t next_server_key[WIRE_KEY_BYTES];
 };
 
 struct wire_ready {
@@ -329,6 +340,13 @@ int wire_rundir_create(const char *base, char *dir, size_t cap);
 /* Removes every entry directly inside dir (sockets, files, links; not subdirectories) and dir
  * itself. Returns 0 or the first -errno (logged). */
 int wire_rundir_remove(const char *dir);
+
+/* Removes the runtime directories that dead processes left under base (NULL: as in
+ * wire_rundir_create): directories of this user named lamina-PID-XXXXXX whose PID no longer
+ * exists. Those of live processes and any other entry are kept; a PID reused since is taken as
+ * alive. Call before wire_rundir_create. Returns how many were removed (each logged at info),
+ * or -errno when base cannot be read (logged). */
+int wire_rundir_sweep(const char *base);
 
 /* Writes "ipc://DIR/NAME.sock" into buf. name is 1..WIRE_NAME_MAX characters of
  * [A-Za-z0-9_-]. Returns 0, -EINVAL for a bad name, or -ENAMETOOLONG when the path exceeds the

@@ -8,7 +8,8 @@
  *   - timeouts: wire_recv and wire_send with no peer return -ETIMEDOUT in about the time asked;
  *     a ROUTER send to an unknown id fails with -EHOSTUNREACH;
  *   - runtime directory: mode 0700, endpoint names, a second bind of an existing ipc path is
- *     refused and the first socket keeps working, abstract and non-loopback tcp refused,
+ *     refused and the first socket keeps working, a closed peer makes the ROUTER's send fail,
+ *     abstract and non-loopback tcp refused, the directory of a dead (forked) process swept,
  *     removal;
  *   - CURVE over tcp://127.0.0.1: key generation and Z85 text, a client with the server's key
  *     gets through both ways, one with a wrong server key and a plain one do not;
@@ -16,7 +17,8 @@
  *   - fuzz: 10,000 malformed messages (truncated, tensor size off, wrong frame counts, random
  *     bytes, garbage payloads, unknown types, wrong versions, inconsistent expert arrays, bad
  *     shapes and fields, empty and oversized envelopes) are sent raw with zmq_send; each must be
- *     rejected with -EPROTO, with the expected reason where it is determined, and counted; then
+ *     rejected with -EPROTO, with the expected reason where it is determined, and counted, with
+ *     exactly one warning per reason naming the peer; then
  *     2,000 random byte flips of valid messages (accepted or rejected, counted either way); then
  *     a valid message, encoded by this file's own protobuf writer, comes through intact.
  */
@@ -26,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -80,14 +83,19 @@ static void samples_init(struct samples *s)
 }
 
 /* The sample of type t; variant 1 is a second shape where one exists (Result without logits,
- * LoadPlan of the last worker with NULL strings and no residency). */
+ * LoadPlan of the last worker with NULL strings, no residency and no key, Hello without a
+ * key). */
 static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int variant,
                                   uint64_t seq)
 {
     struct wire_msg m = {.type = t, .seq_no = seq};
     switch (t) {
     case WIRE_TYPE_HELLO:
-        m.hello = (struct wire_hello){3, 4242, "NVIDIA H200", 150ull << 30, 16};
+        m.hello = (struct wire_hello){.worker_index = 3, .pid = 4242, .device = "NVIDIA H200",
+                                      .device_mem_bytes = 150ull << 30, .n_threads = 16,
+                                      .has_curve_key = !variant};
+        for (int i = 0; i < WIRE_KEY_BYTES; i++)
+            m.hello.curve_public_key[i] = variant ? 0 : (uint8_t)(i * 7 + 1);
         break;
     case WIRE_TYPE_LOAD_PLAN:
         m.load_plan = (struct wire_load_plan){
@@ -110,7 +118,10 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
             .is_last = false,
             .n_embd = 2048,
             .n_vocab = 151936,
+            .has_next_key = true,
         };
+        for (int i = 0; i < WIRE_KEY_BYTES; i++)
+            m.load_plan.next_server_key[i] = (uint8_t)(255 - i);
         if (variant) {
             m.load_plan.residency = NULL;
             m.load_plan.n_residency = 0;
@@ -118,6 +129,8 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
             m.load_plan.listen_endpoint = NULL;
             m.load_plan.is_last = true;
             m.load_plan.kv_f16 = false;
+            m.load_plan.has_next_key = false;
+            memset(m.load_plan.next_server_key, 0, WIRE_KEY_BYTES);
         }
         break;
     case WIRE_TYPE_READY:
@@ -196,6 +209,9 @@ static void check_load_plan(const struct wire_msg *a, const struct wire_msg *b, 
     SAME(load_plan.is_last);
     SAME(load_plan.n_embd);
     SAME(load_plan.n_vocab);
+    SAME(load_plan.has_next_key);
+    CHECK(!memcmp(a->load_plan.next_server_key, b->load_plan.next_server_key, WIRE_KEY_BYTES),
+          "%s load_plan next_server_key differs", where);
 }
 
 /* Checks that b (received) carries every field of a (sent). */
@@ -214,6 +230,9 @@ static void check_same(const struct wire_msg *a, const struct wire_msg *b, const
         SAME_STR(hello.device);
         SAME(hello.device_mem_bytes);
         SAME(hello.n_threads);
+        SAME(hello.has_curve_key);
+        CHECK(!memcmp(a->hello.curve_public_key, b->hello.curve_public_key, WIRE_KEY_BYTES),
+              "%s hello curve key differs", where);
         break;
     case WIRE_TYPE_LOAD_PLAN:
         check_load_plan(a, b, where);
@@ -361,7 +380,8 @@ static void test_round_trips(void *ctx, const char *ep, const char *label, bool 
     int n = 0;
     for (int t = WIRE_TYPE_FIRST; t <= WIRE_TYPE_LAST; t++) {
         for (int variant = 0; variant < 2; variant++) {
-            if (variant && t != WIRE_TYPE_RESULT && t != WIRE_TYPE_LOAD_PLAN)
+            if (variant && t != WIRE_TYPE_RESULT && t != WIRE_TYPE_LOAD_PLAN &&
+                t != WIRE_TYPE_HELLO)
                 continue;
             struct wire_msg m = sample_msg(&s, (enum wire_type)t, variant, 1000 + (uint64_t)t);
             round_trip_one(router, dealer, &m, label);
@@ -550,11 +570,57 @@ static void test_rundir(void *ctx, char *dir, size_t cap)
         char got[256];
         CHECK(wire_socket_endpoint(first, got, sizeof got) == 0 && !strcmp(got, ep),
               "last endpoint %s", got);
+
+        /* A peer that went away: sends to its id fail once ZeroMQ has seen the disconnect. */
+        wire_socket_destroy(dealer);
+        dealer = NULL;
+        struct wire_msg hb = sample_msg(&s, WIRE_TYPE_HEARTBEAT, 0, 8);
+        double t0 = now_s();
+        int tries = 0;
+        while ((rc = wire_send(first, &hb, "worker-0", 8)) == 0 && tries++ < 200)
+            usleep(5000);
+        CHECK(rc == -EHOSTUNREACH, "send to a closed peer: %d after %d tries", rc, tries);
+        MEASURE("closed ipc peer noticed by the ROUTER's send after %.1f ms",
+                (now_s() - t0) * 1e3);
     }
     log_set_level(LOG_LEVEL_INFO);
     wire_socket_destroy(second);
     wire_socket_destroy(dealer);
     wire_socket_destroy(first);
+}
+
+/* Directories of dead processes are swept; ours, live ones and other names stay. */
+static void test_rundir_sweep(const char *base)
+{
+    char mine[WIRE_PATH_MAX], child_dir[WIRE_PATH_MAX], other[WIRE_PATH_MAX + 32];
+    int fd[2];
+    CHECK(pipe(fd) == 0, "pipe");
+    pid_t pid = fork();
+    if (pid == 0) { /* a coordinator that dies without cleaning up */
+        char d[WIRE_PATH_MAX] = "";
+        ssize_t w = wire_rundir_create(base, d, sizeof d) == 0 ? write(fd[1], d, sizeof d) : -1;
+        _exit(w == (ssize_t)sizeof d ? 0 : 1);
+    }
+    close(fd[1]);
+    int status = -1;
+    ssize_t got = read(fd[0], child_dir, sizeof child_dir);
+    close(fd[0]);
+    waitpid(pid, &status, 0);
+    CHECK(got == (ssize_t)sizeof child_dir && status == 0, "child made a runtime directory");
+    if (got != (ssize_t)sizeof child_dir)
+        return;
+    CHECK(wire_rundir_create(base, mine, sizeof mine) == 0, "our runtime directory");
+    snprintf(other, sizeof other, "%s/lamina-12x-abcdef", base);
+    CHECK(mkdir(other, 0700) == 0, "a directory of another name");
+    struct stat st;
+    int n = wire_rundir_sweep(base);
+    CHECK(n == 1, "swept %d directories, want 1", n);
+    CHECK(stat(child_dir, &st) != 0 && errno == ENOENT, "dead child's %s removed", child_dir);
+    CHECK(stat(mine, &st) == 0 && stat(other, &st) == 0, "ours and the foreign name kept");
+    CHECK(wire_rundir_sweep(base) == 0, "second sweep removes nothing");
+    rmdir(other);
+    wire_rundir_remove(mine);
+    MEASURE("rundir sweep: a dead process's directory removed, ours and a foreign name kept");
 }
 
 /* ---- CURVE ----------------------------------------------------------------------------------- */
@@ -875,7 +941,7 @@ static void fuzz_fields(struct raw *r, uint64_t *rng, struct pb *pl)
     uint32_t layers_ok[2] = {4, 6}, layers_bad[2] = {6, 6}, layers_out[1] = {9};
     r->expect = WIRE_REJECT_FIELDS;
     uint64_t type = WIRE_TYPE_LOAD_PLAN;
-    switch (rng_below(rng, 11)) {
+    switch (rng_below(rng, 12)) {
     case 0: enc_load_plan(pl, 5, 5, 8, NULL, 0, 0, 64, false, ""); break; /* empty range */
     case 1: enc_load_plan(pl, 4, 9, 8, NULL, 0, 0, 64, false, ""); break; /* past total */
     case 2: enc_load_plan(pl, 4, 8, 8, layers_bad, 2, 8, 64, false, ""); break;
@@ -888,6 +954,13 @@ static void fuzz_fields(struct raw *r, uint64_t *rng, struct pb *pl)
         pl->n = 0;
         pb_str(pl, 3, big);
         break;
+    case 11: { /* a CURVE key of the wrong length */
+        static const uint8_t key[WIRE_KEY_BYTES + 1];
+        type = WIRE_TYPE_HELLO;
+        pl->n = 0;
+        pb_bytes(pl, 6, key, rng_below(rng, 2) ? WIRE_KEY_BYTES - 1 : WIRE_KEY_BYTES + 1);
+        break;
+    }
     case 8:
         type = WIRE_TYPE_TIMING;
         pl->n = 0;
@@ -1165,7 +1238,7 @@ static void test_fuzz(void *ctx)
     }
     double dt = now_s() - t0;
     dup2(saved_stderr, 2);
-    int warned = count_lines(warnings, "dropped a malformed message");
+    int warned = count_lines(warnings, "dropped a malformed message from 'fuzzer'");
     CHECK(warned == WIRE_REJECT_COUNT, "%d reject warnings logged, want one per reason (%d)",
           warned, WIRE_REJECT_COUNT);
     const struct wire_stats *st = wire_socket_stats(router);
@@ -1289,6 +1362,8 @@ int main(void)
     char dir[WIRE_PATH_MAX] = "";
     test_rundir(ctx, dir, sizeof dir);
     char ep[256];
+    if (dir[0])
+        test_rundir_sweep(dir);
     if (dir[0] && wire_endpoint_ipc(ep, sizeof ep, dir, "round-trip") == 0)
         test_round_trips(ctx, ep, "ipc", true);
     if (dir[0])
