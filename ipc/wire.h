@@ -21,8 +21,8 @@
  * WIRE_EXPERTS_MAX experts; a LoadPlan whose layer range is empty or past n_layers_total, whose
  * residency is not by strictly increasing layer inside the range, or whose bitmaps exceed
  * WIRE_BITMAP_MAX; CURVE keys of a length other than 0 or WIRE_KEY_BYTES; strings longer than
- * their limit; a Result with neither token nor logits or a
- * token outside [-1, n_vocab); a Timing line containing a newline.
+ * their limit; a Result with neither token nor logits or a token outside [-1, n_vocab); a
+ * Timing line containing a newline.
  *
  * Left to the caller, which knows the model and the plan (check before use):
  *   - n_embd and n_vocab equal the model's; n_tokens <= max_batch; pos + n_tokens <= n_ctx;
