@@ -38,6 +38,8 @@ struct cluster_worker {
     bool exited;               /* reaped */
     int status;                /* wait status when exited */
     bool hello, ready;
+    bool has_key;              /* tcp: the CURVE key of its data socket */
+    uint8_t key[WIRE_KEY_BYTES];
     bool failed;               /* found dead or hung: killed at once on shutdown */
     uint32_t l0, l1;           /* layer range */
     uint8_t **bitmaps;         /* per layer in range: residency bitmap */
@@ -663,8 +665,11 @@ static int cl_wait_all(struct cluster *c, bool ready, double timeout_s)
             continue;
         bool wd;
         int i = cl_worker_of(c, id, id_len, &wd);
-        if (i >= 0 && !wd && m.type == WIRE_TYPE_HELLO && m.hello.worker_index == (uint32_t)i)
+        if (i >= 0 && !wd && m.type == WIRE_TYPE_HELLO && m.hello.worker_index == (uint32_t)i) {
             c->w[i].hello = true;
+            c->w[i].has_key = m.hello.has_curve_key;
+            memcpy(c->w[i].key, m.hello.curve_public_key, WIRE_KEY_BYTES);
+        }
         else if (i >= 0 && !wd && m.type == WIRE_TYPE_READY) {
             c->w[i].ready = true;
             c->w[i].resident = m.ready.resident_experts;
@@ -705,6 +710,10 @@ static int cl_send_plan(struct cluster *c, int i)
         .next_endpoint = i + 1 < c->n ? c->data_ep[i + 1] : "",
         .listen_endpoint = i > 0 ? c->data_ep[i] : "", .is_last = i == c->n - 1,
         .n_embd = m->hp.n_embd, .n_vocab = m->hp.n_vocab};
+    if (i + 1 < c->n && c->w[i + 1].has_key) {
+        msg.load_plan.has_next_key = true;
+        memcpy(msg.load_plan.next_server_key, c->w[i + 1].key, WIRE_KEY_BYTES);
+    }
     int rc = cl_send(c, i, &msg);
     free(res);
     return rc;

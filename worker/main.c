@@ -322,6 +322,12 @@ static int worker_connect_data(struct worker *w, const struct wire_load_plan *p)
             return -EIO;
     }
     if (p->next_endpoint[0]) {
+        if (w->curve && !p->has_next_key) {
+            log_error("load plan: the next worker at %s has no CURVE key", p->next_endpoint);
+            return -EPROTO;
+        }
+        if (w->curve)
+            c.curve_server_key = p->next_server_key;
         w->out = wire_socket_create(w->zctx, ZMQ_PUSH, &c);
         if (!w->out || wire_socket_connect(w->out, p->next_endpoint))
             return -EIO;
@@ -334,7 +340,10 @@ static int worker_start(struct worker *w)
 {
     struct wire_msg m = {.type = WIRE_TYPE_HELLO};
     m.hello = (struct wire_hello){.worker_index = (uint32_t)w->args.index,
-                                  .pid = (uint32_t)getpid(), .device = "cpu"};
+                                  .pid = (uint32_t)getpid(), .device = "cpu",
+                                  .has_curve_key = w->curve};
+    if (w->curve) /* the key of the data socket this worker may listen on */
+        memcpy(m.hello.curve_public_key, w->keys.public_key, WIRE_KEY_BYTES);
     int rc = worker_send(w, w->coord, &m);
     if (rc) {
         log_error("cannot reach the coordinator at %s: %s", w->args.connect, strerror(-rc));
