@@ -52,7 +52,8 @@ GPU_TESTS := $(GPU_TEST_SRCS:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
 endif
 
 .PHONY: all test test-gpu clean cuda demo
-all: $(BINS) $(TESTS) $(CU_OBJS) $(GPU_TESTS)
+TOOLS    := $(patsubst tools/%.c,$(BUILD)/tools/%,$(wildcard tools/*.c))
+all: $(BINS) $(TESTS) $(TOOLS) $(CU_OBJS) $(GPU_TESTS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -67,7 +68,7 @@ $(BUILD)/proto/%.pb-c.o: build/gen/proto/%.pb-c.c
 	$(CC) $(CFLAGS) -c $< -o $@
 
 # Anything may include a generated header: make it exist before compiling.
-$(LIB_OBJS) $(TESTS:%=%.o) $(BUILD)/coordinator/main.o $(BUILD)/worker/main.o: | $(PROTO_GEN)
+$(LIB_OBJS) $(TESTS:%=%.o) $(TOOLS:%=%.o) $(BUILD)/coordinator/main.o $(BUILD)/worker/main.o: | $(PROTO_GEN)
 
 $(BUILD)/kernels/cuda/%.o: kernels/cuda/%.cu
 	@mkdir -p $(dir $@)
@@ -85,6 +86,9 @@ $(LIB): $(LIB_OBJS)
 	rm -f $@ && ar rcs $@ $^
 
 $(BUILD)/lamina: $(BUILD)/coordinator/main.o $(LIB)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tools/%: $(BUILD)/tools/%.o $(LIB)
 	$(CC) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/lamina-worker: $(BUILD)/worker/main.o $(LIB) $(CUDA_LIB)

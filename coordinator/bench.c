@@ -158,6 +158,7 @@ static int bench_setup(struct bench_job *j)
     j->m = j->g ? arch_load(&ac) : NULL;
     if (!j->m)
         return -EINVAL;
+    gguf_prefault(j->g, true);
     struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
     j->pool = threadpool_create(&pc);
     uint32_t ctx = cfg->n_prompt > cfg->n_gen ? cfg->n_prompt : cfg->n_gen;

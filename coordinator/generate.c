@@ -18,7 +18,6 @@
 #include "model/tokenizer.h"
 #include "worker/forward.h"
 
-#define GENERATE_PROGRESS_MIN_BYTES (256u << 20) /* files smaller than this load silently */
 
 struct generate_job {
     const struct generate_config *cfg;
@@ -45,40 +44,6 @@ static double generate_now(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* Reads every page of the tensor data once so that the first token does not
- * pay for page faults, with a progress bar on stderr for large files. */
-static void generate_touch(const struct gguf *g)
-{
-    const uint64_t n = gguf_n_tensors(g);
-    uint64_t total = 0, done = 0;
-    for (uint64_t i = 0; i < n; i++)
-        total += gguf_tensor_at(g, i)->nbytes;
-    const bool show = total >= GENERATE_PROGRESS_MIN_BYTES;
-    const bool tty = isatty(STDERR_FILENO);
-    volatile uint8_t sink = 0;
-    int last = -1;
-    for (uint64_t i = 0; i < n; i++) {
-        const struct gguf_tensor *t = gguf_tensor_at(g, i);
-        const uint8_t *p = t->data;
-        for (uint64_t off = 0; off < t->nbytes; off += 4096)
-            sink ^= p[off];
-        done += t->nbytes;
-        int pct = total ? (int)(done * 100 / total) : 100;
-        if (!show || pct == last || (!tty && pct % 10 && pct != 100))
-            continue;
-        last = pct;
-        char bar[41];
-        memset(bar, '#', (size_t)pct * 40 / 100);
-        memset(bar + pct * 40 / 100, ' ', 40 - (size_t)pct * 40 / 100);
-        bar[40] = 0;
-        fprintf(stderr, "%sloading [%s] %3d%% %.1f/%.1f GiB%s", tty ? "\r" : "", bar, pct,
-                done / 1073741824.0, total / 1073741824.0, tty ? "" : "\n");
-    }
-    if (show && tty)
-        fputc('\n', stderr);
-    (void)sink;
-}
-
 static int generate_load(struct generate_job *job)
 {
     const struct generate_config *cfg = job->cfg;
@@ -97,7 +62,7 @@ static int generate_load(struct generate_job *job)
     if (tokenizer_n_vocab(job->tok) > (int32_t)job->m->hp.n_vocab)
         log_warn("tokenizer has %d tokens, more than the %u rows of token_embd",
                  tokenizer_n_vocab(job->tok), job->m->hp.n_vocab);
-    generate_touch(job->g);
+    gguf_prefault(job->g, true);
     struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
     job->pool = threadpool_create(&pc);
     if (!job->pool)

@@ -784,3 +784,38 @@ const char *gguf_type_name(uint32_t type)
 {
     return type < GGUF_TYPE_COUNT ? gguf_type_names[type] : "?";
 }
+
+#define GGUF_PROGRESS_MIN_BYTES (256u << 20) /* smaller files load silently */
+
+void gguf_prefault(const struct gguf *g, bool progress)
+{
+    const uint64_t n = gguf_n_tensors(g);
+    uint64_t total = 0, done = 0;
+    for (uint64_t i = 0; i < n; i++)
+        total += gguf_tensor_at(g, i)->nbytes;
+    const bool show = progress && total >= GGUF_PROGRESS_MIN_BYTES;
+    const bool tty = isatty(STDERR_FILENO);
+    volatile uint8_t sink = 0;
+    int last = -1;
+    for (uint64_t i = 0; i < n; i++) {
+        const struct gguf_tensor *t = gguf_tensor_at(g, i);
+        const uint8_t *p = t->data;
+        for (uint64_t off = 0; off < t->nbytes; off += 4096)
+            sink ^= p[off];
+        done += t->nbytes;
+        int pct = total ? (int)(done * 100 / total) : 100;
+        if (!show || pct == last || (!tty && pct % 10 && pct != 100))
+            continue;
+        last = pct;
+        char bar[41];
+        memset(bar, '#', (size_t)pct * 40 / 100);
+        memset(bar + pct * 40 / 100, ' ', 40 - (size_t)pct * 40 / 100);
+        bar[40] = 0;
+        fprintf(stderr, "%sloading [%s] %3d%% %.1f/%.1f GiB%s", tty ? "\r" : "", bar, pct,
+                done / 1073741824.0, total / 1073741824.0, tty ? "" : "\n");
+    }
+    if (show && tty)
+        fputc('\n', stderr);
+    (void)sink;
+}
+

@@ -128,6 +128,11 @@ int64_t gguf_arr_i64(const struct gguf_kv *kv, uint64_t i);
 double gguf_arr_f64(const struct gguf_kv *kv, uint64_t i);
 bool gguf_type_is_int(uint32_t type);
 
+/* Reads every page of the tensor data once, so that the first token does not
+ * pay for page faults (or disk reads), with a progress bar on stderr when
+ * progress is set and the data is large. Blocks. */
+void gguf_prefault(const struct gguf *g, bool progress);
+
 /* Name of a metadata type ("uint32"), or "?" */
 const char *gguf_type_name(uint32_t type);
 
