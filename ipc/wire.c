@@ -54,6 +54,7 @@ struct wire_socket {
     int curve;                                /* WIRE_CURVE_* role of this socket */
     struct wire_stats stats;                  /* counters shown to the caller */
     bool reject_logged[WIRE_REJECT_COUNT];    /* each reject reason is logged once */
+    int spin_us;                              /* busy-poll this long before sleeping */
 };
 
 struct wire_msg_storage {
@@ -867,6 +868,8 @@ struct wire_socket *wire_socket_create(void *zmq_ctx, int zmq_type,
         return NULL;
     }
     s->type = zmq_type;
+    /* spinning only pays when the peer's and ZeroMQ's threads have cores of their own */
+    s->spin_us = c->spin_us > 0 && sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? c->spin_us : 0;
     s->zsock = zmq_socket(zmq_ctx, zmq_type);
     if (!s->zsock) {
         log_error("wire: zmq_socket failed: %s", zmq_strerror(zmq_errno()));
@@ -1195,6 +1198,16 @@ static int wire_wait(struct wire_socket *s, int64_t deadline)
         left = now >= deadline ? 0 : (int)(deadline - now);
     }
     zmq_pollitem_t item = {.socket = s->zsock, .events = ZMQ_POLLIN};
+    if (s->spin_us > 0 && left != 0) { /* a reply due in microseconds: skip the wake-up */
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do {
+            int r = zmq_poll(&item, 1, 0);
+            if (r != 0)
+                break;
+            clock_gettime(CLOCK_MONOTONIC, &t);
+        } while ((t.tv_sec - t0.tv_sec) * 1000000 + (t.tv_nsec - t0.tv_nsec) / 1000 < s->spin_us);
+    }
     int rc = zmq_poll(&item, 1, left);
     if (rc > 0)
         return 0;

@@ -257,6 +257,9 @@ struct wire_socket_config {
     int heartbeat_ttl_ms;     /* ZMQ_HEARTBEAT_TTL asked of the peer, ms (default 2000) */
     bool immediate;           /* ZMQ_IMMEDIATE: queue only to finished connections, so a send
                                  with no live peer times out (default true) */
+    int spin_us;              /* wire_recv busy-polls this long before sleeping, us (default
+                                 0); for round trips expected within microseconds; ignored on
+                                 machines of fewer than 8 CPUs, where it starves the peer */
     const char *routing_id;   /* ZMQ_ROUTING_ID of a DEALER, 1..WIRE_ID_MAX bytes, not starting
                                  with a zero byte; NULL: ZeroMQ picks (default) */
     const struct wire_keypair *curve_keys; /* own CURVE keys; NULL: no CURVE (default) */

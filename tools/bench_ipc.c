@@ -53,6 +53,7 @@ static void bench_echo(const char *ep, int type, int width, int rounds)
     void *ctx = zmq_ctx_new();
     struct wire_socket_config c = wire_socket_config_default();
     c.routing_id = "w0";
+    c.spin_us = 200;
     struct wire_socket *in = NULL, *out = NULL;
     char ep_in[256], ep_out[256];
     if (type == ZMQ_DEALER) {
@@ -61,7 +62,8 @@ static void bench_echo(const char *ep, int type, int width, int rounds)
     } else { /* PUSH/PULL pair: pull on ep.a, push to ep.b */
         snprintf(ep_in, sizeof(ep_in), "%s-a.sock", ep);
         snprintf(ep_out, sizeof(ep_out), "%s-b.sock", ep);
-        in = wire_socket_create(ctx, ZMQ_PULL, NULL);
+        c.routing_id = NULL;
+        in = wire_socket_create(ctx, ZMQ_PULL, &c);
         out = wire_socket_create(ctx, ZMQ_PUSH, NULL);
         wire_socket_bind(in, ep_in);
         wire_socket_connect(out, ep_out);
@@ -107,13 +109,15 @@ static int bench_rtt(const char *dir, bool handoff, int width, int n)
     void *ctx = zmq_ctx_new();
     struct wire_socket *tx = NULL, *rx = NULL;
     char ep_a[300], ep_b[300];
+    struct wire_socket_config sc = wire_socket_config_default();
+    sc.spin_us = 200;
     if (!handoff) {
-        rx = tx = wire_socket_create(ctx, ZMQ_ROUTER, NULL);
+        rx = tx = wire_socket_create(ctx, ZMQ_ROUTER, &sc);
         wire_socket_bind(tx, ep);
     } else {
         snprintf(ep_a, sizeof(ep_a), "%s-a.sock", ep);
         snprintf(ep_b, sizeof(ep_b), "%s-b.sock", ep);
-        rx = wire_socket_create(ctx, ZMQ_PULL, NULL);
+        rx = wire_socket_create(ctx, ZMQ_PULL, &sc);
         wire_socket_bind(rx, ep_b);
         tx = wire_socket_create(ctx, ZMQ_PUSH, NULL);
     }

@@ -91,6 +91,7 @@ static struct wire_socket_config worker_sock_cfg(struct worker *w, const char *i
     struct wire_socket_config c = wire_socket_config_default();
     c.routing_id = id;
     c.send_timeout_ms = 5000;
+    c.spin_us = id && id[0] == 'w' ? 100 : 0; /* expert replies and steps come back fast */
     if (w->curve) {
         c.curve_keys = &w->keys;
         c.curve_server_key = w->server_key;
@@ -313,6 +314,7 @@ static int worker_connect_data(struct worker *w, const struct wire_load_plan *p)
     c.send_timeout_ms = 30000;
     if (p->listen_endpoint[0]) {
         struct wire_socket_config ci = wire_socket_config_default();
+        ci.spin_us = 100;
         if (w->curve) {
             ci.curve_keys = &w->keys;
             ci.curve_server = true;
