@@ -1,0 +1,422 @@
+/*
+ * test_deltanet_cuda: the CUDA gated DeltaNet kernels (kernels/cuda/deltanet.h)
+ * against their CPU twins on fresh random data.
+ *   - cuda_deltanet_heads for dk = dv = 16, 64, 128; nk/nv = 2/4 and 16/32;
+ *     grouped and tiled key heads; S = 1 and 64 tokens per call; the state
+ *     carried over three calls from a random start. Compared with the CPU
+ *     glue of fw_dn_head_task run token by token (ops_l2norm, the 1/sqrt(dk)
+ *     scale, deltanet_head_step, deltanet_gated_norm): outputs and final state
+ *     within TDC_TOL_STEP; and with the chunked CPU prefill form
+ *     (deltanet_chunk_head) within TDC_TOL_CHUNK.
+ *   - cuda_deltanet_conv for the same channel counts, K = 4, S = 1 and 64,
+ *     state carried: against deltanet_conv_channel within TDC_TOL_CONV.
+ *   - bad shapes are refused with -EINVAL.
+ * Output buffers are poisoned with NaN bit patterns before every launch.
+ * Timings (median of 20 after warm-up, CUDA events) for the largest shape.
+ * Needs a CUDA device: exits 1 with a message when there is none.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "common/log.h"
+#include "kernels/cpu/deltanet.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/deltanet.h"
+#include "tests/check.h"
+
+#define TDC_TOL_STEP 1e-4  /* max |gpu - cpu token by token|, outputs and state */
+#define TDC_TOL_CHUNK 1e-3 /* max |gpu - cpu chunked prefill| */
+#define TDC_TOL_CONV 1e-5  /* max |gpu - cpu| of the conv outputs and state */
+#define TDC_CALLS 3        /* calls per case, state carried */
+#define TDC_K 4            /* conv taps */
+
+struct tdc_rng {
+    uint64_t s;
+};
+
+static float tdc_uniform(struct tdc_rng *r, float lo, float hi)
+{
+    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return lo + (hi - lo) * (float)((double)(z >> 11) * (1.0 / 9007199254740992.0));
+}
+
+static void tdc_fill(struct tdc_rng *r, float *x, size_t n, float lo, float hi)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = tdc_uniform(r, lo, hi);
+}
+
+static double tdc_maxdiff(const float *a, const float *b, size_t n)
+{
+    double d = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]);
+        d = isnan(e) ? INFINITY : fmax(d, e);
+    }
+    return d;
+}
+
+static bool tdc_ok(cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess)
+        return true;
+    CHECK(false, "%s: %s", what, cudaGetErrorString(e));
+    return false;
+}
+
+/* One test shape. */
+struct tdc_case {
+    uint32_t dk, dv, nk, nv;
+    bool tiled;
+    uint32_t S;
+};
+
+/* Host and device buffers of one case. */
+struct tdc_bufs {
+    size_t ud, vd, st_n;
+    float *u, *b, *alpha, *z, *a, *dt, *nw;  /* inputs (host) */
+    float *st_step, *st_chunk, *st_gpu;       /* state: cpu token by token, cpu chunked, gpu */
+    float *y_step, *y_chunk, *y_gpu;          /* outputs */
+    float *d_u, *d_b, *d_alpha, *d_z, *d_a, *d_dt, *d_nw, *d_st, *d_y;
+};
+
+/* The CPU glue of fw_dn_head_task, one token at a time (the decode path). */
+static void tdc_cpu_step(const struct tdc_case *c, struct tdc_bufs *t, float *q, float *k, float *o)
+{
+    const uint32_t dk = c->dk, dv = c->dv, nv = c->nv;
+    const size_t kd = (size_t)c->nk * dk;
+    const float qscale = 1.0f / sqrtf((float)dk), eps = 1e-6f;
+    for (uint32_t h = 0; h < nv; h++) {
+        const uint32_t g = c->tiled ? h % c->nk : h / (nv / c->nk);
+        float *state = t->st_step + (size_t)h * dk * dv;
+        for (uint32_t s = 0; s < c->S; s++) {
+            const float *us = t->u + s * t->ud;
+            memcpy(q, us + (size_t)g * dk, dk * sizeof(float));
+            memcpy(k, us + kd + (size_t)g * dk, dk * sizeof(float));
+            ops_l2norm(q, dk, eps);
+            ops_l2norm(k, dk, eps);
+            for (uint32_t i = 0; i < dk; i++)
+                q[i] *= qscale;
+            const float beta = ops_sigmoid(t->b[(size_t)s * nv + h]);
+            const float gd = t->a[h] * ops_softplus(t->alpha[(size_t)s * nv + h] + t->dt[h]);
+            deltanet_head_step(state, q, k, us + 2 * kd + (size_t)h * dv, beta, gd, dk, dv, o);
+            deltanet_gated_norm(t->y_step + s * t->vd + (size_t)h * dv, o,
+                                t->z + s * t->vd + (size_t)h * dv, t->nw, dv, eps);
+        }
+    }
+}
+
+/* The same through the chunked prefill form (the CPU forward for S > 1). */
+static void tdc_cpu_chunk(const struct tdc_case *c, struct tdc_bufs *t, float *qn, float *kn,
+                          float *bb, float *gg, float *oo, float *cs)
+{
+    const uint32_t dk = c->dk, dv = c->dv, nv = c->nv, S = c->S;
+    const size_t kd = (size_t)c->nk * dk;
+    const float eps = 1e-6f;
+    for (uint32_t h = 0; h < nv; h++) {
+        const uint32_t g = c->tiled ? h % c->nk : h / (nv / c->nk);
+        for (uint32_t s = 0; s < S; s++) {
+            const float *us = t->u + s * t->ud;
+            memcpy(qn + (size_t)s * dk, us + (size_t)g * dk, dk * sizeof(float));
+            memcpy(kn + (size_t)s * dk, us + kd + (size_t)g * dk, dk * sizeof(float));
+            ops_l2norm(qn + (size_t)s * dk, dk, eps);
+            ops_l2norm(kn + (size_t)s * dk, dk, eps);
+            bb[s] = ops_sigmoid(t->b[(size_t)s * nv + h]);
+            gg[s] = t->a[h] * ops_softplus(t->alpha[(size_t)s * nv + h] + t->dt[h]);
+        }
+        deltanet_chunk_head(t->st_chunk + (size_t)h * dk * dv, qn, dk, kn, dk,
+                            t->u + 2 * kd + (size_t)h * dv, t->ud, bb, gg, S, dk, dv, oo, dv, cs);
+        for (uint32_t s = 0; s < S; s++)
+            deltanet_gated_norm(t->y_chunk + s * t->vd + (size_t)h * dv, oo + (size_t)s * dv,
+                                t->z + s * t->vd + (size_t)h * dv, t->nw, dv, eps);
+    }
+}
+
+static bool tdc_alloc(const struct tdc_case *c, struct tdc_bufs *t)
+{
+    const size_t S = c->S, nv = c->nv;
+    t->vd = nv * c->dv;
+    t->ud = 2 * (size_t)c->nk * c->dk + t->vd;
+    t->st_n = nv * c->dv * c->dk;
+    float **host[] = {&t->u, &t->b, &t->alpha, &t->z, &t->a, &t->dt, &t->nw, &t->st_step,
+                      &t->st_chunk, &t->st_gpu, &t->y_step, &t->y_chunk, &t->y_gpu};
+    const size_t hn[] = {S * t->ud, S * nv, S * nv, S * t->vd, nv, nv, c->dv, t->st_n, t->st_n,
+                         t->st_n, S * t->vd, S * t->vd, S * t->vd};
+    bool ok = true;
+    for (size_t i = 0; i < sizeof(hn) / sizeof(hn[0]); i++)
+        ok &= (*host[i] = malloc(hn[i] * sizeof(float))) != NULL;
+    float **dev[] = {&t->d_u, &t->d_b, &t->d_alpha, &t->d_z, &t->d_a, &t->d_dt, &t->d_nw,
+                     &t->d_st, &t->d_y};
+    const size_t dn[] = {S * t->ud, S * nv, S * nv, S * t->vd, nv, nv, c->dv, t->st_n, S * t->vd};
+    for (size_t i = 0; i < sizeof(dn) / sizeof(dn[0]); i++)
+        ok &= tdc_ok(cudaMalloc((void **)dev[i], dn[i] * sizeof(float)), "cudaMalloc");
+    return ok;
+}
+
+static void tdc_free(struct tdc_bufs *t)
+{
+    void *host[] = {t->u, t->b, t->alpha, t->z, t->a, t->dt, t->nw, t->st_step, t->st_chunk,
+                    t->st_gpu, t->y_step, t->y_chunk, t->y_gpu};
+    for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++)
+        free(host[i]);
+    void *dev[] = {t->d_u, t->d_b, t->d_alpha, t->d_z, t->d_a, t->d_dt, t->d_nw, t->d_st, t->d_y};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
+        cudaFree(dev[i]);
+}
+
+static bool tdc_upload(float *d, const float *h, size_t n)
+{
+    return tdc_ok(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice), "upload");
+}
+
+/* Fresh inputs of one call into the host and device buffers. */
+static bool tdc_new_inputs(const struct tdc_case *c, struct tdc_bufs *t, struct tdc_rng *r)
+{
+    const size_t S = c->S, nv = c->nv;
+    tdc_fill(r, t->u, S * t->ud, -1.0f, 1.0f);
+    tdc_fill(r, t->b, S * nv, -3.0f, 3.0f);
+    tdc_fill(r, t->alpha, S * nv, -4.0f, 2.0f);
+    tdc_fill(r, t->z, S * t->vd, -2.0f, 2.0f);
+    return tdc_upload(t->d_u, t->u, S * t->ud) && tdc_upload(t->d_b, t->b, S * nv) &&
+           tdc_upload(t->d_alpha, t->alpha, S * nv) && tdc_upload(t->d_z, t->z, S * t->vd);
+}
+
+static int tdc_heads(const struct tdc_case *c, struct tdc_bufs *t, cudaStream_t st)
+{
+    return cuda_deltanet_heads(t->d_st, t->d_u, t->d_b, t->d_alpha, t->d_a, t->d_dt, t->d_z,
+                               t->d_nw, t->d_y, c->nk, c->nv, c->dk, c->dv, c->tiled, c->S, 1e-6f,
+                               st);
+}
+
+static void tdc_case_run(const struct tdc_case *c, uint64_t seed)
+{
+    struct tdc_bufs t = {0};
+    struct tdc_rng r = {seed};
+    const uint32_t dk = c->dk, dv = c->dv, S = c->S;
+    float *scr = malloc(((size_t)S * (2 * dk + dv + 2) + deltanet_chunk_scratch(dk, dv) + 3 * 128) *
+                        sizeof(float));
+    if (!scr || !tdc_alloc(c, &t))
+        goto out;
+    tdc_fill(&r, t.st_step, t.st_n, -0.5f, 0.5f);
+    memcpy(t.st_chunk, t.st_step, t.st_n * sizeof(float));
+    for (uint32_t h = 0; h < c->nv; h++) {
+        t.a[h] = -expf(tdc_uniform(&r, -1.0f, 1.0f));
+        t.dt[h] = tdc_uniform(&r, -1.0f, 1.0f);
+    }
+    tdc_fill(&r, t.nw, dv, 0.5f, 1.5f);
+    if (!tdc_upload(t.d_st, t.st_step, t.st_n) || !tdc_upload(t.d_a, t.a, c->nv) ||
+        !tdc_upload(t.d_dt, t.dt, c->nv) || !tdc_upload(t.d_nw, t.nw, dv))
+        goto out;
+    double ey = 0, es = 0, ecy = 0, ecs = 0;
+    for (int call = 0; call < TDC_CALLS; call++) {
+        if (!tdc_new_inputs(c, &t, &r) ||
+            !tdc_ok(cudaMemset(t.d_y, 0xff, (size_t)S * t.vd * sizeof(float)), "poison"))
+            goto out;
+        int rc = tdc_heads(c, &t, 0);
+        CHECK(rc == 0, "cuda_deltanet_heads returned %d", rc);
+        if (!tdc_ok(cudaDeviceSynchronize(), "heads kernel") ||
+            !tdc_ok(cudaMemcpy(t.y_gpu, t.d_y, (size_t)S * t.vd * sizeof(float),
+                               cudaMemcpyDeviceToHost), "download y") ||
+            !tdc_ok(cudaMemcpy(t.st_gpu, t.d_st, t.st_n * sizeof(float), cudaMemcpyDeviceToHost),
+                    "download state"))
+            goto out;
+        float *q = scr, *k = q + 128, *o = k + 128;
+        tdc_cpu_step(c, &t, q, k, o);
+        float *qn = scr, *kn = qn + (size_t)S * dk, *bb = kn + (size_t)S * dk, *gg = bb + S;
+        float *oo = gg + S, *cs = oo + (size_t)S * dv;
+        tdc_cpu_chunk(c, &t, qn, kn, bb, gg, oo, cs);
+        ey = fmax(ey, tdc_maxdiff(t.y_gpu, t.y_step, (size_t)S * t.vd));
+        es = fmax(es, tdc_maxdiff(t.st_gpu, t.st_step, t.st_n));
+        ecy = fmax(ecy, tdc_maxdiff(t.y_gpu, t.y_chunk, (size_t)S * t.vd));
+        ecs = fmax(ecs, tdc_maxdiff(t.st_gpu, t.st_chunk, t.st_n));
+    }
+    MEASURE("heads dk=dv=%u nk/nv=%u/%u %s S=%u x%d calls: max |gpu-cpu step| y %.3g state "
+            "%.3g; vs cpu chunked y %.3g state %.3g",
+            dk, c->nk, c->nv, c->tiled ? "tiled" : "grouped", S, TDC_CALLS, ey, es, ecy, ecs);
+    CHECK(ey <= TDC_TOL_STEP && es <= TDC_TOL_STEP, "heads dk %u nv %u S %u: step diff y %.3g "
+          "state %.3g > %.0e", dk, c->nv, S, ey, es, TDC_TOL_STEP);
+    CHECK(ecy <= TDC_TOL_CHUNK && ecs <= TDC_TOL_CHUNK, "heads dk %u nv %u S %u: chunked diff y "
+          "%.3g state %.3g > %.0e", dk, c->nv, S, ecy, ecs, TDC_TOL_CHUNK);
+out:
+    free(scr);
+    tdc_free(&t);
+}
+
+/* Median of 20 timed launches of fn after 3 warm-ups, in milliseconds. */
+static double tdc_time(int (*fn)(void *), void *ctx)
+{
+    cudaEvent_t e0, e1;
+    float ms[20];
+    if (!tdc_ok(cudaEventCreate(&e0), "event") || !tdc_ok(cudaEventCreate(&e1), "event"))
+        return -1;
+    for (int i = 0; i < 3; i++)
+        fn(ctx);
+    for (int i = 0; i < 20; i++) {
+        cudaEventRecord(e0, 0);
+        fn(ctx);
+        cudaEventRecord(e1, 0);
+        cudaEventSynchronize(e1);
+        cudaEventElapsedTime(&ms[i], e0, e1);
+    }
+    for (int i = 1; i < 20; i++)
+        for (int j = i; j > 0 && ms[j] < ms[j - 1]; j--) {
+            float x = ms[j];
+            ms[j] = ms[j - 1];
+            ms[j - 1] = x;
+        }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return 0.5 * (ms[9] + ms[10]);
+}
+
+struct tdc_timed {
+    const struct tdc_case *c;
+    struct tdc_bufs *t;
+};
+
+static int tdc_timed_heads(void *ctx)
+{
+    struct tdc_timed *x = ctx;
+    return tdc_heads(x->c, x->t, 0);
+}
+
+static void tdc_heads_timing(uint32_t S)
+{
+    const struct tdc_case c = {128, 128, 16, 32, false, S};
+    struct tdc_bufs t = {0};
+    struct tdc_rng r = {99};
+    if (!tdc_alloc(&c, &t) || !tdc_new_inputs(&c, &t, &r))
+        goto out;
+    tdc_fill(&r, t.a, c.nv, -1.0f, -0.5f);
+    tdc_fill(&r, t.dt, c.nv, -1.0f, 1.0f);
+    tdc_fill(&r, t.nw, c.dv, 0.5f, 1.5f);
+    if (!tdc_upload(t.d_a, t.a, c.nv) || !tdc_upload(t.d_dt, t.dt, c.nv) ||
+        !tdc_upload(t.d_nw, t.nw, c.dv) ||
+        !tdc_ok(cudaMemset(t.d_st, 0, t.st_n * sizeof(float)), "memset"))
+        goto out;
+    struct tdc_timed x = {&c, &t};
+    double ms = tdc_time(tdc_timed_heads, &x);
+    CHECK(tdc_ok(cudaDeviceSynchronize(), "timed heads"), "timed heads");
+    const double bytes = 2.0 * t.st_n * 4 + (double)S * (t.ud + 2 * t.vd + 2 * c.nv) * 4;
+    MEASURE("heads dk=dv=128 nv=32 S=%u: %.1f us per call, %.2f us per token, %.0f GB/s "
+            "(state read + written once, inputs, outputs)", S, ms * 1e3, ms * 1e3 / S,
+            bytes / (ms * 1e-3) / 1e9);
+out:
+    tdc_free(&t);
+}
+
+/* Conv over C channels, S tokens, three calls with the state carried. */
+static void tdc_conv_run(uint32_t C, uint32_t S, uint64_t seed)
+{
+    struct tdc_rng r = {seed};
+    const size_t sn = (size_t)C * (TDC_K - 1), xn = (size_t)S * C;
+    float *w = malloc((size_t)C * TDC_K * sizeof(float)), *st = malloc(sn * sizeof(float));
+    float *x = malloc(xn * sizeof(float)), *u = malloc(xn * sizeof(float));
+    float *ug = malloc(xn * sizeof(float)), *sg = malloc(sn * sizeof(float));
+    float *d_w = NULL, *d_st = NULL, *d_x = NULL, *d_u = NULL;
+    bool ok = w && st && x && u && ug && sg &&
+              tdc_ok(cudaMalloc((void **)&d_w, (size_t)C * TDC_K * sizeof(float)), "malloc") &&
+              tdc_ok(cudaMalloc((void **)&d_st, sn * sizeof(float)), "malloc") &&
+              tdc_ok(cudaMalloc((void **)&d_x, xn * sizeof(float)), "malloc") &&
+              tdc_ok(cudaMalloc((void **)&d_u, xn * sizeof(float)), "malloc");
+    double eu = 0, es = 0;
+    if (ok) {
+        tdc_fill(&r, w, (size_t)C * TDC_K, -1.0f, 1.0f);
+        tdc_fill(&r, st, sn, -1.0f, 1.0f);
+        ok = tdc_upload(d_w, w, (size_t)C * TDC_K) && tdc_upload(d_st, st, sn);
+    }
+    for (int call = 0; call < TDC_CALLS && ok; call++) {
+        tdc_fill(&r, x, xn, -2.0f, 2.0f);
+        ok = tdc_upload(d_x, x, xn) && tdc_ok(cudaMemset(d_u, 0xff, xn * sizeof(float)), "poison");
+        int rc = ok ? cuda_deltanet_conv(d_st, d_w, TDC_K, d_x, d_u, C, S, 0) : -1;
+        CHECK(rc == 0, "cuda_deltanet_conv returned %d", rc);
+        ok = ok && tdc_ok(cudaMemcpy(ug, d_u, xn * sizeof(float), cudaMemcpyDeviceToHost), "dl") &&
+             tdc_ok(cudaMemcpy(sg, d_st, sn * sizeof(float), cudaMemcpyDeviceToHost), "dl");
+        for (uint32_t ch = 0; ch < C && ok; ch++)
+            deltanet_conv_channel(st + (size_t)ch * (TDC_K - 1), w + (size_t)ch * TDC_K, TDC_K,
+                                  x + ch, C, u + ch, C, S);
+        if (ok) {
+            eu = fmax(eu, tdc_maxdiff(ug, u, xn));
+            es = fmax(es, tdc_maxdiff(sg, st, sn));
+        }
+    }
+    MEASURE("conv C=%u K=%d S=%u x%d calls: max |gpu-cpu| u %.3g state %.3g", C, TDC_K, S,
+            TDC_CALLS, eu, es);
+    CHECK(ok && eu <= TDC_TOL_CONV && es <= TDC_TOL_CONV, "conv C %u S %u: diff u %.3g state %.3g",
+          C, S, eu, es);
+    if (ok && C >= 8192 && S == 1) {
+        cudaEvent_t e0, e1;
+        float ms = 0;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        for (int i = 0; i < 3; i++)
+            cuda_deltanet_conv(d_st, d_w, TDC_K, d_x, d_u, C, S, 0);
+        cudaEventRecord(e0, 0);
+        for (int i = 0; i < 20; i++)
+            cuda_deltanet_conv(d_st, d_w, TDC_K, d_x, d_u, C, S, 0);
+        cudaEventRecord(e1, 0);
+        cudaEventSynchronize(e1);
+        cudaEventElapsedTime(&ms, e0, e1);
+        MEASURE("conv C=%u S=1: %.2f us per call (mean of 20 after warm-up)", C, ms * 1e3 / 20);
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+    }
+    free(w), free(st), free(x), free(u), free(ug), free(sg);
+    cudaFree(d_w), cudaFree(d_st), cudaFree(d_x), cudaFree(d_u);
+}
+
+static void tdc_bad_args(void)
+{
+    float *d = NULL;
+    if (!tdc_ok(cudaMalloc((void **)&d, 1 << 20), "malloc"))
+        return;
+    int r1 = cuda_deltanet_heads(d, d, d, d, d, d, d, d, d, 2, 4, 48, 16, false, 1, 1e-6f, 0);
+    int r2 = cuda_deltanet_heads(d, d, d, d, d, d, d, d, d, 2, 4, 16, 8, false, 1, 1e-6f, 0);
+    int r3 = cuda_deltanet_heads(d, d, d, d, d, d, d, d, d, 3, 4, 16, 16, false, 1, 1e-6f, 0);
+    int r4 = cuda_deltanet_heads(d + 1, d, d, d, d, d, d, d, d, 2, 4, 16, 16, false, 1, 1e-6f, 0);
+    int r5 = cuda_deltanet_conv(d, d, 9, d, d, 16, 1, 0);
+    int r6 = cuda_deltanet_conv(d, d, 4, d, d, 0, 1, 0);
+    CHECK(r1 == -EINVAL && r2 == -EINVAL && r3 == -EINVAL && r4 == -EINVAL && r5 == -EINVAL &&
+          r6 == -EINVAL, "bad shapes refused: %d %d %d %d %d %d", r1, r2, r3, r4, r5, r6);
+    cudaFree(d);
+}
+
+int main(void)
+{
+    log_init("test", -1);
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+        fprintf(stderr, "test_deltanet_cuda: no CUDA device present\n");
+        return 1;
+    }
+    const uint32_t dims[] = {16, 64, 128};
+    const uint32_t heads[][2] = {{2, 4}, {16, 32}};
+    const uint32_t lens[] = {1, 64};
+    uint64_t seed = 1;
+    for (size_t d = 0; d < 3; d++)
+        for (size_t hh = 0; hh < 2; hh++)
+            for (int tiled = 0; tiled < 2; tiled++)
+                for (size_t l = 0; l < 2; l++) {
+                    const struct tdc_case c = {dims[d], dims[d], heads[hh][0], heads[hh][1],
+                                               tiled != 0, lens[l]};
+                    tdc_case_run(&c, seed++);
+                }
+    for (size_t d = 0; d < 3; d++)
+        for (size_t hh = 0; hh < 2; hh++)
+            for (size_t l = 0; l < 2; l++)
+                tdc_conv_run(2 * heads[hh][0] * dims[d] + heads[hh][1] * dims[d], lens[l], seed++);
+    tdc_bad_args();
+    tdc_heads_timing(1);
+    tdc_heads_timing(64);
+    return test_main_result("test_deltanet_cuda");
+}
