@@ -14,19 +14,16 @@
 #include "kernels/cpu/threadpool.h"
 #include "model/arch.h"
 #include "model/gguf.h"
+#include "coordinator/engine.h"
 #include "model/quant.h"
-#include "worker/forward.h"
 
 #define BENCH_MEMBW_BYTES (1ull << 30)
 
 struct bench_job {
     const struct bench_config *cfg;
-    struct gguf *g;
-    struct arch_model *m;
-    struct threadpool *pool;
-    struct forward *fw;
-    struct forward_seq *seq;
-    float *h, *logits;
+    struct engine *eng;
+    const struct arch_model *m;
+    float *logits;
     int32_t *ids;
     uint64_t rng;
 };
@@ -110,11 +107,9 @@ static int bench_pp(struct bench_job *j, double *tps)
     const uint32_t n = j->cfg->n_prompt, nv = j->m->hp.n_vocab;
     for (uint32_t i = 0; i < n; i++)
         j->ids[i] = (int32_t)bench_rand(j, nv);
-    forward_seq_reset(j->seq);
+    int rc = engine_reset(j->eng);
     double t0 = bench_now();
-    int rc = forward_embed(j->fw, j->ids, n, j->h);
-    rc = rc ? rc : forward_layers(j->fw, j->seq, j->h, n);
-    rc = rc ? rc : forward_logits(j->fw, j->h + (size_t)(n - 1) * j->m->hp.n_embd, 1, j->logits);
+    rc = rc ? rc : engine_eval(j->eng, j->ids, n, false, j->logits);
     *tps = n / (bench_now() - t0);
     return rc;
 }
@@ -122,14 +117,11 @@ static int bench_pp(struct bench_job *j, double *tps)
 static int bench_tg(struct bench_job *j, double *tps)
 {
     const uint32_t nv = j->m->hp.n_vocab;
-    forward_seq_reset(j->seq);
-    int rc = 0;
+    int rc = engine_reset(j->eng);
     double t0 = bench_now();
     for (uint32_t i = 0; i < j->cfg->n_gen && !rc; i++) {
         int32_t id = (int32_t)bench_rand(j, nv);
-        rc = forward_embed(j->fw, &id, 1, j->h);
-        rc = rc ? rc : forward_layers(j->fw, j->seq, j->h, 1);
-        rc = rc ? rc : forward_logits(j->fw, j->h, 1, j->logits);
+        rc = engine_eval(j->eng, &id, 1, false, j->logits);
     }
     *tps = j->cfg->n_gen / (bench_now() - t0);
     return rc;
@@ -152,25 +144,19 @@ static void bench_stats(double *v, uint32_t n, double *median, double *spread)
 static int bench_setup(struct bench_job *j)
 {
     const struct bench_config *cfg = j->cfg;
-    struct gguf_config gc = {.path = cfg->model_path};
-    j->g = gguf_open(&gc);
-    struct arch_config ac = {.gguf = j->g};
-    j->m = j->g ? arch_load(&ac) : NULL;
-    if (!j->m)
-        return -EINVAL;
-    gguf_prefault(j->g, true);
-    struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
-    j->pool = threadpool_create(&pc);
     uint32_t ctx = cfg->n_prompt > cfg->n_gen ? cfg->n_prompt : cfg->n_gen;
-    struct forward_config fc = {.model = j->m, .pool = j->pool, .n_ctx = ctx + 1,
-                                .kv_f16 = cfg->kv_f16, .max_batch = cfg->n_batch};
-    j->fw = j->pool ? forward_create(&fc) : NULL;
-    j->seq = j->fw ? forward_seq_create(j->fw) : NULL;
-    j->h = malloc(((size_t)ctx + 1) * j->m->hp.n_embd * sizeof(float));
+    struct engine_config ec = {.model_path = cfg->model_path, .n_threads = cfg->n_threads,
+                               .n_ctx = ctx + 1, .n_batch = cfg->n_batch, .kv_f16 = cfg->kv_f16,
+                               .progress = true, .cluster = cfg->cluster,
+                               .on_cluster = cfg->on_cluster};
+    j->eng = engine_create(&ec);
+    if (!j->eng)
+        return -EINVAL;
+    j->m = engine_model(j->eng);
     j->logits = malloc(j->m->hp.n_vocab * sizeof(float));
     j->ids = malloc(((size_t)ctx + 1) * sizeof(int32_t));
     j->rng = cfg->seed;
-    return j->seq && j->h && j->logits && j->ids ? 0 : -ENOMEM;
+    return j->logits && j->ids ? 0 : -ENOMEM;
 }
 
 static void bench_print(struct bench_job *j, double pp_med, double pp_spr, double tg_med,
@@ -179,36 +165,33 @@ static void bench_print(struct bench_job *j, double pp_med, double pp_spr, doubl
     const struct bench_config *cfg = j->cfg;
     const double bpt = bench_bytes_per_token(j->m);
     const double roof = bw > 0 ? bw * 1e9 / bpt : 0;
-    const int nt = threadpool_n_threads(j->pool);
+    const int nt = engine_n_threads(j->eng);
+    const char *backend = cfg->cluster ? cfg->cluster->backends[0] : "cpu (in-process)";
     if (cfg->json) {
-        printf("{\"model\":\"%s\",\"arch\":\"%s\",\"backend\":\"cpu\",\"threads\":%d,"
+        printf("{\"model\":\"%s\",\"arch\":\"%s\",\"backend\":\"%s\",\"threads\":%d,"
                "\"pp\":%u,\"pp_tps\":%.3f,\"pp_spread\":%.3f,\"tg\":%u,\"tg_tps\":%.3f,"
                "\"tg_spread\":%.3f,\"reps\":%u,\"bytes_per_token\":%.0f,\"membw_gbs\":%.2f,"
                "\"tg_roofline_tps\":%.3f,\"tg_fraction_of_roofline\":%.4f}\n",
-               cfg->model_path, j->m->hp.arch_name, nt, cfg->n_prompt, pp_med, pp_spr,
+               cfg->model_path, j->m->hp.arch_name, backend, nt, cfg->n_prompt, pp_med, pp_spr,
                cfg->n_gen, tg_med, tg_spr, cfg->reps, bpt, bw, roof,
                roof > 0 ? tg_med / roof : 0.0);
         return;
     }
     printf("| model | size | backend | threads | test | t/s |\n");
     printf("| --- | ---: | --- | ---: | ---: | ---: |\n");
-    const double gib = gguf_file_size(j->g) / 1073741824.0;
+    const double gib = gguf_file_size(engine_gguf(j->eng)) / 1073741824.0;
     if (cfg->n_prompt)
-        printf("| %s %u layers | %.2f GiB | cpu | %d | pp%u | %.2f +- %.2f |\n",
-               j->m->hp.arch_name, j->m->hp.n_layer, gib, nt, cfg->n_prompt, pp_med, pp_spr);
+        printf("| %s %u layers | %.2f GiB | %s | %d | pp%u | %.2f +- %.2f |\n",
+               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_prompt, pp_med,
+               pp_spr);
     if (cfg->n_gen)
-        printf("| %s %u layers | %.2f GiB | cpu | %d | tg%u | %.2f +- %.2f |\n",
-               j->m->hp.arch_name, j->m->hp.n_layer, gib, nt, cfg->n_gen, tg_med, tg_spr);
+        printf("| %s %u layers | %.2f GiB | %s | %d | tg%u | %.2f +- %.2f |\n",
+               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_gen, tg_med,
+               tg_spr);
     printf("\nweights read per generated token: %.1f MB; host read bandwidth %.1f GB/s; "
            "roofline %.1f tok/s; tg at %.0f%% of it\n",
            bpt / 1e6, bw, roof, roof > 0 ? 100 * tg_med / roof : 0.0);
-    const struct forward_stats *st = forward_get_stats(j->fw);
-    double tot = st->attn + st->deltanet + st->router + st->experts + st->shared_expert;
-    if (tot > 0)
-        printf("stages (all runs): attention %.0f%%, deltanet %.0f%%, router %.0f%%, routed "
-               "experts %.0f%%, shared expert %.0f%%\n", 100 * st->attn / tot,
-               100 * st->deltanet / tot, 100 * st->router / tot, 100 * st->experts / tot,
-               100 * st->shared_expert / tot);
+    engine_print_summary(j->eng, stdout);
 }
 
 int bench_run(const struct bench_config *cfg)
@@ -231,18 +214,16 @@ int bench_run(const struct bench_config *cfg)
     if (!rc) {
         bench_stats(pp, cfg->reps, &pp_med, &pp_spr);
         bench_stats(tg, cfg->reps, &tg_med, &tg_spr);
-        bw = cfg->membw ? bench_membw(j.pool) : 0;
+        struct threadpool_config tc = {.n_threads = cfg->n_threads, .pin = true};
+        struct threadpool *pool = cfg->membw ? threadpool_create(&tc) : NULL;
+        bw = pool ? bench_membw(pool) : 0;
+        threadpool_destroy(pool);
         bench_print(&j, pp_med, pp_spr, tg_med, tg_spr, bw);
     }
     free(pp);
     free(tg);
-    free(j.h);
     free(j.logits);
     free(j.ids);
-    forward_seq_destroy(j.seq);
-    forward_destroy(j.fw);
-    threadpool_destroy(j.pool);
-    arch_free(j.m);
-    gguf_close(j.g);
+    engine_destroy(j.eng);
     return rc;
 }

@@ -14,6 +14,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "coordinator/cluster.h"
+
 struct bench_config {
     const char *model_path;
     uint32_t n_prompt;     /* pp test length (default 512; 0: skip) */
@@ -25,6 +27,8 @@ struct bench_config {
     bool json;             /* one JSON object on the last line instead of a table */
     bool membw;            /* measure host read bandwidth (default true) */
     uint64_t seed;         /* token ids */
+    struct cluster_config *cluster; /* workers (--devices), or NULL: in-process */
+    void (*on_cluster)(struct cluster *c);
 };
 
 /* Runs and prints the results to stdout. Returns 0 or a negative errno. */

@@ -12,28 +12,19 @@
 
 #include "common/check.h"
 #include "common/log.h"
-#include "kernels/cpu/threadpool.h"
-#include "model/arch.h"
-#include "model/gguf.h"
+#include "coordinator/engine.h"
 #include "model/tokenizer.h"
-#include "worker/forward.h"
 
 
 struct generate_job {
     const struct generate_config *cfg;
-    struct gguf *g;
-    struct arch_model *m;
+    struct engine *eng;
+    const struct arch_model *m;
     struct tokenizer *tok;
-    struct threadpool *pool;
-    struct forward *fw;
-    struct forward_seq *seq;
-    struct cluster *cl;      /* multi-process mode, else NULL */
-    uint32_t pos;            /* tokens consumed */
     struct sampler *smp;
     struct detok *dt;
     int32_t *ids;            /* prompt ids */
     size_t n_ids;
-    float *h;                /* hidden rows, n_ids x n_embd */
     float *logits;           /* n_ids x n_vocab when dumping, else n_vocab */
 };
 
@@ -47,57 +38,30 @@ static double generate_now(void)
 static int generate_load(struct generate_job *job)
 {
     const struct generate_config *cfg = job->cfg;
-    struct gguf_config gc = {.path = cfg->model_path};
-    job->g = gguf_open(&gc);
-    if (!job->g)
+    struct engine_config ec = {.model_path = cfg->model_path, .n_threads = cfg->n_threads,
+                               .n_ctx = cfg->n_ctx, .n_batch = cfg->n_batch,
+                               .kv_f16 = cfg->kv_f16, .progress = true,
+                               .cluster = cfg->cluster, .on_cluster = cfg->on_cluster};
+    job->eng = engine_create(&ec);
+    if (!job->eng)
         return -EINVAL;
-    struct arch_config ac = {.gguf = job->g};
-    job->m = arch_load(&ac);
-    if (!job->m)
-        return -EINVAL;
-    struct tokenizer_config tc = {.gguf = job->g};
+    job->m = engine_model(job->eng);
+    struct tokenizer_config tc = {.gguf = engine_gguf(job->eng)};
     job->tok = tokenizer_create(&tc);
     if (!job->tok)
         return -EINVAL;
     if (tokenizer_n_vocab(job->tok) > (int32_t)job->m->hp.n_vocab)
         log_warn("tokenizer has %d tokens, more than the %u rows of token_embd",
                  tokenizer_n_vocab(job->tok), job->m->hp.n_vocab);
-    gguf_prefault(job->g, true);
-    struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
-    job->pool = threadpool_create(&pc);
-    if (!job->pool)
-        return -ENOMEM;
-    struct forward_config fc = {.model = job->m, .pool = job->pool, .n_ctx = cfg->n_ctx,
-                                .kv_f16 = cfg->kv_f16, .max_batch = cfg->n_batch};
-    if (cfg->cluster) { /* the forward only embeds and names the context size */
-        fc.layer_begin = 0;
-        fc.layer_end = 1;
-    }
-    job->fw = forward_create(&fc);
-    job->seq = job->fw && !cfg->cluster ? forward_seq_create(job->fw) : NULL;
-    if (cfg->cluster && job->fw) {
-        struct cluster_config *cc = cfg->cluster;
-        cc->model_path = cfg->model_path;
-        cc->gguf = job->g;
-        cc->model = job->m;
-        cc->n_ctx = forward_n_ctx(job->fw);
-        cc->kv_f16 = cfg->kv_f16;
-        cc->max_batch = cfg->n_batch ? cfg->n_batch : 256;
-        job->cl = cluster_create(cc);
-        if (!job->cl)
-            return -EIO;
-        if (cfg->on_cluster)
-            cfg->on_cluster(job->cl);
-    }
     job->smp = sampler_create(&cfg->sampler);
     struct detok_config dc = {.tok = job->tok};
     job->dt = detok_create(&dc);
-    if ((!job->seq && !job->cl) || !job->smp || !job->dt)
+    if (!job->smp || !job->dt)
         return -ENOMEM;
     log_info("model %s: %s, %u layers, %u experts (top-%u), vocab %u, %d threads, context %u",
              cfg->model_path, job->m->hp.arch_name, job->m->hp.n_layer, job->m->hp.n_expert,
-             job->m->hp.n_expert_used, job->m->hp.n_vocab, threadpool_n_threads(job->pool),
-             forward_n_ctx(job->fw));
+             job->m->hp.n_expert_used, job->m->hp.n_vocab, engine_n_threads(job->eng),
+             engine_n_ctx(job->eng));
     return 0;
 }
 
@@ -130,9 +94,9 @@ static int generate_prompt_ids(struct generate_job *job)
         log_error("the prompt is empty: give -p TEXT, -f FILE or --prompt-ids");
         return -EINVAL;
     }
-    if (job->n_ids + (size_t)(cfg->n_predict > 0 ? cfg->n_predict : 0) > forward_n_ctx(job->fw))
+    if (job->n_ids + (size_t)(cfg->n_predict > 0 ? cfg->n_predict : 0) > engine_n_ctx(job->eng))
         log_warn("prompt (%zu tokens) plus %d to generate exceed the context of %u; generation "
-                 "stops when it is full", job->n_ids, cfg->n_predict, forward_n_ctx(job->fw));
+                 "stops when it is full", job->n_ids, cfg->n_predict, engine_n_ctx(job->eng));
     return 0;
 }
 
@@ -146,55 +110,19 @@ static void generate_emit(struct generate_job *job, int32_t id)
     }
 }
 
-/* Embeds n ids and runs them through every layer (here or on the workers);
- * logits of the last row, or of all rows when all is set, into out. */
-static int generate_eval(struct generate_job *job, const int32_t *ids, uint32_t n, bool all,
-                         float *out)
-{
-    const size_t w = job->m->hp.n_embd, nv = job->m->hp.n_vocab;
-    const uint32_t B = job->cfg->n_batch ? job->cfg->n_batch : 256;
-    if (job->pos + n > forward_n_ctx(job->fw)) {
-        log_error("context full: %u tokens at position %u exceed the context of %u", n, job->pos,
-                  forward_n_ctx(job->fw));
-        return -ENOSPC;
-    }
-    int rc = forward_embed(job->fw, ids, n, job->h);
-    if (rc)
-        return rc;
-    if (!job->cl) {
-        rc = forward_layers(job->fw, job->seq, job->h, n);
-        rc = rc ? rc : forward_logits(job->fw, all ? job->h : job->h + (size_t)(n - 1) * w,
-                                      all ? n : 1, out);
-        job->pos += rc ? 0 : n;
-        return rc;
-    }
-    for (uint32_t s = 0; s < n && !rc; s += B) {
-        const uint32_t c = n - s < B ? n - s : B;
-        const bool last = s + c == n;
-        if (!all && !last)
-            rc = cluster_step(job->cl, job->h + (size_t)s * w, c, job->pos, false, out);
-        else
-            rc = cluster_step(job->cl, job->h + (size_t)s * w, c, job->pos, all,
-                              all ? out + (size_t)s * nv : out);
-        job->pos += rc ? 0 : c;
-    }
-    return rc;
-}
-
 static int generate_prefill(struct generate_job *job, struct generate_stats *st)
 {
     const struct generate_config *cfg = job->cfg;
     const struct arch_hparams *hp = &job->m->hp;
     const size_t n = job->n_ids;
-    job->h = malloc(n * hp->n_embd * sizeof(float));
     job->logits = malloc((cfg->dump_logits ? n : 1) * (size_t)hp->n_vocab * sizeof(float));
-    if (!job->h || !job->logits)
+    if (!job->logits)
         return -ENOMEM;
     if (cfg->echo_prompt)
         for (size_t i = 0; i < n; i++)
             generate_emit(job, job->ids[i]);
     double t0 = generate_now();
-    int rc = generate_eval(job, job->ids, (uint32_t)n, cfg->dump_logits != NULL, job->logits);
+    int rc = engine_eval(job->eng, job->ids, (uint32_t)n, cfg->dump_logits != NULL, job->logits);
     if (rc)
         return rc;
     if (cfg->dump_logits) {
@@ -221,9 +149,9 @@ static int generate_decode(struct generate_job *job, struct generate_stats *st)
         if (!cfg->ignore_eos && tokenizer_is_eog(job->tok, id))
             break;
         generate_emit(job, id);
-        if (i + 1 == cfg->n_predict || job->pos >= forward_n_ctx(job->fw))
+        if (i + 1 == cfg->n_predict || engine_pos(job->eng) >= engine_n_ctx(job->eng))
             break;
-        int rc = generate_eval(job, &id, 1, false, job->logits);
+        int rc = engine_eval(job->eng, &id, 1, false, job->logits);
         if (rc)
             return rc;
     }
@@ -250,22 +178,14 @@ int generate_run(const struct generate_config *cfg, struct generate_stats *st)
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru) == 0)
         st->peak_rss_kb = ru.ru_maxrss;
-    free(job.h);
     free(job.logits);
     free(job.ids);
     detok_destroy(job.dt);
     sampler_destroy(job.smp);
-    if (job.cl && !rc && cfg->cluster && log_is_enabled(LOG_LEVEL_INFO))
-        cluster_print_summary(job.cl, stderr);
-    if (cfg->on_cluster)
-        cfg->on_cluster(NULL);
-    cluster_destroy(job.cl);
-    forward_seq_destroy(job.seq);
-    forward_destroy(job.fw);
-    threadpool_destroy(job.pool);
+    if (job.eng && !rc && log_is_enabled(LOG_LEVEL_INFO))
+        engine_print_summary(job.eng, stderr);
     tokenizer_destroy(job.tok);
-    arch_free(job.m);
-    gguf_close(job.g);
+    engine_destroy(job.eng);
     return rc;
 }
 

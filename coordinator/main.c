@@ -72,6 +72,7 @@ static const char usage[] =
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
     "lamina bench -m FILE [-p 512] [-n 128] [-r 5] [--threads N] [--json] [--no-membw]\n"
+    "             [--inproc | --devices LIST ...: the worker options of run]\n"
     "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N]\n"
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
@@ -286,6 +287,17 @@ static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, b
     return 0;
 }
 
+/* Fills in the cluster defaults of a run or bench: one cpu worker, residency. */
+static void main_cluster_defaults(struct run_opts *o)
+{
+    if (o->cl.n_workers == 0) {
+        o->cl.n_workers = 1;
+        o->cl.backends[0] = "cpu";
+    }
+    if (!o->cl.resident)
+        o->cl.resident = o->cl.device_mem[0] ? "fit" : "all";
+}
+
 static int run_parse_sampler(struct cli *c, const char *a, struct sampler_config *s, bool *hit)
 {
     *hit = true;
@@ -415,12 +427,7 @@ static int cmd_run(struct cli *c)
     }
     o.g.prompt_ids = o.ids;
     if (!o.inproc) {
-        if (o.cl.n_workers == 0) {
-            o.cl.n_workers = 1;
-            o.cl.backends[0] = "cpu";
-        }
-        if (!o.cl.resident)
-            o.cl.resident = o.cl.device_mem[0] ? "fit" : "all";
+        main_cluster_defaults(&o);
         o.g.cluster = &o.cl;
         o.g.on_cluster = run_on_cluster;
     }
@@ -582,10 +589,19 @@ static int cmd_perplexity(struct cli *c)
     return rc;
 }
 
+static void run_on_cluster(struct cluster *c);
+static void main_install_signals(void);
+
+static void run_on_cluster(struct cluster *c);
+static void main_install_signals(void);
+
 static int cmd_bench(struct cli *c)
 {
+    main_install_signals();
     struct bench_config bc = {.n_prompt = 512, .n_gen = 128, .reps = 5, .n_batch = 512,
                               .kv_f16 = true, .membw = true, .seed = 1234};
+    struct run_opts o = {.cl = {.spawn = true}};
+    bool hit;
     int rc = 0, x;
     while (c->i < c->argc && !rc) {
         const char *a = c->argv[c->i++];
@@ -605,8 +621,13 @@ static int cmd_bench(struct cli *c)
             bc.json = true;
         else if (!strcmp(a, "--no-membw"))
             bc.membw = false;
-        else
+        else if ((rc = run_parse_cluster(c, a, &o, &hit)) == 0 && !hit)
             rc = cli_fail(c, "unknown option %s", a);
+    }
+    if (!rc && !o.inproc) {
+        main_cluster_defaults(&o);
+        bc.cluster = &o.cl;
+        bc.on_cluster = run_on_cluster;
     }
     if (!rc && !bc.model_path)
         rc = cli_fail(c, "%s", "give -m FILE");

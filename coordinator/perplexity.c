@@ -11,11 +11,8 @@
 #include <time.h>
 
 #include "common/log.h"
-#include "kernels/cpu/threadpool.h"
-#include "model/arch.h"
-#include "model/gguf.h"
+#include "coordinator/engine.h"
 #include "model/tokenizer.h"
-#include "worker/forward.h"
 
 static char *ppl_read(const char *path, size_t *len)
 {
@@ -53,29 +50,23 @@ static double ppl_nll(const float *logits, uint32_t n, int32_t target)
 }
 
 struct ppl_job {
-    struct gguf *g;
-    struct arch_model *m;
+    struct engine *eng;
+    const struct arch_model *m;
     struct tokenizer *tok;
-    struct threadpool *pool;
-    struct forward *fw;
-    struct forward_seq *seq;
     int32_t *ids;
     size_t n_ids;
-    float *h, *logits;
+    float *logits;
 };
 
 static int ppl_chunk(struct ppl_job *j, const int32_t *ids, uint32_t n_ctx, double *nll,
                      double *nll2, uint64_t *count)
 {
     const uint32_t nv = j->m->hp.n_vocab;
-    forward_seq_reset(j->seq);
-    int rc = forward_embed(j->fw, ids, n_ctx, j->h);
-    rc = rc ? rc : forward_layers(j->fw, j->seq, j->h, n_ctx);
+    int rc = engine_reset(j->eng);
+    rc = rc ? rc : engine_eval(j->eng, ids, n_ctx, true, j->logits);
     const uint32_t first = n_ctx / 2;
-    const size_t w = j->m->hp.n_embd;
-    rc = rc ? rc : forward_logits(j->fw, j->h + first * w, n_ctx - 1 - first, j->logits);
     for (uint32_t p = first; !rc && p + 1 < n_ctx; p++) {
-        double v = ppl_nll(j->logits + (size_t)(p - first) * nv, nv, ids[p + 1]);
+        double v = ppl_nll(j->logits + (size_t)p * nv, nv, ids[p + 1]);
         *nll += v;
         *nll2 += v * v;
         (*count)++;
@@ -85,19 +76,18 @@ static int ppl_chunk(struct ppl_job *j, const int32_t *ids, uint32_t n_ctx, doub
 
 static int ppl_setup(struct ppl_job *j, const struct perplexity_config *cfg)
 {
-    struct gguf_config gc = {.path = cfg->model_path};
-    j->g = gguf_open(&gc);
-    struct arch_config ac = {.gguf = j->g};
-    j->m = j->g ? arch_load(&ac) : NULL;
-    struct tokenizer_config tc = {.gguf = j->g};
-    j->tok = j->m ? tokenizer_create(&tc) : NULL;
-    if (!j->tok)
-        return -EINVAL;
     size_t len;
     char *text = ppl_read(cfg->text_path, &len);
     if (!text)
         return -EIO;
-    int rc = tokenizer_encode(j->tok, text, len, false, &j->ids, &j->n_ids);
+    struct engine_config ec = {.model_path = cfg->model_path, .n_threads = cfg->n_threads,
+                               .n_ctx = cfg->n_ctx, .n_batch = cfg->n_ctx, .kv_f16 = false,
+                               .cluster = cfg->cluster};
+    j->eng = engine_create(&ec);
+    j->m = j->eng ? engine_model(j->eng) : NULL;
+    struct tokenizer_config tc = {.gguf = j->eng ? engine_gguf(j->eng) : NULL};
+    j->tok = j->eng ? tokenizer_create(&tc) : NULL;
+    int rc = j->tok ? tokenizer_encode(j->tok, text, len, false, &j->ids, &j->n_ids) : -EINVAL;
     free(text);
     if (rc)
         return rc;
@@ -106,15 +96,8 @@ static int ppl_setup(struct ppl_job *j, const struct perplexity_config *cfg)
                   j->n_ids, 2 * cfg->n_ctx, cfg->n_ctx);
         return -EINVAL;
     }
-    struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
-    j->pool = threadpool_create(&pc);
-    struct forward_config fc = {.model = j->m, .pool = j->pool, .n_ctx = cfg->n_ctx,
-                                .max_batch = cfg->n_ctx};
-    j->fw = j->pool ? forward_create(&fc) : NULL;
-    j->seq = j->fw ? forward_seq_create(j->fw) : NULL;
-    j->h = malloc((size_t)cfg->n_ctx * j->m->hp.n_embd * sizeof(float));
     j->logits = malloc((size_t)cfg->n_ctx * j->m->hp.n_vocab * sizeof(float));
-    return j->seq && j->h && j->logits ? 0 : -ENOMEM;
+    return j->logits ? 0 : -ENOMEM;
 }
 
 int perplexity_run(const struct perplexity_config *cfg, struct perplexity_result *out)
@@ -144,14 +127,9 @@ int perplexity_run(const struct perplexity_config *cfg, struct perplexity_result
         out->n_scored = count;
         out->seconds = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
     }
-    free(j.h);
     free(j.logits);
     free(j.ids);
-    forward_seq_destroy(j.seq);
-    forward_destroy(j.fw);
-    threadpool_destroy(j.pool);
     tokenizer_destroy(j.tok);
-    arch_free(j.m);
-    gguf_close(j.g);
+    engine_destroy(j.eng);
     return rc;
 }

@@ -13,6 +13,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "coordinator/cluster.h"
+
 struct perplexity_config {
     const char *model_path;  /* GGUF */
     const char *text_path;   /* text file */
@@ -20,6 +22,7 @@ struct perplexity_config {
     uint32_t max_chunks;     /* 0: all */
     int n_threads;           /* <= 0: physical cores */
     bool print_chunks;       /* print the running estimate per chunk (stdout) */
+    struct cluster_config *cluster; /* workers, or NULL: in-process */
 };
 
 struct perplexity_result {

@@ -70,6 +70,7 @@ struct worker {
     /* state */
     uint64_t seq_no;
     uint64_t step;                 /* step being run */
+    uint32_t pos;                  /* next position of the sequence */
     uint32_t pending_layer, pending_rows;
     double last_coord;             /* time of the last message from the coordinator */
     volatile uint64_t progress;    /* layers run (watchdog) */
@@ -446,12 +447,22 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
     if (rc)
         return rc;
     const struct wire_step *st = &m->step;
+    if (st->pos == 0 && w->pos != 0) { /* a new sequence starts */
+        backend_reset(w->be);
+        w->pos = 0;
+    }
+    if (st->pos != w->pos) {
+        log_error("step %llu starts at position %u, but the sequence is at %u",
+                  (unsigned long long)st->step, st->pos, w->pos);
+        return -EPROTO;
+    }
     double t0 = worker_now();
     w->step = st->step;
     memcpy(w->h, m->tensor, m->tensor_bytes);
     rc = backend_layers(w->be, w->h, st->n_tokens);
     if (rc)
         return rc;
+    w->pos += st->n_tokens;
     double t1 = worker_now();
     rc = worker_finish_step(w, st);
     if (rc)
@@ -479,6 +490,7 @@ static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, 
     }
     case WIRE_TYPE_RESET:
         backend_reset(w->be);
+        w->pos = 0;
         return 0;
     case WIRE_TYPE_SHUTDOWN:
         return 1;

@@ -1,0 +1,182 @@
+/*
+ * engine: a model plus the in-process forward or the cluster (see engine.h).
+ */
+#include "coordinator/engine.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "kernels/cpu/threadpool.h"
+#include "worker/forward.h"
+
+struct engine {
+    struct engine_config cfg;
+    struct gguf *g;
+    struct arch_model *m;
+    struct threadpool *pool;
+    struct forward *fw;        /* every layer here (inproc), or only the embedding */
+    struct forward_seq *seq;   /* inproc only */
+    struct cluster *cl;        /* workers, or NULL */
+    uint32_t pos;
+    uint32_t B;
+    float *h;                  /* B rows of n_embd */
+};
+
+static int engine_build(struct engine *e)
+{
+    const struct engine_config *cfg = &e->cfg;
+    struct threadpool_config pc = {.n_threads = cfg->n_threads, .pin = true};
+    e->pool = threadpool_create(&pc);
+    if (!e->pool)
+        return -ENOMEM;
+    struct forward_config fc = {.model = e->m, .pool = e->pool, .n_ctx = cfg->n_ctx,
+                                .kv_f16 = cfg->kv_f16, .max_batch = e->B};
+    if (cfg->cluster) /* only embeds here; a one-layer range keeps its state small */
+        fc.layer_end = 1;
+    e->fw = forward_create(&fc);
+    if (!e->fw)
+        return -ENOMEM;
+    e->h = malloc((size_t)e->B * e->m->hp.n_embd * sizeof(float));
+    if (!e->h)
+        return -ENOMEM;
+    if (!cfg->cluster) {
+        e->seq = forward_seq_create(e->fw);
+        return e->seq ? 0 : -ENOMEM;
+    }
+    struct cluster_config *cc = cfg->cluster;
+    cc->model_path = cfg->model_path;
+    cc->gguf = e->g;
+    cc->model = e->m;
+    cc->n_ctx = forward_n_ctx(e->fw);
+    cc->kv_f16 = cfg->kv_f16;
+    cc->max_batch = e->B;
+    e->cl = cluster_create(cc);
+    if (!e->cl)
+        return -EIO;
+    if (cfg->on_cluster)
+        cfg->on_cluster(e->cl);
+    return 0;
+}
+
+struct engine *engine_create(const struct engine_config *cfg)
+{
+    struct engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return NULL;
+    e->cfg = *cfg;
+    e->B = cfg->n_batch ? cfg->n_batch : 256;
+    struct gguf_config gc = {.path = cfg->model_path};
+    e->g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = e->g};
+    e->m = e->g ? arch_load(&ac) : NULL;
+    if (!e->m)
+        goto out_fail;
+    gguf_prefault(e->g, cfg->progress);
+    if (engine_build(e))
+        goto out_fail;
+    return e;
+out_fail:
+    engine_destroy(e);
+    return NULL;
+}
+
+void engine_destroy(struct engine *e)
+{
+    if (!e)
+        return;
+    if (e->cl && e->cfg.on_cluster)
+        e->cfg.on_cluster(NULL);
+    cluster_destroy(e->cl);
+    forward_seq_destroy(e->seq);
+    forward_destroy(e->fw);
+    threadpool_destroy(e->pool);
+    free(e->h);
+    arch_free(e->m);
+    gguf_close(e->g);
+    free(e);
+}
+
+const struct gguf *engine_gguf(const struct engine *e)
+{
+    return e->g;
+}
+
+const struct arch_model *engine_model(const struct engine *e)
+{
+    return e->m;
+}
+
+uint32_t engine_n_ctx(const struct engine *e)
+{
+    return forward_n_ctx(e->fw);
+}
+
+uint32_t engine_pos(const struct engine *e)
+{
+    return e->pos;
+}
+
+int engine_n_threads(const struct engine *e)
+{
+    return threadpool_n_threads(e->pool);
+}
+
+/* One pass of at most B tokens. */
+static int engine_pass(struct engine *e, const int32_t *ids, uint32_t c, bool all, bool last,
+                       float *out)
+{
+    const size_t w = e->m->hp.n_embd;
+    int rc = forward_embed(e->fw, ids, c, e->h);
+    if (rc)
+        return rc;
+    if (e->cl)
+        return cluster_step(e->cl, e->h, c, e->pos, all, out);
+    rc = forward_layers(e->fw, e->seq, e->h, c);
+    if (rc || (!all && !last))
+        return rc;
+    return forward_logits(e->fw, all ? e->h : e->h + (size_t)(c - 1) * w, all ? c : 1, out);
+}
+
+int engine_eval(struct engine *e, const int32_t *ids, uint32_t n, bool all, float *out)
+{
+    const size_t nv = e->m->hp.n_vocab;
+    if (n == 0 || (uint64_t)e->pos + n > engine_n_ctx(e)) {
+        log_error("context full: %u tokens at position %u exceed the context of %u", n, e->pos,
+                  engine_n_ctx(e));
+        return -ENOSPC;
+    }
+    int rc = 0;
+    for (uint32_t s = 0; s < n && !rc; s += e->B) {
+        const uint32_t c = n - s < e->B ? n - s : e->B;
+        rc = engine_pass(e, ids + s, c, all, s + c == n, all ? out + (size_t)s * nv : out);
+        e->pos += rc ? 0 : c;
+    }
+    return rc;
+}
+
+int engine_reset(struct engine *e)
+{
+    e->pos = 0;
+    if (e->cl)
+        return cluster_reset(e->cl);
+    forward_seq_reset(e->seq);
+    return 0;
+}
+
+void engine_print_summary(const struct engine *e, FILE *out)
+{
+    if (e->cl) {
+        cluster_print_summary(e->cl, out);
+        return;
+    }
+    const struct forward_stats *st = forward_get_stats(e->fw);
+    double tot = st->attn + st->deltanet + st->router + st->experts + st->shared_expert;
+    if (tot > 0)
+        fprintf(out, "stages: attention %.0f%%, deltanet %.0f%%, router %.0f%%, routed experts "
+                     "%.0f%%, shared expert %.0f%%\n", 100 * st->attn / tot,
+                100 * st->deltanet / tot, 100 * st->router / tot, 100 * st->experts / tot,
+                100 * st->shared_expert / tot);
+}

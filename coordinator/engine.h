@@ -1,0 +1,60 @@
+/*
+ * engine: one loaded model and the machinery that runs its layers for one
+ * sequence, either in this process (the --inproc reference path: a forward
+ * over every layer on the CPU) or on workers (a cluster of lamina-worker
+ * processes, one per device). generate, bench and perplexity all evaluate
+ * tokens through it, so every command runs both paths the same way.
+ *
+ * Called from the coordinator's main thread only.
+ */
+#ifndef COORDINATOR_ENGINE_H
+#define COORDINATOR_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "coordinator/cluster.h"
+#include "model/arch.h"
+#include "model/gguf.h"
+
+struct engine_config {
+    const char *model_path;          /* GGUF file */
+    int n_threads;                   /* compute threads here; <= 0: physical cores */
+    uint32_t n_ctx;                  /* 0: min(train ctx, 4096) */
+    uint32_t n_batch;                /* tokens per pass / step; 0: 256 */
+    bool kv_f16;                     /* f16 KV cache */
+    bool progress;                   /* progress bar while paging in a large file */
+    struct cluster_config *cluster;  /* workers to start (model fields filled in here); NULL:
+                                        every layer in this process */
+    void (*on_cluster)(struct cluster *c); /* told the live cluster, and NULL before it goes */
+};
+
+struct engine;
+
+/* Opens and validates the model, pages it in, and builds the in-process
+ * forward or the cluster. NULL after logging why. */
+struct engine *engine_create(const struct engine_config *cfg);
+void engine_destroy(struct engine *e);
+
+/* Borrowed views, valid until destroy. */
+const struct gguf *engine_gguf(const struct engine *e);
+const struct arch_model *engine_model(const struct engine *e);
+uint32_t engine_n_ctx(const struct engine *e);
+uint32_t engine_pos(const struct engine *e);       /* tokens consumed so far */
+int engine_n_threads(const struct engine *e);
+
+/* Runs n tokens at the current position (prefill in passes of n_batch, or
+ * one decode token) and writes the logits of the last token, or of all n when
+ * all is set, into out (n_vocab floats per row). -ENOSPC when the context
+ * would overflow; other errors as the cluster or forward report them. */
+int engine_eval(struct engine *e, const int32_t *ids, uint32_t n, bool all, float *out);
+
+/* Starts the sequence over at position 0. */
+int engine_reset(struct engine *e);
+
+/* Per-stage summary (the cluster's per-worker table, or this process's
+ * stage shares). */
+void engine_print_summary(const struct engine *e, FILE *out);
+
+#endif
