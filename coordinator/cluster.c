@@ -800,8 +800,12 @@ static void cl_stop_workers(struct cluster *c)
             w->exited = true;
         }
     }
+    struct timespec settle = {0, 20000000}; /* let a worker that is exiting be reaped */
+    nanosleep(&settle, NULL);
+    while (cl_reap(c) >= 0)
+        ;
     for (int i = 0; i < c->n && c->router; i++) {
-        if (c->w[i].exited || (!c->w[i].hello && c->w[i].pid == 0))
+        if (c->w[i].exited || !c->w[i].hello)
             continue;
         struct wire_msg m = {.type = WIRE_TYPE_SHUTDOWN};
         cl_send(c, i, &m);

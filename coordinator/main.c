@@ -57,7 +57,9 @@ static const char usage[] =
     "  --no-special            do not turn special-token texts in the prompt into their ids\n"
     "  --no-echo               do not print the prompt\n"
     "  --dump-logits OUT.npy   write float32 logits of every prompt position\n"
-    "  --devices LIST          one worker per entry, e.g. cpu,cpu (default: cpu)\n"
+    "  --devices LIST          one worker per entry, e.g. cpu,cpu or cuda:0,cuda:1\n"
+    "                          (default: cpu); GPUs are numbered in PCI bus order\n"
+    "  --gpus LIST             same as --devices cuda:LIST, e.g. --gpus 0,1\n"
     "  --inproc                run every layer in this process (no workers)\n"
     "  --layers auto|LIST      layer ranges per worker, e.g. 0-19,20-39 (default auto)\n"
     "  --resident SPEC         experts each worker holds: all, none, fit or P%% (default:\n"
@@ -195,6 +197,7 @@ static int cli_parse_ids(struct cli *c, const char *s, int32_t **ids, uint32_t *
 struct run_opts {
     struct generate_config g;
     struct cluster_config cl;
+    char names[CLUSTER_MAX_WORKERS][16]; /* backend names of --devices */
     bool inproc;
     const char *prompt_file;
     char *prompt_buf;       /* owned: file contents */
@@ -226,8 +229,51 @@ static int cli_size(const char *s, uint64_t *out)
     return 0;
 }
 
+/* "cpu", "cuda", "cuda:N" (N < 64) name a device; "cuda" only in CUDA builds. */
+static bool main_device_ok(const char *t)
+{
+    if (!strcmp(t, "cpu"))
+        return true;
+#ifdef LAMINA_CUDA
+    if (!strcmp(t, "cuda"))
+        return true;
+    char *end;
+    if (!strncmp(t, "cuda:", 5)) {
+        long v = strtol(t + 5, &end, 10);
+        return end != t + 5 && !*end && v >= 0 && v < 64;
+    }
+#endif
+    return false;
+}
+
+static const char *main_device_name(const char *t, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%s", strcmp(t, "cuda") ? t : "cuda:0");
+    return buf;
+}
+
 static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, bool *hit)
 {
+    if (!strcmp(a, "--gpus")) { /* --gpus 0,1 is --devices cuda:0,cuda:1 */
+        const char *v;
+        if (cli_value(c, &v))
+            return -EINVAL;
+        int n = 0;
+        for (const char *p = v; *p && n < CLUSTER_MAX_WORKERS; n++) {
+            char *end;
+            long g = strtol(p, &end, 10);
+            if (end == p || g < 0 || g > 63 || (*end && *end != ','))
+                return cli_fail(c, "bad --gpus list '%s' (e.g. 0,1)", v);
+            snprintf(o->names[n], sizeof(o->names[n]), "cuda:%ld", g);
+            if (!main_device_ok(o->names[n]))
+                return cli_fail(c, "--gpus: CUDA is not available in this build (%s)", v);
+            o->cl.backends[n] = o->names[n];
+            p = *end ? end + 1 : end;
+        }
+        o->cl.n_workers = n;
+        *hit = true;
+        return n ? 0 : cli_fail(c, "empty --gpus list%s", "");
+    }
     struct cluster_config *cl = &o->cl;
     const char *v;
     *hit = true;
@@ -248,12 +294,13 @@ static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, b
                 free(copy);
                 return cli_fail(c, "bad size '%s' (use e.g. 6G or 512M)", t);
             }
-            if (!mem && strcmp(t, "cpu")) {
+            if (!mem && !main_device_ok(t)) {
                 free(copy);
-                return cli_fail(c, "device '%s' is not available in this build (use cpu)", t);
+                return cli_fail(c, "device '%s' is not available in this build (use cpu, or "
+                                   "cuda:N where built with CUDA)", t);
             }
             if (!mem)
-                cl->backends[n] = "cpu";
+                cl->backends[n] = main_device_name(t, o->names[n], sizeof(o->names[n]));
             n++;
         }
         free(copy);

@@ -71,6 +71,7 @@ struct worker {
     uint64_t seq_no;
     uint64_t step;                 /* step being run */
     uint32_t pos;                  /* next position of the sequence */
+    char device[32];               /* backend name for timing lines ("cpu", "cuda:0") */
     uint32_t pending_layer, pending_rows;
     double last_coord;             /* time of the last message from the coordinator */
     volatile uint64_t progress;    /* layers run (watchdog) */
@@ -301,7 +302,14 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
         bc.fail += strlen(want); /* "INDEX:kind:N" targets one worker */
     else if (bc.fail && strchr(bc.fail, ':') != strrchr(bc.fail, ':'))
         bc.fail = NULL;
-    w->be = backend_create(p->backend, &bc);
+    snprintf(w->device, sizeof(w->device), "%s", p->backend);
+    const char *kind = p->backend;
+    if (!strncmp(kind, "cuda:", 5)) { /* the card, in PCI bus order as nvidia-smi numbers it */
+        setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 1);
+        setenv("LAMINA_CUDA_DEVICE", kind + 5, 1);
+        kind = "cuda";
+    }
+    w->be = backend_create(kind, &bc);
     if (!w->be)
         return -ENOMEM;
     w->h = malloc((size_t)p->max_batch * w->m->hp.n_embd * sizeof(float));
@@ -343,7 +351,7 @@ static int worker_start(struct worker *w)
 {
     struct wire_msg m = {.type = WIRE_TYPE_HELLO};
     m.hello = (struct wire_hello){.worker_index = (uint32_t)w->args.index,
-                                  .pid = (uint32_t)getpid(), .device = "cpu",
+                                  .pid = (uint32_t)getpid(), .device = "host",
                                   .has_curve_key = w->curve};
     if (w->curve) /* the key of the data socket this worker may listen on */
         memcpy(m.hello.curve_public_key, w->keys.public_key, WIRE_KEY_BYTES);
@@ -386,13 +394,13 @@ static void worker_send_timing(struct worker *w, const struct wire_step *st, dou
     const struct forward_stats *p = &w->prev;
     char json[1024];
     snprintf(json, sizeof(json),
-             "{\"worker\":%d,\"device\":\"cpu\",\"step\":%llu,\"seq\":%llu,\"tokens\":%u,"
+             "{\"worker\":%d,\"device\":\"%s\",\"step\":%llu,\"seq\":%llu,\"tokens\":%u,"
              "\"layers\":[%u,%u],\"ms\":{\"attn\":%.3f,\"deltanet\":%.3f,\"router\":%.3f,"
              "\"experts_gpu\":%.3f,\"experts_page_in\":0,\"experts_cpu_wait\":%.3f,"
              "\"shared_expert\":%.3f,\"send\":%.3f,\"recv_wait\":%.3f,\"total\":%.3f},"
              "\"experts\":{\"hit\":%llu,\"paged\":0,\"in_place\":0,\"cpu\":%llu},"
              "\"bytes\":{\"h2d\":0,\"nccl\":0}}",
-             w->args.index, (unsigned long long)st->step, (unsigned long long)st->seq_id,
+             w->args.index, w->device, (unsigned long long)st->step, (unsigned long long)st->seq_id,
              st->n_tokens, w->l0, w->l1, 1e3 * (s->attn - p->attn),
              1e3 * (s->deltanet - p->deltanet), 1e3 * (s->router - p->router),
              1e3 * (s->experts - p->experts), 1e3 * (s->remote_wait - p->remote_wait),
