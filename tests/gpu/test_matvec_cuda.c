@@ -1,0 +1,576 @@
+/*
+ * test_matvec_cuda: the CUDA matvec kernels (kernels/cuda/matvec.h) against
+ * their CPU twin (kernels/cpu/matvec.h) on fresh random data.
+ *
+ * For every supported type, weights are random f32 rows quantized with
+ * quant_quantize_row, uploaded as stored (aligned rows, rows at a 2-byte
+ * offset with padded strides, short rows, long rows, and one case in mapped
+ * pinned host memory). Every output buffer is poisoned with NaN bits first;
+ * each result must be within 1e-5 of sum |w_i x_i| of the CPU result and
+ * every element the kernel must not write (stride padding, rows of pairs
+ * whose expert is NULL) must still hold the poison. Checked: cuda_matvec,
+ * cuda_matmul for S = 1, 3, 17, 64 (aligned and unaligned activation rows),
+ * cuda_matvec_experts with 8 experts (two NULL, one misaligned, one in
+ * mapped host memory), top_k 2, x_div 2 and 1. Then the decode kernel is
+ * timed on Q4_0 and Q8_0 matrices of 2048x8192, 8192x2048 and 151936x2048
+ * (rotating over copies that together exceed the L2 cache; median of 20,
+ * GB/s of weight bytes), and a 64-row matmul against 64 matvecs.
+ */
+#include "kernels/cuda/matvec.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "kernels/cpu/matvec.h"
+#include "model/quant.h"
+#include "tests/check.h"
+
+#define TOL 1e-5           /* allowed error relative to sum |w_i x_i| */
+#define POISON 0xFFFFFFFFu /* NaN bits written over outputs before each run */
+
+/* A failed CUDA call ends the test: nothing after it can be trusted. */
+#define CU(expr)                                                                                   \
+    do {                                                                                           \
+        cudaError_t cu_err_ = (expr);                                                              \
+        if (cu_err_ != cudaSuccess) {                                                              \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,                   \
+                    cudaGetErrorString(cu_err_));                                                  \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+struct rng {
+    uint64_t s;
+};
+
+static uint64_t rng_next(struct rng *r)
+{
+    r->s ^= r->s << 13;
+    r->s ^= r->s >> 7;
+    r->s ^= r->s << 17;
+    return r->s;
+}
+
+/* Uniform in [-1, 1). */
+static float rng_float(struct rng *r)
+{
+    return (float)((double)(rng_next(r) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+static const uint32_t types[] = {QUANT_TYPE_F32,  QUANT_TYPE_F16,  QUANT_TYPE_BF16,
+                                 QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_0, QUANT_TYPE_Q4_K,
+                                 QUANT_TYPE_Q5_K, QUANT_TYPE_Q6_K};
+#define N_TYPES (sizeof(types) / sizeof(types[0]))
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+/* A weight matrix in host memory as stored: row r at w + r * row_bytes. */
+struct mat {
+    uint32_t type;
+    uint64_t rows, n;
+    size_t row_bytes, bytes; /* bytes: (rows - 1) * row_bytes + row size */
+    uint8_t *w;
+};
+
+/* Random rows (varied sub-block magnitudes and offsets, so K-quant scales
+ * and mins differ) quantized as stored, with pad bytes of garbage. */
+static struct mat mat_make(uint32_t type, uint64_t rows, uint64_t n, size_t pad, struct rng *r)
+{
+    struct mat m = {type, rows, n, quant_row_size(type, n) + pad, 0, NULL};
+    m.bytes = rows ? (rows - 1) * m.row_bytes + quant_row_size(type, n) : 0;
+    m.w = xmalloc(m.bytes);
+    memset(m.w, 0xA5, m.bytes);
+    float *f = xmalloc(n * sizeof(float));
+    for (uint64_t i = 0; i < rows; i++) {
+        float shift = 0.3f * rng_float(r);
+        for (uint64_t k = 0; k < n; k++)
+            f[k] = rng_float(r) * (1.0f + 3.0f * (float)((k / 32) % 3 == 0)) + shift;
+        int rc = quant_quantize_row(type, f, m.w + i * m.row_bytes, n);
+        CHECK(rc == 0, "quantize %s rc %d", quant_type_name(type), rc);
+    }
+    free(f);
+    return m;
+}
+
+/* Device copy of m at byte offset off of a fresh allocation (*base). */
+static const void *mat_upload(const struct mat *m, size_t off, void **base)
+{
+    CU(cudaMalloc(base, m->bytes + off + 16));
+    CU(cudaMemcpy((char *)*base + off, m->w, m->bytes, cudaMemcpyHostToDevice));
+    return (const char *)*base + off;
+}
+
+static float *rand_floats(size_t count, struct rng *r)
+{
+    float *x = xmalloc(count * sizeof(float));
+    for (size_t i = 0; i < count; i++)
+        x[i] = rng_float(r);
+    return x;
+}
+
+static float *dev_floats(const float *h, size_t count)
+{
+    float *d;
+    CU(cudaMalloc((void **)&d, count * sizeof(float) + 16));
+    CU(cudaMemcpy(d, h, count * sizeof(float), cudaMemcpyHostToDevice));
+    return d;
+}
+
+/* sum |w_i x_i| of row r of m. */
+static double abs_dot(const struct mat *m, uint64_t r, const float *x)
+{
+    float *w = xmalloc(m->n * sizeof(float));
+    int rc = quant_dequantize_row(m->type, m->w + r * m->row_bytes, w, m->n);
+    CHECK(rc == 0, "dequantize rc %d", rc);
+    double s = 0.0;
+    for (uint64_t i = 0; i < m->n; i++)
+        s += fabs((double)w[i] * (double)x[i]);
+    free(w);
+    return s;
+}
+
+static bool is_poison(float v)
+{
+    uint32_t b;
+    memcpy(&b, &v, sizeof(b));
+    return b == POISON;
+}
+
+/* Compares got[r] with ref[r] for r < m->rows (activation x); returns the
+ * largest error relative to sum |w x|. */
+static double compare_rows(const char *what, const struct mat *m, const float *x, const float *got,
+                           const float *ref)
+{
+    double worst = 0.0;
+    int bad = 0;
+    for (uint64_t r = 0; r < m->rows; r++) {
+        double scale = abs_dot(m, r, x) + 1e-30;
+        double err = fabs((double)got[r] - (double)ref[r]) / scale;
+        if (!(err <= TOL) && bad++ < 3)
+            CHECK(err <= TOL, "%s %s %llux%llu row %llu: gpu %.9g cpu %.9g (rel %.3g)", what,
+                  quant_type_name(m->type), (unsigned long long)m->rows,
+                  (unsigned long long)m->n, (unsigned long long)r, got[r], ref[r], err);
+        if (err > worst || err != err)
+            worst = err != err ? INFINITY : err;
+    }
+    return worst;
+}
+
+/* ---- cuda_matvec ----------------------------------------------------------- */
+
+/* One matvec of m placed at byte offset off of its allocation (or in mapped
+ * pinned host memory); returns the worst relative error. */
+static double run_matvec(const struct mat *m, size_t off, bool mapped, struct rng *r)
+{
+    float *x = rand_floats(m->n, r), *ref = xmalloc(m->rows * sizeof(float));
+    float *got = xmalloc((m->rows + 8) * sizeof(float));
+    matvec_rows(m->type, m->w, m->row_bytes, x, m->n, ref, 0, m->rows);
+    void *base = NULL, *h_base = NULL;
+    const void *d_w;
+    if (mapped) {
+        CU(cudaHostAlloc(&h_base, m->bytes + off, cudaHostAllocMapped));
+        memcpy((char *)h_base + off, m->w, m->bytes);
+        void *dp;
+        CU(cudaHostGetDevicePointer(&dp, h_base, 0));
+        d_w = (const char *)dp + off;
+    } else {
+        d_w = mat_upload(m, off, &base);
+    }
+    float *d_x = dev_floats(x, m->n), *d_y;
+    CU(cudaMalloc((void **)&d_y, (m->rows + 8) * sizeof(float)));
+    CU(cudaMemset(d_y, 0xFF, (m->rows + 8) * sizeof(float)));
+    int rc = cuda_matvec(m->type, d_w, m->row_bytes, m->rows, m->n, d_x, d_y, 0);
+    CHECK(rc == 0, "cuda_matvec rc %d", rc);
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(got, d_y, (m->rows + 8) * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst = compare_rows(mapped ? "matvec (mapped host)" : "matvec", m, x, got, ref);
+    for (int i = 0; i < 8; i++)
+        CHECK(is_poison(got[m->rows + i]), "matvec wrote past row %llu",
+              (unsigned long long)m->rows);
+    if (mapped)
+        CU(cudaFreeHost(h_base));
+    else
+        CU(cudaFree(base));
+    CU(cudaFree(d_x));
+    CU(cudaFree(d_y));
+    free(x);
+    free(ref);
+    free(got);
+    return worst;
+}
+
+/* Row lengths per type for the shapes: [0] ordinary, [1] short, [2] long,
+ * [3] one step. Plain types get lengths that end inside a lane's 8. */
+static uint64_t shape_n(uint32_t type, int which)
+{
+    static const uint64_t k_n[] = {2304, 256, 8192, 512};
+    static const uint64_t b32_n[] = {2304, 96, 8192, 512};
+    static const uint64_t plain_n[] = {1000, 37, 8192, 515};
+    uint32_t be = quant_block_elems(type);
+    return be == 256 ? k_n[which] : be == 32 ? b32_n[which] : plain_n[which];
+}
+
+static void test_matvec(struct rng *r)
+{
+    static const uint64_t rows[] = {67, 13, 5, 300};
+    static const size_t pads[] = {0, 6, 0, 2};
+    static const size_t offs[] = {0, 2, 16, 6};
+    for (size_t t = 0; t < N_TYPES; t++) {
+        double worst = 0.0;
+        for (int s = 0; s < 4; s++) {
+            struct mat m = mat_make(types[t], rows[s], shape_n(types[t], s), pads[s], r);
+            double e = run_matvec(&m, offs[s], false, r);
+            worst = e > worst ? e : worst;
+            free(m.w);
+        }
+        MEASURE("matvec %-4s max rel error %.3g (4 shapes)", quant_type_name(types[t]), worst);
+    }
+    struct mat m = mat_make(QUANT_TYPE_Q4_K, 70, 2048, 0, r);
+    double e = run_matvec(&m, 0, true, r);
+    free(m.w);
+    struct mat m2 = mat_make(QUANT_TYPE_Q4_0, 33, 96 * 3, 2, r);
+    double e2 = run_matvec(&m2, 2, true, r);
+    free(m2.w);
+    MEASURE("matvec from mapped pinned host memory: Q4_K rel error %.3g, Q4_0 (2-byte offset) "
+            "%.3g",
+            e, e2);
+}
+
+/* ---- cuda_matmul ------------------------------------------------------------- */
+
+static double run_matmul(const struct mat *m, uint32_t S, size_t ldx, struct rng *r)
+{
+    const size_t ldy = m->rows + 5, ny = (S - 1) * ldy + m->rows + 8;
+    float *X = rand_floats((S - 1) * ldx + m->n, r);
+    float *ref = xmalloc(ny * sizeof(float)), *got = xmalloc(ny * sizeof(float));
+    matvec_rows_batch(m->type, m->w, m->row_bytes, X, ldx, S, m->n, ref, ldy, 0, m->rows);
+    void *base;
+    const void *d_w = mat_upload(m, 0, &base);
+    float *d_X = dev_floats(X, (S - 1) * ldx + m->n), *d_Y;
+    CU(cudaMalloc((void **)&d_Y, ny * sizeof(float)));
+    CU(cudaMemset(d_Y, 0xFF, ny * sizeof(float)));
+    int rc = cuda_matmul(m->type, d_w, m->row_bytes, m->rows, m->n, d_X, ldx, S, d_Y, ldy, 0);
+    CHECK(rc == 0, "cuda_matmul rc %d", rc);
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(got, d_Y, ny * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst = 0.0;
+    for (uint32_t s = 0; s < S; s++) {
+        char what[64];
+        snprintf(what, sizeof(what), "matmul S=%u s=%u", S, s);
+        double e = compare_rows(what, m, X + s * ldx, got + s * ldy, ref + s * ldy);
+        worst = e > worst ? e : worst;
+        for (size_t i = m->rows; i < (s + 1 < S ? ldy : m->rows + 8); i++)
+            CHECK(is_poison(got[s * ldy + i]), "matmul S=%u wrote padding %zu of row %u", S, i, s);
+    }
+    CU(cudaFree(base));
+    CU(cudaFree(d_X));
+    CU(cudaFree(d_Y));
+    free(X);
+    free(ref);
+    free(got);
+    return worst;
+}
+
+static void test_matmul(struct rng *r)
+{
+    static const uint32_t Ss[] = {1, 3, 17, 64};
+    for (size_t t = 0; t < N_TYPES; t++) {
+        double worst = 0.0;
+        for (int which = 0; which < 2; which++) {
+            struct mat m = mat_make(types[t], which ? 13 : 67, shape_n(types[t], which), 0, r);
+            for (size_t i = 0; i < sizeof(Ss) / sizeof(Ss[0]); i++) {
+                /* odd strides make activation rows unaligned for 16-byte loads */
+                size_t ldx = m.n + (i % 2 ? 3 : 4);
+                double e = run_matmul(&m, Ss[i], ldx, r);
+                worst = e > worst ? e : worst;
+            }
+            free(m.w);
+        }
+        MEASURE("matmul %-4s S=1,3,17,64 max rel error %.3g", quant_type_name(types[t]), worst);
+    }
+}
+
+/* ---- cuda_matvec_experts ----------------------------------------------------------- */
+
+#define N_EXPERTS 8
+#define TOP_K 2
+#define N_TOK 5
+
+/* Experts 2 and 5 are NULL (they run elsewhere), expert 3 sits at a 2-byte
+ * offset, expert 6 in mapped pinned host memory. */
+static double run_experts(uint32_t type, uint32_t x_div, struct rng *r)
+{
+    const uint64_t rows = 40, n = shape_n(type, 3);
+    const uint32_t n_pairs = N_TOK * TOP_K, n_xrows = n_pairs / x_div;
+    const size_t ldx = n + 4, ldy = rows + 3, ny = (size_t)n_pairs * ldy;
+    struct mat m[N_EXPERTS];
+    void *bases[N_EXPERTS] = {0}, *h_base = NULL;
+    const void *addr[N_EXPERTS];
+    for (int e = 0; e < N_EXPERTS; e++) {
+        m[e] = mat_make(type, rows, n, 0, r);
+        if (e == 2 || e == 5) {
+            addr[e] = NULL;
+        } else if (e == 6) {
+            void *dp;
+            CU(cudaHostAlloc(&h_base, m[e].bytes, cudaHostAllocMapped));
+            memcpy(h_base, m[e].w, m[e].bytes);
+            CU(cudaHostGetDevicePointer(&dp, h_base, 0));
+            addr[e] = dp;
+        } else {
+            addr[e] = mat_upload(&m[e], e == 3 ? 2 : 0, &bases[e]);
+        }
+    }
+    int32_t ids[N_TOK * TOP_K];
+    for (uint32_t p = 0; p < n_pairs; p++)
+        ids[p] = (int32_t)(rng_next(r) % N_EXPERTS);
+    ids[1] = 2, ids[4] = 5, ids[6] = 3, ids[7] = 6, ids[8] = 0;
+    float *X = rand_floats((n_xrows - 1) * ldx + n, r), *got = xmalloc(ny * sizeof(float));
+    float *d_X = dev_floats(X, (n_xrows - 1) * ldx + n), *d_Y;
+    const void **d_addr;
+    int32_t *d_ids;
+    CU(cudaMalloc((void **)&d_addr, sizeof(addr)));
+    CU(cudaMemcpy(d_addr, addr, sizeof(addr), cudaMemcpyHostToDevice));
+    CU(cudaMalloc((void **)&d_ids, sizeof(ids)));
+    CU(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+    CU(cudaMalloc((void **)&d_Y, ny * sizeof(float)));
+    CU(cudaMemset(d_Y, 0xFF, ny * sizeof(float)));
+    int rc = cuda_matvec_experts(type, (const void *const *)d_addr, m[0].row_bytes, rows, n, d_ids,
+                                 n_pairs, d_X, ldx, x_div, d_Y, ldy, 0);
+    CHECK(rc == 0, "cuda_matvec_experts rc %d", rc);
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(got, d_Y, ny * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst = 0.0;
+    float *ref = xmalloc(rows * sizeof(float));
+    for (uint32_t p = 0; p < n_pairs; p++) {
+        const int e = ids[p];
+        const float *x = X + (p / x_div) * ldx;
+        if (addr[e]) {
+            matvec_rows(type, m[e].w, m[e].row_bytes, x, n, ref, 0, rows);
+            double err = compare_rows("experts", &m[e], x, got + p * ldy, ref);
+            worst = err > worst ? err : worst;
+        }
+        for (size_t i = addr[e] ? rows : 0; i < ldy; i++)
+            CHECK(is_poison(got[p * ldy + i]), "experts x_div %u: pair %u (expert %d) element %zu "
+                  "was written", x_div, p, e, i);
+    }
+    for (int e = 0; e < N_EXPERTS; e++) {
+        if (bases[e])
+            CU(cudaFree(bases[e]));
+        free(m[e].w);
+    }
+    CU(cudaFreeHost(h_base));
+    CU(cudaFree(d_addr));
+    CU(cudaFree(d_ids));
+    CU(cudaFree(d_X));
+    CU(cudaFree(d_Y));
+    free(X);
+    free(got);
+    free(ref);
+    return worst;
+}
+
+static void test_experts(struct rng *r)
+{
+    for (size_t t = 0; t < N_TYPES; t++) {
+        double e2 = run_experts(types[t], TOP_K, r), e1 = run_experts(types[t], 1, r);
+        MEASURE("experts %-4s max rel error %.3g (x_div %d), %.3g (x_div 1)",
+                quant_type_name(types[t]), e2, TOP_K, e1);
+    }
+}
+
+/* ---- bad arguments ------------------------------------------------------------- */
+
+static void test_rejects(void)
+{
+    float *d;
+    CU(cudaMalloc((void **)&d, 4096));
+    log_set_level(LOG_LEVEL_ERROR);
+    CHECK(cuda_matvec(QUANT_TYPE_Q4_1, d, 20, 1, 32, d, d, 0) == -EINVAL, "Q4_1 accepted");
+    CHECK(cuda_matvec(QUANT_TYPE_Q4_0, d, 18, 1, 33, d, d, 0) == -EINVAL, "n=33 accepted");
+    CHECK(cuda_matvec(QUANT_TYPE_Q4_0, d, 17, 1, 32, d, d, 0) == -EINVAL, "short rows accepted");
+    CHECK(cuda_matvec(QUANT_TYPE_Q4_0, (char *)d + 1, 18, 1, 32, d, d, 0) == -EINVAL,
+          "odd address accepted");
+    CHECK(cuda_matmul(QUANT_TYPE_F32, d, 128, 4, 32, d, 31, 2, d, 4, 0) == -EINVAL,
+          "ldx < n accepted");
+    CHECK(cuda_matvec_experts(QUANT_TYPE_Q8_0, (const void *const *)d, 34, 2, 32, (int32_t *)d,
+                              1, d, 32, 0, d, 2, 0) == -EINVAL,
+          "x_div 0 accepted");
+    CHECK(cuda_matvec_supports(QUANT_TYPE_Q6_K) && !cuda_matvec_supports(QUANT_TYPE_Q2_K),
+          "supports");
+    log_set_level(LOG_LEVEL_INFO);
+    CU(cudaFree(d));
+}
+
+/* ---- timing ---------------------------------------------------------------------- */
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* Random blocks with sane fp16 scales: speed does not depend on values. */
+static void fill_random_blocks(uint32_t type, uint8_t *w, size_t bytes, struct rng *r)
+{
+    for (size_t i = 0; i + 8 <= bytes; i += 8) {
+        uint64_t v = rng_next(r);
+        memcpy(w + i, &v, 8);
+    }
+    size_t bb = quant_block_bytes(type);
+    for (size_t b = 0; b + bb <= bytes; b += bb) {
+        uint16_t d = quant_f32_to_f16(0.001f + 0.01f * fabsf(rng_float(r)));
+        memcpy(w + b, &d, 2);
+    }
+}
+
+/* Median seconds per launch of cuda_matvec over `copies` rotating copies. */
+static double time_matvec(uint32_t type, const uint8_t *d_w, size_t stride, int copies,
+                          uint64_t rows, uint64_t n, const float *d_x, float *d_y)
+{
+    size_t rb = quant_row_size(type, n);
+    cudaEvent_t e0, e1;
+    CU(cudaEventCreate(&e0));
+    CU(cudaEventCreate(&e1));
+    const int reps = copies < 8 ? (8 + copies - 1) / copies * copies : copies;
+    for (int i = 0; i < 3 * copies; i++)
+        cuda_matvec(type, d_w + (size_t)(i % copies) * stride, rb, rows, n, d_x, d_y, 0);
+    float ms[20];
+    for (int k = 0; k < 20; k++) {
+        CU(cudaEventRecord(e0, 0));
+        for (int i = 0; i < reps; i++)
+            cuda_matvec(type, d_w + (size_t)(i % copies) * stride, rb, rows, n, d_x, d_y, 0);
+        CU(cudaEventRecord(e1, 0));
+        CU(cudaEventSynchronize(e1));
+        CU(cudaEventElapsedTime(&ms[k], e0, e1));
+        ms[k] /= (float)reps;
+    }
+    CU(cudaGetLastError());
+    qsort(ms, 20, sizeof(float), cmp_float);
+    CU(cudaEventDestroy(e0));
+    CU(cudaEventDestroy(e1));
+    return (ms[9] + ms[10]) * 0.5e-3;
+}
+
+static void bench_one(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
+{
+    const size_t rb = quant_row_size(type, n), bytes = rows * rb;
+    const size_t stride = (bytes + 255) / 256 * 256;
+    const int copies = (int)((256u << 20) / bytes + 1);
+    uint8_t *h = xmalloc(bytes), *d_w;
+    fill_random_blocks(type, h, bytes, r);
+    CU(cudaMalloc((void **)&d_w, stride * copies));
+    CU(cudaMemcpy(d_w, h, bytes, cudaMemcpyHostToDevice));
+    for (int c = 1; c < copies; c++)
+        CU(cudaMemcpy(d_w + c * stride, d_w, bytes, cudaMemcpyDeviceToDevice));
+    float *x = rand_floats(n, r), *d_x = dev_floats(x, n), *d_y;
+    float *got = xmalloc(rows * sizeof(float));
+    CU(cudaMalloc((void **)&d_y, rows * sizeof(float)));
+    CU(cudaMemset(d_y, 0xFF, rows * sizeof(float)));
+    /* correctness on sampled rows of the big shape (the last copy) */
+    int rc = cuda_matvec(type, d_w + (copies - 1) * stride, rb, rows, n, d_x, d_y, 0);
+    CHECK(rc == 0, "bench matvec rc %d", rc);
+    CU(cudaMemcpy(got, d_y, rows * sizeof(float), cudaMemcpyDeviceToHost));
+    struct mat m = {type, rows, n, rb, bytes, h};
+    for (int k = 0; k < 66; k++) {
+        uint64_t row = k == 0 ? 0 : k == 1 ? rows - 1 : rng_next(r) % rows;
+        float ref;
+        matvec_rows(type, h + row * rb, rb, x, n, &ref, 0, 1);
+        double err = fabs((double)got[row] - ref) / (abs_dot(&m, row, x) + 1e-30);
+        CHECK(err <= TOL, "bench %s %llux%llu row %llu: gpu %.9g cpu %.9g", quant_type_name(type),
+              (unsigned long long)rows, (unsigned long long)n, (unsigned long long)row, got[row],
+              ref);
+    }
+    double sec = time_matvec(type, d_w, stride, copies, rows, n, d_x, d_y);
+    MEASURE("decode %-4s %6llu x %-5llu: %7.2f us, %6.0f GB/s (%.0f%% of 4.8 TB/s), %d copies",
+            quant_type_name(type), (unsigned long long)rows, (unsigned long long)n, sec * 1e6,
+            bytes / sec * 1e-9, bytes / sec / 4.8e12 * 100.0, copies);
+    CU(cudaFree(d_w));
+    CU(cudaFree(d_x));
+    CU(cudaFree(d_y));
+    free(h);
+    free(x);
+    free(got);
+}
+
+/* A 64-row matmul against 64 single matvecs on 2048 x 8192 Q4_0. */
+static void bench_matmul(struct rng *r)
+{
+    const uint32_t type = QUANT_TYPE_Q4_0, S = 64;
+    const uint64_t rows = 2048, n = 8192;
+    const size_t rb = quant_row_size(type, n), bytes = rows * rb;
+    uint8_t *h = xmalloc(bytes), *d_w;
+    fill_random_blocks(type, h, bytes, r);
+    CU(cudaMalloc((void **)&d_w, bytes));
+    CU(cudaMemcpy(d_w, h, bytes, cudaMemcpyHostToDevice));
+    float *X = rand_floats(S * n, r), *d_X = dev_floats(X, S * n), *d_Y;
+    CU(cudaMalloc((void **)&d_Y, S * rows * sizeof(float)));
+    cudaEvent_t e0, e1;
+    CU(cudaEventCreate(&e0));
+    CU(cudaEventCreate(&e1));
+    float t_mm[9], t_mv[9];
+    for (int k = 0; k < 9; k++) {
+        CU(cudaEventRecord(e0, 0));
+        cuda_matmul(type, d_w, rb, rows, n, d_X, n, S, d_Y, rows, 0);
+        CU(cudaEventRecord(e1, 0));
+        CU(cudaEventSynchronize(e1));
+        CU(cudaEventElapsedTime(&t_mm[k], e0, e1));
+        CU(cudaEventRecord(e0, 0));
+        for (uint32_t s = 0; s < S; s++)
+            cuda_matvec(type, d_w, rb, rows, n, d_X + s * n, d_Y + s * rows, 0);
+        CU(cudaEventRecord(e1, 0));
+        CU(cudaEventSynchronize(e1));
+        CU(cudaEventElapsedTime(&t_mv[k], e0, e1));
+    }
+    CU(cudaGetLastError());
+    qsort(t_mm, 9, sizeof(float), cmp_float);
+    qsort(t_mv, 9, sizeof(float), cmp_float);
+    MEASURE("prefill Q4_0 2048 x 8192, S=64: matmul %.1f us, 64 matvecs %.1f us (%.2fx), "
+            "%.2f TFLOP/s",
+            t_mm[4] * 1e3, t_mv[4] * 1e3, t_mv[4] / t_mm[4],
+            2.0 * S * rows * n / (t_mm[4] * 1e-3) * 1e-12);
+    CU(cudaEventDestroy(e0));
+    CU(cudaEventDestroy(e1));
+    CU(cudaFree(d_w));
+    CU(cudaFree(d_X));
+    CU(cudaFree(d_Y));
+    free(h);
+    free(X);
+}
+
+int main(void)
+{
+    log_init("test", -1);
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+        fprintf(stderr, "test_matvec_cuda: no CUDA device (%s); this test needs a GPU\n",
+                err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
+        return 1;
+    }
+    struct cudaDeviceProp prop;
+    CU(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    struct rng r = {0x9E3779B97F4A7C15ull};
+    test_rejects();
+    test_matvec(&r);
+    test_matmul(&r);
+    test_experts(&r);
+    static const uint64_t shapes[][2] = {{2048, 8192}, {8192, 2048}, {151936, 2048}};
+    for (int t = 0; t < 2; t++)
+        for (int s = 0; s < 3; s++)
+            bench_one(t ? QUANT_TYPE_Q8_0 : QUANT_TYPE_Q4_0, shapes[s][0], shapes[s][1], &r);
+    bench_matmul(&r);
+    return test_main_result("test_matvec_cuda");
+}
