@@ -564,14 +564,16 @@ static int cl_check_alive(struct cluster *c)
             continue;
         if (now - w->last_heartbeat > CLUSTER_DEAD_S) {
             c->w[i].failed = true;
-            log_error("worker %d (pid %d) stopped answering: no heartbeat for %.1f s in step %llu",
-                      i, (int)w->pid, now - w->last_heartbeat, (unsigned long long)c->step);
+            log_error("worker %d (%s %d) stopped answering: no heartbeat for %.1f s in step %llu",
+                      i, w->pid ? "pid" : "started by hand, index", w->pid ? (int)w->pid : i,
+                      now - w->last_heartbeat, (unsigned long long)c->step);
             return -ETIMEDOUT;
         }
         if (now - w->progress_time > c->cfg.hang_timeout_s) {
             c->w[i].failed = true;
-            log_error("worker %d (pid %d) is stuck: no layer finished for %.1f s in step %llu",
-                      i, (int)w->pid, now - w->progress_time, (unsigned long long)c->step);
+            log_error("worker %d (%s %d) is stuck: no layer finished for %.1f s in step %llu",
+                      i, w->pid ? "pid" : "started by hand, index", w->pid ? (int)w->pid : i,
+                      now - w->progress_time, (unsigned long long)c->step);
             return -ETIMEDOUT;
         }
     }

@@ -426,7 +426,9 @@ static int worker_check_step(struct worker *w, const struct wire_msg *m)
     return 0;
 }
 
-static int worker_finish_step(struct worker *w, const struct wire_step *st)
+/* Hands the hidden states on, or (last worker) computes the logits and
+ * fills *res for the caller to send after its timing line. */
+static int worker_finish_step(struct worker *w, const struct wire_step *st, struct wire_msg *res)
 {
     const size_t n = w->m->hp.n_embd;
     if (!w->is_last) {
@@ -441,12 +443,12 @@ static int worker_finish_step(struct worker *w, const struct wire_step *st)
     int rc = backend_logits(w->be, hr, rows, w->logits);
     if (rc)
         return rc;
-    struct wire_msg o = {.type = WIRE_TYPE_RESULT};
-    o.result = (struct wire_result){.seq_id = st->seq_id, .step = st->step, .n_rows = rows,
-                                    .n_vocab = w->m->hp.n_vocab, .token = -1};
-    o.tensor = w->logits;
-    o.tensor_bytes = (size_t)rows * w->m->hp.n_vocab * sizeof(float);
-    return worker_send(w, w->coord, &o);
+    *res = (struct wire_msg){.type = WIRE_TYPE_RESULT};
+    res->result = (struct wire_result){.seq_id = st->seq_id, .step = st->step, .n_rows = rows,
+                                       .n_vocab = w->m->hp.n_vocab, .token = -1};
+    res->tensor = w->logits;
+    res->tensor_bytes = (size_t)rows * w->m->hp.n_vocab * sizeof(float);
+    return 0;
 }
 
 static int worker_step(struct worker *w, const struct wire_msg *m, double recv_wait)
@@ -472,12 +474,14 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
         return rc;
     w->pos += st->n_tokens;
     double t1 = worker_now();
-    rc = worker_finish_step(w, st);
+    struct wire_msg res = {0};
+    rc = worker_finish_step(w, st, &res);
     if (rc)
         return rc;
     double t2 = worker_now();
+    /* the timing line goes first, so the coordinator has it when the result arrives */
     worker_send_timing(w, st, recv_wait, t2 - t1, t2 - t0 + recv_wait);
-    return 0;
+    return res.type == WIRE_TYPE_RESULT ? worker_send(w, w->coord, &res) : 0;
 }
 
 /* Handles one message; returns 1 to stop with success, 0 to go on, < 0 on error. */

@@ -1,0 +1,83 @@
+/*
+ * cuda ops: the small row operations of a decoder layer on the GPU, each the
+ * twin of a CPU function in kernels/cpu/ops.h, kernels/cpu/attention.h or the
+ * combine steps of worker/forward.c. f32 throughout (KV cache f16 or f32).
+ * Launchers validate (-EINVAL, logged), enqueue on `stream`, check the launch
+ * (-EIO, logged). Row-major buffers; "rows" of `n` floats `stride` apart.
+ */
+#ifndef KERNELS_CUDA_OPS_H
+#define KERNELS_CUDA_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y[r] = rmsnorm(x[r]) * w for rows r (ops_rmsnorm); w may be NULL; y may be x.
+ * Rows are x + r*x_stride, y + r*y_stride. */
+int cuda_rmsnorm(float *d_y, size_t y_stride, const float *d_x, size_t x_stride,
+                 const float *d_w, uint32_t n, uint32_t rows, float eps, cudaStream_t stream);
+
+/* Fused residual + norm: h[r] += delta[r]; y[r] = rmsnorm(h[r]) * w (rows of n,
+ * contiguous). delta may be NULL (norm only). */
+int cuda_add_rmsnorm(float *d_h, const float *d_delta, float *d_y, const float *d_w, uint32_t n,
+                     uint32_t rows, float eps, cudaStream_t stream);
+
+/* h[i] += d[i] for i < count. */
+int cuda_add(float *d_h, const float *d_d, size_t count, cudaStream_t stream);
+
+/* NEOX rope of the first n_rot dims of each head: token t (t < n_tok) has
+ * position pos0 + t; head j of token t starts at x + t*tok_stride +
+ * j*head_stride (ops_rope_neox). */
+int cuda_rope_neox(float *d_x, uint32_t n_tok, size_t tok_stride, uint32_t n_heads,
+                   size_t head_stride, uint32_t n_rot, uint32_t pos0, float base,
+                   cudaStream_t stream);
+
+/* Writes n_tok rows of K and V (kv_dim floats each, k/v rows tok_stride apart)
+ * into the cache at positions pos0.. (rows of kv_dim, f16 when f16). */
+int cuda_kv_store(void *d_kcache, void *d_vcache, bool f16, const float *d_k, const float *d_v,
+                  size_t tok_stride, uint32_t kv_dim, uint32_t n_tok, uint32_t pos0,
+                  cudaStream_t stream);
+
+/* Causal GQA attention (attention_head for every token and head): token t of
+ * n_tok (position pos0 + t) attends to cache positions 0..pos0+t. Query head h
+ * of token t at d_q + t*q_tok_stride + h*q_head_stride (hd floats); kv head
+ * h / (n_head / n_head_kv). Output head h of token t at
+ * d_out + t*n_head*hd + h*hd. When gated, out *= sigmoid(gate) with the gate of
+ * head h at the query pointer + hd (qwen3next layout). Long contexts are
+ * split across blocks (online softmax). */
+int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
+                   const void *d_kcache, const void *d_vcache, bool f16, uint32_t n_head,
+                   uint32_t n_head_kv, uint32_t hd, uint32_t n_tok, uint32_t pos0, float scale,
+                   bool gated, float *d_out, cudaStream_t stream);
+
+/* MoE router for S tokens: softmax over E logits, top-k (ties: lower id),
+ * weights renormalised by max(sum, 6.103515625e-5) (ops_router_topk). */
+int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, uint32_t S, int32_t *d_ids,
+                     float *d_w, cudaStream_t stream);
+
+/* act[r][j] = silu(gu[r][j]) * gu[r][F + j] for rows r < rows (gate | up rows of 2F). */
+int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float *d_act,
+                  cudaStream_t stream);
+
+/* MoE combine for S tokens of n: out[s] = sum_{i<k, ascending} w[s*k+i] * Y[(s*k+i)*n ...]
+ * (+ sigmoid(dot(shexp_gate, f[s])) * so[s] when d_so is not NULL; the gate is 1
+ * when d_shexp_gate is NULL). Then h[s] += out[s]. */
+int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k, const float *d_so,
+                     const float *d_shexp_gate, const float *d_f, uint32_t n, uint32_t S,
+                     cudaStream_t stream);
+
+/* Greedy sampling: d_out[s] = argmax of logits row s (ties: lowest id). */
+int cuda_argmax(const float *d_logits, uint32_t n_vocab, uint32_t S, int32_t *d_out,
+                cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
