@@ -20,6 +20,7 @@
 #include "coordinator/bench.h"
 #include "coordinator/generate.h"
 #include "coordinator/perplexity.h"
+#include "coordinator/planner.h"
 #include "model/gguf.h"
 #include "model/inspect.h"
 #include "model/synth.h"
@@ -37,6 +38,7 @@ static const char usage[] =
     "  gen-model  write a synthetic model of a real architecture and shape\n"
     "  bench      prompt and generation throughput (llama-bench's job)\n"
     "  perplexity measure perplexity on a text file (llama-perplexity's method)\n"
+    "  plan       print the placement plan for devices and budgets (reads no weights)\n"
     "\n"
     "lamina run -m FILE (-p TEXT | -f FILE | --prompt-ids 1,2,3) [options]\n"
     "  -n, --n-predict N       tokens to generate (default 128)\n"
@@ -79,6 +81,17 @@ static const char usage[] =
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
     "                 [--threads N] -o FILE\n"
+    "lamina plan -m FILE --device-mem SIZE[,..] [--devices LIST] [--heat FILE] [--place SPEC]\n"
+    "            [--layers auto|LIST] [-c N] [--kv-type f16|f32] [-b N] [--margin PCT]\n"
+    "            [--device-bw GB/s[,..]] [--path-bw GB/s[,..]] [--host-bw GB/s]\n"
+    "            [--dense-miss] [--explain] [--each-expert]\n"
+    "  --place auto|off|LIST   e.g. lmhead=0,dnproj=0:0-19+1:20-39,experts=all (pieces: lmhead,\n"
+    "                          attn, dnproj, proj, shexp, experts; targets: all, none, auto,\n"
+    "                          DEV or DEV:N-M joined by +; see coordinator/planner.h)\n"
+    "  --heat FILE             per-layer expert routing counts (JSON, like heat.json)\n"
+    "  --device-bw, --path-bw  each device's memory and host-path read bandwidth (default:\n"
+    "                          the host's, measured unless --host-bw is given)\n"
+    "  --explain               print the [place] line of every decision before the table\n"
     "\n"
     "environment: LAMINA_LOG=error|warn|info|debug (default info)\n";
 
@@ -683,6 +696,84 @@ static int cmd_bench(struct cli *c)
     return rc ? rc : bench_run(&bc);
 }
 
+/* lamina plan: the placement plan from the GGUF header and small vectors only. */
+static int cmd_plan(struct cli *c)
+{
+    struct planner_config pc = {.kv_f16 = true};
+    const char *model = NULL, *devices = "cpu", *mems = NULL, *bws = NULL, *paths = NULL;
+    const char *heat = NULL, *kv = "f16";
+    bool explain = false, each = false;
+    float f;
+    int rc = 0, x;
+    while (c->i < c->argc && !rc) {
+        const char *a = c->argv[c->i++];
+        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+            rc = cli_value(c, &model);
+        else if (!strcmp(a, "--devices"))
+            rc = cli_value(c, &devices);
+        else if (!strcmp(a, "--device-mem"))
+            rc = cli_value(c, &mems);
+        else if (!strcmp(a, "--device-bw"))
+            rc = cli_value(c, &bws);
+        else if (!strcmp(a, "--path-bw"))
+            rc = cli_value(c, &paths);
+        else if (!strcmp(a, "--host-bw"))
+            rc = cli_float(c, 0.001, 1e6, &f) ? -EINVAL : (pc.host_bw = f * 1e9, 0);
+        else if (!strcmp(a, "--heat"))
+            rc = cli_value(c, &heat);
+        else if (!strcmp(a, "--place"))
+            rc = cli_value(c, &pc.place);
+        else if (!strcmp(a, "--layers"))
+            rc = cli_value(c, &pc.layers);
+        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx"))
+            rc = cli_int(c, 1, 1 << 24, &x) ? -EINVAL : (pc.n_ctx = (uint32_t)x, 0);
+        else if (!strcmp(a, "-b") || !strcmp(a, "--batch"))
+            rc = cli_int(c, 1, 65536, &x) ? -EINVAL : (pc.max_batch = (uint32_t)x, 0);
+        else if (!strcmp(a, "--kv-type"))
+            rc = cli_value(c, &kv);
+        else if (!strcmp(a, "--margin"))
+            rc = cli_float(c, 0, 49, &f) ? -EINVAL
+                                         : (pc.margin_frac = f > 0 ? f / 100.0 : -1.0, 0);
+        else if (!strcmp(a, "--dense-miss"))
+            pc.dense_miss_ratio = true;
+        else if (!strcmp(a, "--explain"))
+            explain = true;
+        else if (!strcmp(a, "--each-expert"))
+            explain = each = true;
+        else
+            rc = cli_fail(c, "unknown option %s", a);
+    }
+    if (!rc && (!model || !mems))
+        rc = cli_fail(c, "%s", "give -m FILE and --device-mem SIZE[,SIZE...]");
+    if (!rc && strcmp(kv, "f16") && strcmp(kv, "f32"))
+        rc = cli_fail(c, "--kv-type must be f16 or f32, not '%s'", kv);
+    pc.kv_f16 = !strcmp(kv, "f16");
+    char names[PLANNER_MAX_DEVICES][PLANNER_NAME_MAX];
+    rc = rc ? rc : planner_parse_devices(&pc, names, devices, mems, bws, paths);
+    struct gguf_config gc = {.path = model};
+    struct gguf *g = rc ? NULL : gguf_open(&gc);
+    struct arch_config ac = {.gguf = g};
+    struct arch_model *m = g ? arch_load(&ac) : NULL;
+    struct planner_heat *h = NULL;
+    struct planner_plan *p = NULL;
+    rc = rc ? rc : m ? 0 : -EINVAL;
+    rc = rc || !heat ? rc : planner_heat_load(heat, &h);
+    if (!rc && pc.host_bw == 0)
+        pc.host_bw = planner_probe_host_bandwidth(0);
+    pc.model = m;
+    pc.heat = h;
+    rc = rc ? rc : planner_build(&pc, &p);
+    if (!rc && explain)
+        planner_print_decisions(p, stdout, each);
+    if (!rc)
+        planner_print_table(p, stdout);
+    planner_plan_destroy(p);
+    planner_heat_destroy(h);
+    arch_free(m);
+    gguf_close(g);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     log_init("coord", -1);
@@ -709,6 +800,8 @@ int main(int argc, char **argv)
         rc = cmd_perplexity(&c);
     else if (!strcmp(argv[1], "gen-model"))
         rc = cmd_gen_model(&c);
+    else if (!strcmp(argv[1], "plan"))
+        rc = cmd_plan(&c);
     else {
         fprintf(stderr, "lamina: unknown command '%s'\n\n%s", argv[1], usage);
         return 2;
