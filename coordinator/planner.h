@@ -291,9 +291,10 @@ double planner_probe_host_bandwidth(int threads);
 
 /* Fills cfg->n_devices and cfg->devices from comma lists: names (required,
  * e.g. "cpu,cpu"), budgets ("8G,16G" or one size for all: K/M/G/T, binary),
- * memory and host-path bandwidths in GB/s ("3350,1000"; NULL: defaults).
- * Names are borrowed from `names` storage copied into `store` (caller keeps
- * it as long as cfg). Returns 0 or -EINVAL naming the bad token. */
+ * memory and host-path bandwidths in GB/s ("3350,1000" or one for all;
+ * NULL: defaults). Names are copied into `store` and cfg->devices[i].name
+ * points there (the caller keeps store as long as cfg). Returns 0 or -EINVAL
+ * after an error naming the bad token. */
 int planner_parse_devices(struct planner_config *cfg, char store[][PLANNER_NAME_MAX],
                           const char *names, const char *mems, const char *mem_bws,
                           const char *path_bws);
