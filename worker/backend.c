@@ -13,6 +13,9 @@
 #include "common/log.h"
 
 extern const struct backend_ops backend_cpu_ops;
+#ifdef LAMINA_CUDA
+extern const struct backend_ops backend_cuda_ops;
+#endif
 
 struct backend_fail {
     char kind[8];   /* "step", "hang", "crash" or "" */
@@ -46,8 +49,15 @@ struct backend *backend_create(const char *kind, const struct backend_config *cf
     const struct backend_ops *ops = NULL;
     if (!strcmp(kind, "cpu"))
         ops = &backend_cpu_ops;
+#ifdef LAMINA_CUDA
+    if (!strcmp(kind, "cuda"))
+        ops = &backend_cuda_ops;
+    const char *available = "cpu, cuda";
+#else
+    const char *available = "cpu";
+#endif
     if (!ops) {
-        log_error("backend '%s' is not available in this build (available: cpu)", kind);
+        log_error("backend '%s' is not available in this build (available: %s)", kind, available);
         return NULL;
     }
     struct backend_holder *h = calloc(1, sizeof(*h));

@@ -1,0 +1,439 @@
+/*
+ * test_backend_cuda: the "cuda" worker backend against the "cpu" one on the
+ * conformance fixtures (../shared/fixtures/conformance/{qwen3moe,qwen3next,
+ * qwen35moe}/ARCH-f32.gguf). For each architecture the prompt of refs.json is
+ * prefilled (max_batch TBC_BATCH, so several passes) and then TBC_DECODE
+ * tokens of the reference greedy continuation are decoded one by one.
+ * The cuda backend runs the DeltaNet recurrence token by token also in a
+ * prefill, the cpu backend in its chunked form (and token by token with
+ * max_batch 1); all are exact in maths but round differently, and these tiny
+ * random models amplify rounding at some positions (near-ties in routing).
+ * As in test_conformance, a position is ill-conditioned when the cpu's own
+ * two forms differ there by more than TBC_COND; the bound is the tolerance
+ * at the others, tolerance + TBC_COND_FACTOR x that spread there.
+ *   - each layer alone, cuda vs token-by-token cpu on the same input: within
+ *     TBC_TOL_LAYER of the output's magnitude (locates a wrong layer);
+ *   - cuda, every expert resident (decode through the CUDA graph): logits
+ *     within the bound of both cpu forms; arg-max equal to refs.json top1 at
+ *     every prompt position and to the greedy continuation at every decode
+ *     step; a second run after reset() byte-identical;
+ *   - the same with graphs off (LAMINA_CUDA_GRAPHS=0): byte-identical;
+ *   - half the experts resident, the rest computed by a remote implemented
+ *     here with expert_exec on the CPU: within the bound, rows really sent;
+ *   - the layers split over two cuda backends: within the bound;
+ *   - f16 KV cache, cuda vs token-by-token cpu with f16 KV: within the bound
+ *     of TBC_TOL_F16;
+ *   - a device budget too small is refused.
+ * Decode time of backend_layers per token with and without graphs is printed
+ * (tiny models: it measures launch overhead, not bandwidth). Needs a CUDA
+ * device: exits 1 with a message when there is none.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime.h>
+
+#include "common/log.h"
+#include "kernels/cpu/threadpool.h"
+#include "model/arch.h"
+#include "model/gguf.h"
+#include "model/quant.h"
+#include "tests/check.h"
+#include "tests/fixture.h"
+#include "worker/backend.h"
+#include "worker/expert_exec.h"
+
+#define TBC_TOL 2e-3     /* max |cuda - token-by-token cpu| logit, f32 models and KV */
+#define TBC_COND 1e-4     /* cpu's own spread above which a position is ill-conditioned */
+#define TBC_COND_FACTOR 10.0 /* bound there: tolerance + factor x that spread */
+#define TBC_TOL_LAYER 1e-5 /* one layer alone: max |cuda - cpu| / max |h| */
+#define TBC_TIMED 32     /* decode steps timed after the checked ones */
+#define TBC_TOL_F16 5e-3 /* the same with an f16 KV cache on both */
+#define TBC_BATCH 32     /* max_batch: the 93-token prompt takes 3 passes */
+#define TBC_DECODE 6     /* decode steps after the prompt */
+#define TBC_CTX 256
+
+/* The expert pool a coordinator would run: expert_exec on the CPU. */
+struct tbc_remote {
+    const struct arch_model *m;
+    struct expert_exec *xx;
+    uint32_t layer, n_groups, n_rows;
+    uint32_t *experts, *counts; /* n_expert each */
+    struct expert_ref *refs;    /* n_expert */
+    float *X;                   /* max rows x n_embd */
+    uint64_t rows_sent;
+};
+
+static int tbc_submit(void *ctx, uint32_t layer, const uint32_t *experts, const uint32_t *counts,
+                      uint32_t n_groups, const float *X, uint32_t n_rows)
+{
+    struct tbc_remote *r = ctx;
+    r->layer = layer;
+    r->n_groups = n_groups;
+    r->n_rows = n_rows;
+    memcpy(r->experts, experts, n_groups * sizeof(uint32_t));
+    memcpy(r->counts, counts, n_groups * sizeof(uint32_t));
+    memcpy(r->X, X, (size_t)n_rows * r->m->hp.n_embd * sizeof(float));
+    r->rows_sent += n_rows;
+    return 0;
+}
+
+static int tbc_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
+{
+    struct tbc_remote *r = ctx;
+    if (layer != r->layer || n_rows != r->n_rows)
+        return -EPROTO;
+    const struct arch_layer *ly = &r->m->layers[layer];
+    for (uint32_t g = 0; g < r->n_groups; g++)
+        r->refs[g] = expert_exec_model_ref(ly, r->experts[g]);
+    return expert_exec_run(r->xx, ly, r->refs, r->counts, r->n_groups, r->X, Y);
+}
+
+/* One architecture's fixture and references. */
+struct tbc_arch {
+    const char *name;
+    struct gguf *g;
+    struct arch_model *m;
+    int32_t ids[512], top1[512], greedy[64];
+    int n, n_greedy;
+    uint32_t V, n_embd;
+    size_t rows; /* logit rows of a run: n + TBC_DECODE */
+    double spread[512 + TBC_DECODE]; /* per row: |cpu chunked - cpu token by token| */
+};
+
+static int tbc_argmax(const float *x, uint32_t n)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return (int)best;
+}
+
+static double tbc_maxdiff(const float *a, const float *b, size_t n)
+{
+    double d = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]);
+        d = isnan(e) ? INFINITY : fmax(d, e);
+    }
+    return d;
+}
+
+static int tbc_embed(const struct tbc_arch *a, const int32_t *ids, int n, float *h)
+{
+    const struct arch_matrix *te = &a->m->tok_embd;
+    for (int s = 0; s < n; s++)
+        if (quant_dequantize_row(te->type, te->data + (size_t)ids[s] * te->row_bytes,
+                                 h + (size_t)s * a->n_embd, a->n_embd))
+            return -1;
+    return 0;
+}
+
+/* Prefill then TBC_DECODE greedy tokens through a chain of backends (the
+ * last one makes the logits); logits of every position into out. Returns 0
+ * or -1. */
+static int tbc_sequence(const struct tbc_arch *a, struct backend *const *bs, int nb, float *out)
+{
+    float *h = malloc((size_t)a->n * a->n_embd * sizeof(float));
+    int rc = !h || tbc_embed(a, a->ids, a->n, h);
+    for (int i = 0; i < nb && !rc; i++)
+        rc = backend_layers(bs[i], h, (uint32_t)a->n);
+    rc = rc || backend_logits(bs[nb - 1], h, (uint32_t)a->n, out);
+    for (int d = 0; d < TBC_DECODE && !rc; d++) {
+        rc = tbc_embed(a, &a->greedy[d], 1, h);
+        for (int i = 0; i < nb && !rc; i++)
+            rc = backend_layers(bs[i], h, 1);
+        rc = rc || backend_logits(bs[nb - 1], h, 1, out + (size_t)(a->n + d) * a->V);
+    }
+    free(h);
+    return rc ? -1 : 0;
+}
+
+/* Mean ms of backend_layers over TBC_TIMED more decode steps (after one untimed). */
+static double tbc_decode_ms(const struct tbc_arch *a, struct backend *b)
+{
+    float *h = malloc(a->n_embd * sizeof(float));
+    int rc = !h || tbc_embed(a, &a->greedy[0], 1, h) || backend_layers(b, h, 1);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int d = 0; d < TBC_TIMED && !rc; d++)
+        rc = backend_layers(b, h, 1);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    free(h);
+    if (rc)
+        return -1;
+    return ((t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) * 1e-6) / TBC_TIMED;
+}
+
+static struct backend_config tbc_config(const struct tbc_arch *a, uint32_t l0, uint32_t l1,
+                                        uint32_t batch)
+{
+    return (struct backend_config){.model = a->m, .layer_begin = l0, .layer_end = l1,
+                                   .n_threads = 2, .n_ctx = TBC_CTX, .max_batch = batch};
+}
+
+/* One backend over all layers: a run, optionally a second after reset;
+ * returns the decode ms per token (tbc_decode_ms) or -1. */
+static double tbc_run(const struct tbc_arch *a, const char *kind, struct backend_config cfg,
+                      float *out, float *again)
+{
+    struct backend *b = backend_create(kind, &cfg);
+    CHECK(b != NULL, "%s: backend %s created", a->name, kind);
+    if (!b)
+        return -1;
+    int rc = tbc_sequence(a, &b, 1, out);
+    CHECK(rc == 0, "%s: %s sequence ran", a->name, kind);
+    if (again && !rc) {
+        backend_reset(b);
+        rc = tbc_sequence(a, &b, 1, again);
+        CHECK(rc == 0, "%s: %s sequence after reset", a->name, kind);
+    }
+    double ms = rc ? -1 : tbc_decode_ms(a, b);
+    backend_destroy(b);
+    return ms;
+}
+
+/* Arg-max of the prompt positions equals top1, of decode step d the greedy token d + 1. */
+static void tbc_check_argmax(const struct tbc_arch *a, const float *lg, const char *what)
+{
+    int agree = 0, dec = 0;
+    for (int s = 0; s < a->n; s++)
+        agree += tbc_argmax(lg + (size_t)s * a->V, a->V) == a->top1[s];
+    for (int d = 0; d + 1 < TBC_DECODE && d + 1 < a->n_greedy; d++)
+        dec += tbc_argmax(lg + (size_t)(a->n + d) * a->V, a->V) == a->greedy[d + 1];
+    const int want_dec = TBC_DECODE - 1 < a->n_greedy - 1 ? TBC_DECODE - 1 : a->n_greedy - 1;
+    CHECK(agree == a->n, "%s %s: argmax = top1 at %d of %d prompt positions", a->name, what, agree,
+          a->n);
+    CHECK(dec == want_dec, "%s %s: decode argmax = greedy at %d of %d steps", a->name, what, dec,
+          want_dec);
+}
+
+/* Max |lg - ref| at well-conditioned positions (the cpu's own chunked vs
+ * token-by-token spread <= TBC_COND) must be <= tol; at the others <= tol +
+ * TBC_COND_FACTOR x that spread (the bound of test_conformance). */
+static void tbc_compare(const struct tbc_arch *a, const float *ref, const float *lg,
+                        const char *what, double tol)
+{
+    double good = 0, ill = 0;
+    int bad = -1, n_ill = 0;
+    for (size_t s = 0; s < a->rows; s++) {
+        const double d = tbc_maxdiff(ref + s * a->V, lg + s * a->V, a->V);
+        const bool cond = a->spread[s] <= TBC_COND;
+        if (cond)
+            good = fmax(good, d);
+        else
+            ill = fmax(ill, d), n_ill++;
+        if (bad < 0 && d > tol + (cond ? 0.0 : TBC_COND_FACTOR * a->spread[s]))
+            bad = (int)s;
+    }
+    MEASURE("%s %s: max |logit diff| %.3g at %zu well-conditioned positions (tolerance %.0e), "
+            "%.3g at %d ill-conditioned ones", a->name, what, good, a->rows - n_ill, tol, ill,
+            n_ill);
+    CHECK(bad < 0, "%s %s: logit diff beyond the bound at position %d", a->name, what, bad);
+}
+
+/* Half residency: even experts on the device, odd ones through the remote. */
+static void tbc_half(const struct tbc_arch *a, const float *ref, float *lg)
+{
+    const uint32_t E = a->m->hp.n_expert, L = a->m->hp.n_layer;
+    uint8_t *bits = calloc((E + 7) / 8, 1);
+    const uint8_t **res = calloc(L, sizeof(*res));
+    struct threadpool_config pc = {.n_threads = 2, .pin = false};
+    struct threadpool *pool = threadpool_create(&pc);
+    struct expert_exec_config xc = {.pool = pool, .n_embd = a->n_embd,
+                                    .n_ff = a->m->hp.n_ff_exp,
+                                    .max_rows = TBC_BATCH * a->m->hp.n_expert_used};
+    struct tbc_remote r = {.m = a->m, .xx = pool ? expert_exec_create(&xc) : NULL};
+    r.experts = calloc(E, sizeof(uint32_t));
+    r.counts = calloc(E, sizeof(uint32_t));
+    r.refs = calloc(E, sizeof(struct expert_ref));
+    r.X = calloc(xc.max_rows * (size_t)a->n_embd, sizeof(float));
+    if (!bits || !res || !r.xx || !r.experts || !r.counts || !r.refs || !r.X) {
+        CHECK(false, "%s: half-residency setup", a->name);
+        goto out;
+    }
+    for (uint32_t e = 0; e < E; e += 2)
+        bits[e / 8] |= (uint8_t)(1u << (e % 8));
+    for (uint32_t l = 0; l < L; l++)
+        res[l] = bits;
+    struct backend_config cfg = tbc_config(a, 0, L, TBC_BATCH);
+    cfg.resident = res;
+    cfg.remote = (struct forward_remote){.ctx = &r, .submit = tbc_submit, .collect = tbc_collect};
+    struct backend *b = backend_create("cuda", &cfg);
+    CHECK(b && b->resident_experts == L * ((E + 1) / 2), "%s: half-resident cuda backend", a->name);
+    if (b) {
+        CHECK(tbc_sequence(a, &b, 1, lg) == 0, "%s: half-resident sequence", a->name);
+        const struct forward_stats *st = backend_stats(b);
+        MEASURE("%s cuda half residency: %llu rows to the remote, %llu on the GPU", a->name,
+                (unsigned long long)st->remote_rows, (unsigned long long)st->expert_rows);
+        CHECK(st->remote_rows == r.rows_sent && r.rows_sent > 0, "%s: remote rows %llu sent %llu",
+              a->name, (unsigned long long)st->remote_rows, (unsigned long long)r.rows_sent);
+        tbc_compare(a, ref, lg, "cuda half residency + cpu remote", TBC_TOL);
+        tbc_check_argmax(a, lg, "cuda half residency");
+        backend_destroy(b);
+    }
+out:
+    expert_exec_destroy(r.xx);
+    threadpool_destroy(pool);
+    free(r.experts), free(r.counts), free(r.refs), free(r.X), free(bits), free(res);
+}
+
+/* The layers split over two cuda backends, as two workers would run them. */
+static void tbc_split(const struct tbc_arch *a, const float *ref, const float *full, float *lg)
+{
+    const uint32_t L = a->m->hp.n_layer;
+    struct backend_config c0 = tbc_config(a, 0, L / 2, TBC_BATCH);
+    struct backend_config c1 = tbc_config(a, L / 2, L, TBC_BATCH);
+    struct backend *bs[2] = {backend_create("cuda", &c0), backend_create("cuda", &c1)};
+    CHECK(bs[0] && bs[1], "%s: split cuda backends", a->name);
+    if (bs[0] && bs[1]) {
+        CHECK(tbc_sequence(a, bs, 2, lg) == 0, "%s: split sequence", a->name);
+        tbc_compare(a, ref, lg, "cuda split over two backends", TBC_TOL);
+        MEASURE("%s cuda split: %s the single backend's logits", a->name,
+                memcmp(lg, full, a->rows * a->V * sizeof(float)) ? "differs from" : "equals");
+    }
+    backend_destroy(bs[0]);
+    backend_destroy(bs[1]);
+}
+
+/* Layer by layer: each layer alone on cuda and on the token-by-token cpu,
+ * fed the cpu's output of the layer before; relative max difference. */
+static void tbc_layers(const struct tbc_arch *a)
+{
+    const size_t hn = (size_t)a->n * a->n_embd;
+    float *h = malloc(hn * sizeof(float)), *hc = malloc(hn * sizeof(float));
+    float *hg = malloc(hn * sizeof(float));
+    if (!h || !hc || !hg || tbc_embed(a, a->ids, a->n, h))
+        goto out;
+    double worst = 0;
+    for (uint32_t l = 0; l < a->m->hp.n_layer; l++) {
+        struct backend_config cc = tbc_config(a, l, l + 1, 1);
+        struct backend_config cg = tbc_config(a, l, l + 1, TBC_BATCH);
+        struct backend *bc = backend_create("cpu", &cc), *bg = backend_create("cuda", &cg);
+        memcpy(hc, h, hn * sizeof(float));
+        memcpy(hg, h, hn * sizeof(float));
+        int rc = !bc || !bg || backend_layers(bc, hc, (uint32_t)a->n) ||
+                 backend_layers(bg, hg, (uint32_t)a->n);
+        CHECK(rc == 0, "%s layer %u ran", a->name, l);
+        double d = 0, mag = 0;
+        for (size_t i = 0; i < hn && !rc; i++) {
+            d = fmax(d, fabs((double)hc[i] - hg[i]));
+            mag = fmax(mag, fabs((double)hc[i]));
+        }
+        worst = fmax(worst, d / mag);
+        MEASURE("%s layer %u (%s): max |cuda - cpu| %.3g, relative to max |h| %.3g", a->name, l,
+                a->m->layers[l].recurrent ? "deltanet" : "attention", d, d / mag);
+        backend_destroy(bc);
+        backend_destroy(bg);
+        memcpy(h, hc, hn * sizeof(float));
+    }
+    CHECK(worst <= TBC_TOL_LAYER, "%s: a layer's output differs by %.3g of its magnitude", a->name,
+          worst);
+out:
+    free(h), free(hc), free(hg);
+}
+
+static void tbc_budget(const struct tbc_arch *a)
+{
+    struct backend_config cfg = tbc_config(a, 0, a->m->hp.n_layer, TBC_BATCH);
+    cfg.device_mem = 4096;
+    log_set_level(LOG_LEVEL_ERROR);
+    struct backend *b = backend_create("cuda", &cfg);
+    CHECK(b == NULL, "%s: a 4 KiB device budget is refused", a->name);
+    CHECK(strstr(log_last_error(), "too small") != NULL, "%s: refusal says why: %s", a->name,
+          log_last_error());
+    backend_destroy(b);
+    log_set_level(LOG_LEVEL_INFO);
+}
+
+static void tbc_arch_run(struct tbc_arch *a)
+{
+    const uint32_t L = a->m->hp.n_layer;
+    a->V = a->m->hp.n_vocab;
+    a->n_embd = a->m->hp.n_embd;
+    a->rows = (size_t)a->n + TBC_DECODE;
+    const size_t sz = a->rows * a->V * sizeof(float);
+    float *chunk = malloc(sz), *tok = malloc(sz), *gpu = malloc(sz), *gpu2 = malloc(sz);
+    float *tmp = malloc(sz);
+    if (!chunk || !tok || !gpu || !gpu2 || !tmp)
+        goto out;
+    double ms_cpu = tbc_run(a, "cpu", tbc_config(a, 0, L, TBC_BATCH), chunk, NULL);
+    tbc_run(a, "cpu", tbc_config(a, 0, L, 1), tok, NULL);
+    tbc_check_argmax(a, chunk, "cpu");
+    double ms_graph = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), gpu, gpu2);
+    for (size_t s = 0; s < a->rows; s++)
+        a->spread[s] = tbc_maxdiff(chunk + s * a->V, tok + s * a->V, a->V);
+    tbc_compare(a, tok, gpu, "cuda full residency vs token-by-token cpu", TBC_TOL);
+    tbc_compare(a, chunk, gpu, "cuda full residency vs chunked cpu prefill", TBC_TOL);
+    tbc_check_argmax(a, gpu, "cuda");
+    CHECK(!memcmp(gpu, gpu2, sz), "%s: second cuda run after reset differs (max %.3g)", a->name,
+          tbc_maxdiff(gpu, gpu2, a->rows * a->V));
+    setenv("LAMINA_CUDA_GRAPHS", "0", 1);
+    double ms_plain = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
+    unsetenv("LAMINA_CUDA_GRAPHS");
+    CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without graphs differs (max %.3g)", a->name,
+          tbc_maxdiff(gpu, tmp, a->rows * a->V));
+    MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
+            "without graph %.3f", a->name, TBC_TIMED, ms_cpu, ms_graph, ms_plain);
+    tbc_half(a, tok, tmp);
+    tbc_split(a, tok, gpu, tmp);
+    struct backend_config f16 = tbc_config(a, 0, L, 1);
+    f16.kv_f16 = true;
+    tbc_run(a, "cpu", f16, gpu2, NULL);
+    f16.max_batch = TBC_BATCH;
+    tbc_run(a, "cuda", f16, tmp, NULL);
+    tbc_compare(a, gpu2, tmp, "cuda f16 KV vs token-by-token cpu f16 KV", TBC_TOL_F16);
+    tbc_layers(a);
+    tbc_budget(a);
+out:
+    free(chunk), free(tok), free(gpu), free(gpu2), free(tmp);
+}
+
+static bool tbc_load(struct tbc_arch *a, const char *json)
+{
+    char path[512], rel[256];
+    a->n = fixture_refs_ints(json, a->name, "prompt_ids", a->ids, 512);
+    int nt = fixture_refs_ints(json, a->name, "top1", a->top1, 512);
+    a->n_greedy = fixture_refs_ints(json, a->name, "greedy", a->greedy, 64);
+    CHECK(a->n > 0 && nt == a->n && a->n_greedy > TBC_DECODE, "%s: refs.json lists", a->name);
+    if (a->n <= 0 || nt != a->n || a->n_greedy <= TBC_DECODE)
+        return false;
+    snprintf(rel, sizeof(rel), "conformance/%s/%s-f32.gguf", a->name, a->name);
+    struct gguf_config gc = {.path = test_fixture(path, sizeof(path), rel)};
+    a->g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = a->g};
+    a->m = a->g ? arch_load(&ac) : NULL;
+    CHECK(a->m != NULL, "%s: %s loads", a->name, path);
+    return a->m != NULL;
+}
+
+int main(void)
+{
+    log_init("test", -1);
+    setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 1); /* before the first CUDA call */
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+        fprintf(stderr, "test_backend_cuda: no CUDA device present\n");
+        return 1;
+    }
+    char path[512];
+    char *json = fixture_read_all(test_fixture(path, sizeof(path), "conformance/refs.json"), NULL);
+    CHECK(json != NULL, "cannot read %s", path);
+    const char *names[] = {"qwen3moe", "qwen3next", "qwen35moe"};
+    for (int i = 0; i < 3 && json; i++) {
+        struct tbc_arch a = {.name = names[i]};
+        if (tbc_load(&a, json))
+            tbc_arch_run(&a);
+        arch_free(a.m);
+        gguf_close(a.g);
+    }
+    free(json);
+    return test_main_result("test_backend_cuda");
+}

@@ -1,0 +1,1161 @@
+/*
+ * backend_cuda: the worker backend that runs its layer range on one NVIDIA
+ * GPU (see backend.h). It computes what worker/forward.c computes, layer for
+ * layer, through the extern "C" launchers of kernels/cuda/{matvec,ops,
+ * deltanet}.h only, on one CUDA stream; calls come from the worker's thread.
+ *
+ * Device: index LAMINA_CUDA_DEVICE (default 0) in PCI bus order (init sets
+ * CUDA_DEVICE_ORDER=PCI_BUS_ID, which takes effect only if no CUDA call was
+ * made in the process before).
+ *
+ * Memory (all charged to cfg->device_mem; 0 = the card's free memory minus
+ * CB_MEM_MARGIN; a plan that does not fit is refused with each part's size):
+ *   trunk: one buffer with every matrix of the range as stored (projections,
+ *     router, shared expert) and the f32 vectors (norms, conv taps, ssm_a,
+ *     dt bias, shared-expert gate). Two matrices are stored with their rows
+ *     permuted so that no unpack kernel is needed: legacy ssm_in becomes
+ *     [q | k | v | z] (one product into the conv input, one into z) and
+ *     ssm_ba becomes [beta rows | alpha rows]. Shared gate and up are stored
+ *     back to back (one 2*Fs-row product) when their types agree;
+ *   experts: per layer one buffer with the resident experts (copied from
+ *     cfg->expert_src, the shm segment, or the model file), and per layer a
+ *     device table of n_expert pointers for gate (or gate_up), up and down,
+ *     NULL where the expert is not resident;
+ *   state: DeltaNet conv and delta states (zeroed by reset) and the KV cache
+ *     (f16 when cfg->kv_f16);
+ *   scratch: activations for max_batch tokens;
+ *   output head: the output norm and lm head are uploaded on the first
+ *     logits() call (only the last worker makes one), with logits scratch
+ *     for CB_LOGIT_ROWS rows; they are charged to the budget then, and a
+ *     budget they do not fit fails that call with -ENOMEM.
+ *
+ * A layers() call uploads h, enqueues every layer and downloads h; a host
+ * sync happens only at the end, and in a layer where some expert of the
+ * range is not resident: there the expert ids and the normalised ffn input
+ * are downloaded, the non-resident (token, slot) pairs grouped by expert as
+ * forward.c's fw_route groups its remote ones (experts ascending, tokens
+ * ascending), sent through cfg->remote.submit, the GPU's own experts and the
+ * shared expert enqueued, the replies collected and uploaded into the expert
+ * output rows of their pairs, then combined.
+ *
+ * Decode steps (n = 1) of a range whose experts are all resident run as one
+ * CUDA graph: positions reach the kernels as arguments, so each step is
+ * captured again (capture enqueues nothing) and the instantiated graph is
+ * updated in place (cudaGraphExecUpdate; re-instantiated if the update is
+ * refused), then launched. The kernels per token are counted and logged
+ * once at info level: an attention layer takes 12 for the mixer, a DeltaNet
+ * layer 9, the MoE block 7 (6 with a fused gate_up stack) plus 3 for a
+ * shared expert (4 when its gate and up types differ); so 19 per qwen3moe
+ * layer, 22 and 19 per qwen3next/qwen35moe attention and DeltaNet layer
+ * (948 for a 48-layer Qwen3-Next), and 2 for the logits. Capturing costs the
+ * host about 1 us per kernel (H200 host, measured); the GPU then runs them
+ * back to back. LAMINA_CUDA_GRAPHS=0 turns graphs off (diagnostics), and
+ * fini() logs the mean capture and update time per graph step.
+ *
+ * A failed CUDA call or launch is logged and returns -EIO; the backend then
+ * refuses every later call (style.md habit 8: the worker exits).
+ * The DeltaNet state lives on the device only: reset() zeroes it there.
+ * Stage timings: only remote_wait (host time in collect) and the row and
+ * token counters are kept; GPU stages are not timed per stage.
+ */
+#ifdef LAMINA_CUDA
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "kernels/cuda/deltanet.h"
+#include "kernels/cuda/matvec.h"
+#include "kernels/cuda/ops.h"
+#include "model/quant.h"
+#include "worker/backend.h"
+
+#define CB_MEM_MARGIN (512ull << 20) /* bytes left free when the budget is the card's */
+#define CB_ALIGN 256                  /* alignment of every device sub-buffer */
+#define CB_LOGIT_ROWS 16              /* rows of logits per output-head pass */
+
+/* A weight matrix in device memory (possibly a row range of a larger one). */
+struct cb_mat {
+    const void *d;      /* first row, device */
+    uint32_t type;      /* enum quant_type */
+    size_t row_bytes;
+    uint64_t n_in;      /* row length */
+    uint64_t n_out;     /* rows */
+};
+
+/* One layer of the range on the device. */
+struct cb_layer {
+    const struct arch_layer *ly;      /* the model's layer (types, shapes, expert stacks) */
+    const float *attn_norm, *ffn_norm; /* n_embd */
+    /* attention */
+    struct cb_mat wq, wk, wv, wo;
+    const float *q_norm, *k_norm;     /* head_dim */
+    void *kc, *vc;                    /* KV cache, n_ctx rows of kv_dim (f16 or f32) */
+    /* gated DeltaNet */
+    struct cb_mat qkv, z, beta, alpha, out;
+    const float *conv, *ssm_a, *dt_bias, *ssm_norm;
+    float *conv_st, *ssm_st;          /* conv_dim x (K-1); nv x dv x dk */
+    /* experts */
+    struct cb_mat router;
+    bool sh, sh_fused;                /* shared expert present; gate|up stored as one */
+    struct cb_mat sh_gu, sh_up, sh_down; /* sh_gu is gate (2*Fs rows when fused) */
+    const float *shexp_gate;          /* n_embd or NULL */
+    void *experts;                    /* resident experts (owned cudaMalloc) */
+    const void *const *tab_gate, *const *tab_up, *const *tab_down; /* device, n_expert each */
+    uint8_t *resident;                /* host, n_expert flags */
+    uint32_t n_resident;
+};
+
+struct backend_cuda {
+    const struct arch_model *m;
+    const struct arch_hparams *hp;
+    struct backend_config cfg;        /* copy; pointers borrowed as backend.h says */
+    struct backend *b;
+    cudaStream_t stream;
+    int device;
+    uint32_t l0, l1, B, n_ctx, pos;
+    struct cb_layer *layers;          /* l1 - l0 entries */
+    bool all_resident;                /* every expert of the range is on the device */
+    bool failed;                      /* a CUDA error happened: refuse every call */
+    uint64_t budget;                  /* bytes this backend may hold */
+    /* device buffers (owned) */
+    uint8_t *trunk, *state, *scratch, *tables;
+    size_t trunk_off, trunk_size, state_size, scratch_size, tables_size;
+    size_t dn_state_bytes;            /* the DeltaNet part at the start of state */
+    /* scratch views, B rows each */
+    float *h, *xa, *mix, *q, *kx, *vx, *att, *qkv, *u, *z, *beta, *alpha, *y;
+    float *rl, *w, *gu, *act, *Y, *sg, *sact, *so;
+    int32_t *ids;
+    /* output head, uploaded on the first logits() call */
+    uint8_t *head;
+    float *out_norm, *logits;
+    struct cb_mat output;
+    /* pinned host buffers and remote grouping */
+    float *h_h, *h_xa, *h_xr, *h_yr;
+    int32_t *h_ids;
+    uint32_t *cnt, *first, *grp_expert, *grp_count, *row_pair; /* [E] x 4, [B*k] */
+    void **cp_dst;
+    const void **cp_src;
+    size_t *cp_size;
+    /* decode graph */
+    bool graphs;
+    cudaGraphExec_t gexec;
+    uint64_t graph_steps;             /* decode steps run as a graph */
+    double graph_capture_s, graph_update_s; /* host time capturing, updating/instantiating */
+    uint64_t launches;                /* kernels enqueued so far */
+    bool launches_logged;
+    struct forward_stats stats;
+};
+
+static double cb_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cb_check(cudaError_t e, const char *what, const char *file, int line)
+{
+    if (e == cudaSuccess)
+        return 0;
+    log_write(LOG_LEVEL_ERROR, file, line, "%s failed: %s", what, cudaGetErrorString(e));
+    return -EIO;
+}
+
+#define CUDA_CHECK(expr) cb_check((expr), #expr, __FILE__, __LINE__)
+
+static bool cb_is_resident(const struct backend_config *cfg, uint32_t l, uint32_t e)
+{
+    return !cfg->resident || (cfg->resident[l] && (cfg->resident[l][e / 8] >> (e % 8)) & 1);
+}
+
+static size_t cb_align(size_t x)
+{
+    return (x + CB_ALIGN - 1) / CB_ALIGN * CB_ALIGN;
+}
+
+static uint64_t cb_expert_bytes(const struct arch_layer *ly)
+{
+    if (ly->gate_exps.data)
+        return ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes + ly->down_exps.mat_bytes;
+    return ly->gate_up_exps.mat_bytes + ly->down_exps.mat_bytes;
+}
+
+/* ---- trunk upload (two passes: sizing with c->trunk NULL, then copying) ---- */
+
+/* Reserves bytes in the trunk and copies src there (pass 2); returns the device address. */
+static const void *cb_put(struct backend_cuda *c, const void *src, size_t bytes, int *rc)
+{
+    const size_t off = c->trunk_off;
+    c->trunk_off = cb_align(off + bytes);
+    if (!c->trunk || *rc || !bytes)
+        return NULL;
+    *rc = CUDA_CHECK(cudaMemcpy(c->trunk + off, src, bytes, cudaMemcpyHostToDevice));
+    return c->trunk + off;
+}
+
+static const float *cb_put_vec(struct backend_cuda *c, const float *v, size_t n, int *rc)
+{
+    return v ? cb_put(c, v, n * sizeof(float), rc) : NULL;
+}
+
+static struct cb_mat cb_view(const struct arch_matrix *m, const void *d, uint64_t row0,
+                             uint64_t rows)
+{
+    return (struct cb_mat){.d = d ? (const uint8_t *)d + row0 * m->row_bytes : NULL,
+                           .type = m->type, .row_bytes = m->row_bytes, .n_in = m->n_in,
+                           .n_out = rows};
+}
+
+static struct cb_mat cb_put_mat(struct backend_cuda *c, const struct arch_matrix *m, int *rc)
+{
+    return cb_view(m, cb_put(c, m->data, m->mat_bytes, rc), 0, m->n_out);
+}
+
+/* Uploads the rows src_row[0..n) of m in that order as one matrix. */
+static const void *cb_put_rows(struct backend_cuda *c, const struct arch_matrix *m,
+                               const uint32_t *src_row, uint64_t n, int *rc)
+{
+    if (!c->trunk || *rc)
+        return cb_put(c, NULL, n * m->row_bytes, rc);
+    uint8_t *tmp = malloc(n * m->row_bytes);
+    if (!tmp) {
+        log_error("out of memory permuting %s", m->name);
+        *rc = -ENOMEM;
+        return NULL;
+    }
+    for (uint64_t r = 0; r < n; r++)
+        memcpy(tmp + r * m->row_bytes, m->data + (size_t)src_row[r] * m->row_bytes,
+               m->row_bytes);
+    const void *d = cb_put(c, tmp, n * m->row_bytes, rc);
+    free(tmp);
+    return d;
+}
+
+/* Legacy ssm_in (nk groups of [q dk | k dk | v r*dv | z r*dv]) as [q | k | v | z]. */
+static void cb_put_ssm_in(struct backend_cuda *c, struct cb_layer *L, int *rc)
+{
+    const struct arch_hparams *hp = c->hp;
+    const struct arch_matrix *m = &L->ly->win;
+    const uint32_t dk = hp->ssm_dk, nk = hp->ssm_nk, rdv = hp->ssm_nv / nk * hp->ssm_dv;
+    const uint32_t gsz = 2 * dk + 2 * rdv, cd = arch_conv_dim(hp);
+    uint32_t *rows = malloc(m->n_out * sizeof(uint32_t)), n = 0;
+    if (!rows) {
+        *rc = -ENOMEM;
+        return;
+    }
+    const uint32_t part_off[4] = {0, dk, 2 * dk, 2 * dk + rdv}, part_len[4] = {dk, dk, rdv, rdv};
+    for (int part = 0; part < 4; part++)
+        for (uint32_t g = 0; g < nk; g++)
+            for (uint32_t i = 0; i < part_len[part]; i++)
+                rows[n++] = g * gsz + part_off[part] + i;
+    ASSERT(n == m->n_out);
+    const void *d = cb_put_rows(c, m, rows, n, rc);
+    free(rows);
+    L->qkv = cb_view(m, d, 0, cd);
+    L->z = cb_view(m, d, cd, m->n_out - cd);
+}
+
+/* ssm_ba (per key group r betas then r alphas) as [beta of every head | alpha ...]. */
+static void cb_put_ssm_ba(struct backend_cuda *c, struct cb_layer *L, int *rc)
+{
+    const struct arch_matrix *m = &L->ly->wba;
+    const uint32_t nv = c->hp->ssm_nv, r = nv / c->hp->ssm_nk;
+    uint32_t *rows = malloc(2 * nv * sizeof(uint32_t));
+    if (!rows) {
+        *rc = -ENOMEM;
+        return;
+    }
+    for (uint32_t h = 0; h < nv; h++) {
+        rows[h] = h / r * 2 * r + h % r;
+        rows[nv + h] = h / r * 2 * r + r + h % r;
+    }
+    const void *d = cb_put_rows(c, m, rows, 2 * nv, rc);
+    free(rows);
+    L->beta = cb_view(m, d, 0, nv);
+    L->alpha = cb_view(m, d, nv, nv);
+}
+
+static void cb_put_attn(struct backend_cuda *c, struct cb_layer *L, int *rc)
+{
+    const struct arch_layer *ly = L->ly;
+    L->wq = cb_put_mat(c, &ly->wq, rc);
+    L->wk = cb_put_mat(c, &ly->wk, rc);
+    L->wv = cb_put_mat(c, &ly->wv, rc);
+    L->wo = cb_put_mat(c, &ly->wo, rc);
+    L->q_norm = cb_put_vec(c, ly->q_norm, c->hp->head_dim, rc);
+    L->k_norm = cb_put_vec(c, ly->k_norm, c->hp->head_dim, rc);
+}
+
+static void cb_put_ssm(struct backend_cuda *c, struct cb_layer *L, int *rc)
+{
+    const struct arch_hparams *hp = c->hp;
+    const struct arch_layer *ly = L->ly;
+    if (ly->wqkv.data) {
+        L->qkv = cb_put_mat(c, &ly->wqkv, rc);
+        L->z = cb_put_mat(c, &ly->wz, rc);
+    } else {
+        cb_put_ssm_in(c, L, rc);
+    }
+    if (ly->wba.data) {
+        cb_put_ssm_ba(c, L, rc);
+    } else {
+        L->beta = cb_put_mat(c, &ly->wbeta, rc);
+        L->alpha = cb_put_mat(c, &ly->walpha, rc);
+    }
+    L->out = cb_put_mat(c, &ly->wout, rc);
+    L->conv = cb_put_vec(c, ly->conv, (size_t)arch_conv_dim(hp) * hp->ssm_conv, rc);
+    L->ssm_a = cb_put_vec(c, ly->ssm_a, hp->ssm_nv, rc);
+    L->dt_bias = cb_put_vec(c, ly->dt_bias, hp->ssm_nv, rc);
+    L->ssm_norm = cb_put_vec(c, ly->ssm_norm, hp->ssm_dv, rc);
+}
+
+static void cb_put_ffn(struct backend_cuda *c, struct cb_layer *L, int *rc)
+{
+    const struct arch_layer *ly = L->ly;
+    L->router = cb_put_mat(c, &ly->router, rc);
+    L->sh = ly->gate_sh.data != NULL;
+    if (!L->sh)
+        return;
+    L->sh_fused =
+        ly->gate_sh.type == ly->up_sh.type && ly->gate_sh.row_bytes == ly->up_sh.row_bytes;
+    if (L->sh_fused) {
+        /* gate and up back to back: one matrix of 2*Fs rows (no alignment gap) */
+        const size_t gb = ly->gate_sh.mat_bytes;
+        const size_t off = c->trunk_off;
+        c->trunk_off = cb_align(off + gb + ly->up_sh.mat_bytes);
+        if (c->trunk && !*rc) {
+            *rc = CUDA_CHECK(cudaMemcpy(c->trunk + off, ly->gate_sh.data, gb,
+                                        cudaMemcpyHostToDevice));
+            *rc = *rc ? *rc : CUDA_CHECK(cudaMemcpy(c->trunk + off + gb, ly->up_sh.data,
+                                                    ly->up_sh.mat_bytes, cudaMemcpyHostToDevice));
+        }
+        L->sh_gu = cb_view(&ly->gate_sh, c->trunk ? c->trunk + off : NULL, 0,
+                           2 * ly->gate_sh.n_out);
+    } else {
+        L->sh_gu = cb_put_mat(c, &ly->gate_sh, rc);
+        L->sh_up = cb_put_mat(c, &ly->up_sh, rc);
+    }
+    L->sh_down = cb_put_mat(c, &ly->down_sh, rc);
+    L->shexp_gate = cb_put_vec(c, ly->shexp_gate, c->hp->n_embd, rc);
+}
+
+/* Every trunk tensor of the range; sizing pass when c->trunk is NULL. */
+static int cb_put_trunk(struct backend_cuda *c)
+{
+    int rc = 0;
+    c->trunk_off = 0;
+    for (uint32_t i = 0; i < c->l1 - c->l0 && !rc; i++) {
+        struct cb_layer *L = &c->layers[i];
+        L->attn_norm = cb_put_vec(c, L->ly->attn_norm, c->hp->n_embd, &rc);
+        L->ffn_norm = cb_put_vec(c, L->ly->ffn_norm, c->hp->n_embd, &rc);
+        if (L->ly->recurrent)
+            cb_put_ssm(c, L, &rc);
+        else
+            cb_put_attn(c, L, &rc);
+        cb_put_ffn(c, L, &rc);
+    }
+    return rc;
+}
+
+/* ---- plan: sizes, types, budget ---- */
+
+static bool cb_type_ok(const struct arch_matrix *m, uint32_t l)
+{
+    if (!m->data || cuda_matvec_supports(m->type))
+        return true;
+    log_error("layer %u tensor %s: type %s is not supported by the CUDA kernels", l, m->name,
+              quant_type_name(m->type));
+    return false;
+}
+
+static bool cb_types_ok(const struct backend_cuda *c)
+{
+    bool ok = true;
+    for (uint32_t l = c->l0; l < c->l1; l++) {
+        const struct arch_layer *ly = &c->m->layers[l];
+        const struct arch_matrix *ms[] = {
+            &ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz, &ly->win, &ly->wba,
+            &ly->wbeta, &ly->walpha, &ly->wout, &ly->router, &ly->gate_exps, &ly->up_exps,
+            &ly->down_exps, &ly->gate_up_exps, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
+        for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
+            ok &= cb_type_ok(ms[i], l);
+    }
+    return ok;
+}
+
+static bool cb_shapes_ok(const struct backend_cuda *c)
+{
+    const struct arch_hparams *hp = c->hp;
+    bool any_rec = false;
+    for (uint32_t l = c->l0; l < c->l1; l++)
+        any_rec |= c->m->layers[l].recurrent;
+    if (any_rec && (hp->ssm_conv == 0 || hp->ssm_conv > 8)) {
+        log_error("DeltaNet conv of %u taps: the CUDA kernel takes 1 to 8", hp->ssm_conv);
+        return false;
+    }
+    return true;
+}
+
+static size_t cb_kv_bytes(const struct backend_cuda *c)
+{
+    return (size_t)c->n_ctx * c->hp->n_head_kv * c->hp->head_dim * (c->cfg.kv_f16 ? 2 : 4);
+}
+
+static size_t cb_dn_bytes(const struct arch_hparams *hp, size_t *conv_bytes)
+{
+    *conv_bytes = cb_align((size_t)arch_conv_dim(hp) * (hp->ssm_conv - 1) * sizeof(float));
+    return *conv_bytes + cb_align((size_t)hp->ssm_nv * hp->ssm_dv * hp->ssm_dk * sizeof(float));
+}
+
+static void cb_plan_state(struct backend_cuda *c)
+{
+    size_t conv_bytes, dn = 0, kv = 0;
+    for (uint32_t l = c->l0; l < c->l1; l++) {
+        if (c->m->layers[l].recurrent)
+            dn += cb_dn_bytes(c->hp, &conv_bytes);
+        else
+            kv += 2 * cb_align(cb_kv_bytes(c));
+    }
+    c->dn_state_bytes = dn;
+    c->state_size = dn + kv;
+}
+
+/* Takes the next sub-buffer of `floats` 4-byte elements from the scratch. */
+static void *cb_take(struct backend_cuda *c, size_t *off, size_t floats)
+{
+    void *p = c->scratch ? c->scratch + *off : NULL;
+    *off = cb_align(*off + floats * sizeof(float));
+    return p;
+}
+
+/* Scratch views in one buffer: sizing pass when c->scratch is NULL. */
+static void cb_carve_scratch(struct backend_cuda *c)
+{
+    const struct arch_hparams *hp = c->hp;
+    const size_t B = c->B, n = hp->n_embd, hd = hp->head_dim, k = hp->n_expert_used;
+    const size_t q_out = (size_t)hp->n_head * hd * (hp->attn_gated ? 2 : 1);
+    const size_t kvd = (size_t)hp->n_head_kv * hd, F = hp->n_ff_exp, Fs = hp->n_ff_shexp;
+    const size_t cd = hp->kind == ARCH_KIND_QWEN3MOE ? 0 : arch_conv_dim(hp);
+    const size_t vd = (size_t)hp->ssm_nv * hp->ssm_dv, nv = hp->ssm_nv;
+    size_t off = 0;
+    c->h = cb_take(c, &off, B * n);
+    c->xa = cb_take(c, &off, B * n);
+    c->mix = cb_take(c, &off, B * n);
+    c->q = cb_take(c, &off, B * q_out);
+    c->kx = cb_take(c, &off, B * kvd);
+    c->vx = cb_take(c, &off, B * kvd);
+    c->att = cb_take(c, &off, B * hp->n_head * hd);
+    c->qkv = cb_take(c, &off, B * cd);
+    c->u = cb_take(c, &off, B * cd);
+    c->z = cb_take(c, &off, B * vd);
+    c->beta = cb_take(c, &off, B * nv);
+    c->alpha = cb_take(c, &off, B * nv);
+    c->y = cb_take(c, &off, B * vd);
+    c->rl = cb_take(c, &off, B * hp->n_expert);
+    c->ids = cb_take(c, &off, B * k);
+    c->w = cb_take(c, &off, B * k);
+    c->gu = cb_take(c, &off, B * k * 2 * F);
+    c->act = cb_take(c, &off, B * k * F);
+    c->Y = cb_take(c, &off, B * k * n);
+    c->sg = cb_take(c, &off, B * 2 * Fs);
+    c->sact = cb_take(c, &off, B * Fs);
+    c->so = cb_take(c, &off, B * n);
+    c->scratch_size = off;
+}
+
+static int cb_check_budget(struct backend_cuda *c, uint64_t experts)
+{
+    const struct backend_config *cfg = &c->cfg;
+    c->budget = cfg->device_mem;
+    if (!c->budget) {
+        size_t free_b = 0, total_b = 0;
+        if (CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b)))
+            return -EIO;
+        c->budget = free_b > CB_MEM_MARGIN ? free_b - CB_MEM_MARGIN : 0;
+    }
+    const uint64_t trunk = c->trunk_size + c->tables_size;
+    const uint64_t total = experts + trunk + c->state_size + c->scratch_size;
+    if (total <= c->budget)
+        return 0;
+    log_error("device memory budget of %.1f MiB is too small for layers %u-%u: resident experts "
+              "%.1f MiB + trunk %.1f MiB + KV and state %.1f MiB + scratch %.1f MiB = %.1f MiB",
+              c->budget / 1048576.0, c->l0, c->l1 - 1, experts / 1048576.0, trunk / 1048576.0,
+              c->state_size / 1048576.0, c->scratch_size / 1048576.0, total / 1048576.0);
+    return -ENOMEM;
+}
+
+/* ---- device allocation and uploads ---- */
+
+static int cb_malloc(void *p, size_t bytes, const char *what)
+{
+    if (!bytes) {
+        *(void **)p = NULL;
+        return 0;
+    }
+    cudaError_t e = cudaMalloc((void **)p, bytes);
+    if (e == cudaSuccess)
+        return 0;
+    log_error("cannot allocate %.1f MiB of device memory for %s: %s", bytes / 1048576.0, what,
+              cudaGetErrorString(e));
+    return -ENOMEM;
+}
+
+static int cb_host_alloc(void *p, size_t bytes)
+{
+    if (!bytes) {
+        *(void **)p = NULL;
+        return 0;
+    }
+    return CUDA_CHECK(cudaMallocHost((void **)p, bytes)) ? -ENOMEM : 0;
+}
+
+/* Copies layer l's resident experts into one buffer and fills its host tables. */
+static int cb_upload_experts(struct backend_cuda *c, uint32_t l, struct cb_layer *L,
+                             const void **tg, const void **tu, const void **td)
+{
+    const struct arch_layer *ly = L->ly;
+    const uint32_t E = c->hp->n_expert;
+    const bool fused = !ly->gate_exps.data;
+    const size_t gb = fused ? ly->gate_up_exps.mat_bytes : ly->gate_exps.mat_bytes;
+    const size_t ub = fused ? 0 : ly->up_exps.mat_bytes, db = ly->down_exps.mat_bytes;
+    if (cb_malloc(&L->experts, (size_t)L->n_resident * cb_expert_bytes(ly), "resident experts"))
+        return -ENOMEM;
+    uint8_t *p = L->experts;
+    for (uint32_t e = 0; e < E; e++) {
+        tg[e] = tu[e] = td[e] = NULL;
+        if (!L->resident[e])
+            continue;
+        const struct expert_ref src = c->cfg.expert_src && c->cfg.expert_src[l]
+                                          ? c->cfg.expert_src[l][e]
+                                          : expert_exec_model_ref(ly, e);
+        int rc = CUDA_CHECK(cudaMemcpy(p, src.gate, gb, cudaMemcpyHostToDevice));
+        tg[e] = p, p += gb;
+        if (!rc && ub)
+            rc = CUDA_CHECK(cudaMemcpy(p, src.up, ub, cudaMemcpyHostToDevice));
+        tu[e] = ub ? p : NULL, p += ub;
+        rc = rc ? rc : CUDA_CHECK(cudaMemcpy(p, src.down, db, cudaMemcpyHostToDevice));
+        td[e] = p, p += db;
+        if (rc)
+            return rc;
+        c->b->resident_experts++;
+    }
+    return 0;
+}
+
+/* Experts of every layer, and the device tables of their addresses. */
+static int cb_upload_all_experts(struct backend_cuda *c)
+{
+    const uint32_t E = c->hp->n_expert, nl = c->l1 - c->l0;
+    const void **host = calloc((size_t)3 * E * nl, sizeof(void *));
+    if (!host || cb_malloc(&c->tables, c->tables_size, "expert tables")) {
+        free(host);
+        return -ENOMEM;
+    }
+    int rc = 0;
+    for (uint32_t i = 0; i < nl && !rc; i++) {
+        const void **t = host + (size_t)3 * E * i;
+        rc = cb_upload_experts(c, c->l0 + i, &c->layers[i], t, t + E, t + 2 * E);
+        const void *const *d = (const void *const *)c->tables + (size_t)3 * E * i;
+        c->layers[i].tab_gate = d;
+        c->layers[i].tab_up = d + E;
+        c->layers[i].tab_down = d + 2 * E;
+    }
+    if (!rc)
+        rc = CUDA_CHECK(cudaMemcpy(c->tables, host, (size_t)3 * E * nl * sizeof(void *),
+                                   cudaMemcpyHostToDevice));
+    free(host);
+    return rc;
+}
+
+/* State views: all DeltaNet states first (reset zeroes that prefix), then KV. */
+static int cb_alloc_state(struct backend_cuda *c)
+{
+    if (cb_malloc(&c->state, c->state_size, "KV cache and DeltaNet state"))
+        return -ENOMEM;
+    size_t conv_bytes, dn = 0, kv = c->dn_state_bytes;
+    for (uint32_t i = 0; i < c->l1 - c->l0; i++) {
+        struct cb_layer *L = &c->layers[i];
+        if (L->ly->recurrent) {
+            const size_t bytes = cb_dn_bytes(c->hp, &conv_bytes);
+            L->conv_st = (float *)(c->state + dn);
+            L->ssm_st = (float *)(c->state + dn + conv_bytes);
+            dn += bytes;
+        } else {
+            L->kc = c->state + kv;
+            L->vc = c->state + kv + cb_align(cb_kv_bytes(c));
+            kv += 2 * cb_align(cb_kv_bytes(c));
+        }
+    }
+    return c->state_size ? CUDA_CHECK(cudaMemset(c->state, 0, c->state_size)) : 0;
+}
+
+static int cb_alloc_host(struct backend_cuda *c)
+{
+    const size_t B = c->B, n = c->hp->n_embd, k = c->hp->n_expert_used, E = c->hp->n_expert;
+    int rc = cb_host_alloc(&c->h_h, B * n * sizeof(float));
+    if (!c->all_resident) {
+        rc = rc ? rc : cb_host_alloc(&c->h_xa, B * n * sizeof(float));
+        rc = rc ? rc : cb_host_alloc(&c->h_xr, B * k * n * sizeof(float));
+        rc = rc ? rc : cb_host_alloc(&c->h_yr, B * k * n * sizeof(float));
+        rc = rc ? rc : cb_host_alloc(&c->h_ids, B * k * sizeof(int32_t));
+    }
+    if (rc)
+        return rc;
+    c->cnt = calloc(4 * E + B * k, sizeof(uint32_t));
+    c->cp_dst = calloc(B * k, sizeof(void *));
+    c->cp_src = calloc(B * k, sizeof(void *));
+    c->cp_size = calloc(B * k, sizeof(size_t));
+    if (!c->cnt || !c->cp_dst || !c->cp_src || !c->cp_size)
+        return -ENOMEM;
+    c->first = c->cnt + E;
+    c->grp_expert = c->first + E;
+    c->grp_count = c->grp_expert + E;
+    c->row_pair = c->grp_count + E;
+    return 0;
+}
+
+/* ---- the layer pass ---- */
+
+static int cb_mm(struct backend_cuda *c, const struct cb_mat *w, const float *X, size_t ldx,
+                 uint32_t S, float *Y, size_t ldy)
+{
+    c->launches++;
+    if (S == 1)
+        return cuda_matvec(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X, Y, c->stream);
+    return cuda_matmul(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X, ldx, S, Y, ldy,
+                       c->stream);
+}
+
+/* Counts one enqueued kernel and passes its launcher's result through. */
+static int cb_k(struct backend_cuda *c, int rc)
+{
+    c->launches++;
+    return rc;
+}
+
+static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
+                        uint32_t pos0)
+{
+    const struct arch_hparams *hp = c->hp;
+    const uint32_t hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
+    const size_t n = hp->n_embd, kvd = (size_t)nkv * hd, g = hp->attn_gated ? 2 : 1;
+    const size_t q_out = nh * hd * g;
+    int rc = cb_mm(c, &L->wq, c->xa, n, S, c->q, q_out);
+    rc = rc ? rc : cb_mm(c, &L->wk, c->xa, n, S, c->kx, kvd);
+    rc = rc ? rc : cb_mm(c, &L->wv, c->xa, n, S, c->vx, kvd);
+    rc = rc ? rc : cb_k(c, cuda_rmsnorm(c->q, g * hd, c->q, g * hd, L->q_norm, hd, S * nh,
+                                        hp->eps, c->stream));
+    rc = rc ? rc : cb_k(c, cuda_rmsnorm(c->kx, hd, c->kx, hd, L->k_norm, hd, S * nkv, hp->eps,
+                                        c->stream));
+    rc = rc ? rc : cb_k(c, cuda_rope_neox(c->q, S, q_out, nh, g * hd, hp->n_rot, pos0,
+                                          hp->rope_base, c->stream));
+    rc = rc ? rc : cb_k(c, cuda_rope_neox(c->kx, S, kvd, nkv, hd, hp->n_rot, pos0,
+                                          hp->rope_base, c->stream));
+    rc = rc ? rc : cb_k(c, cuda_kv_store(L->kc, L->vc, c->cfg.kv_f16, c->kx, c->vx, kvd,
+                                         (uint32_t)kvd, S, pos0, c->stream));
+    rc = rc ? rc : cb_k(c, cuda_attention(c->q, q_out, g * hd, L->kc, L->vc, c->cfg.kv_f16, nh,
+                                          nkv, hd, S, pos0, hp->attn_scale, hp->attn_gated,
+                                          c->att, c->stream));
+    return rc ? rc : cb_mm(c, &L->wo, c->att, (size_t)nh * hd, S, c->mix, n);
+}
+
+static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
+{
+    const struct arch_hparams *hp = c->hp;
+    const size_t n = hp->n_embd, cd = arch_conv_dim(hp), nv = hp->ssm_nv;
+    const size_t vd = nv * hp->ssm_dv;
+    int rc = cb_mm(c, &L->qkv, c->xa, n, S, c->qkv, cd);
+    rc = rc ? rc : cb_mm(c, &L->z, c->xa, n, S, c->z, vd);
+    rc = rc ? rc : cb_mm(c, &L->beta, c->xa, n, S, c->beta, nv);
+    rc = rc ? rc : cb_mm(c, &L->alpha, c->xa, n, S, c->alpha, nv);
+    rc = rc ? rc : cb_k(c, cuda_deltanet_conv(L->conv_st, L->conv, hp->ssm_conv, c->qkv, c->u,
+                                              (uint32_t)cd, S, c->stream));
+    rc = rc ? rc : cb_k(c, cuda_deltanet_heads(L->ssm_st, c->u, c->beta, c->alpha, L->ssm_a,
+                                               L->dt_bias, c->z, L->ssm_norm, c->y, hp->ssm_nk,
+                                               hp->ssm_nv, hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled,
+                                               S, hp->eps, c->stream));
+    return rc ? rc : cb_mm(c, &L->out, c->y, vd, S, c->mix, n);
+}
+
+/* Routed experts held here (pairs of non-resident experts are skipped). */
+static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
+{
+    const struct arch_layer *ly = L->ly;
+    const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp, k = c->hp->n_expert_used;
+    const uint32_t P = (uint32_t)(S * k);
+    int rc;
+    if (ly->gate_exps.data) {
+        const struct arch_matrix *g = &ly->gate_exps, *u = &ly->up_exps;
+        rc = cb_k(c, cuda_matvec_experts(g->type, L->tab_gate, g->row_bytes, F, n, c->ids, P,
+                                         c->xa, n, (uint32_t)k, c->gu, 2 * F, c->stream));
+        rc = rc ? rc : cb_k(c, cuda_matvec_experts(u->type, L->tab_up, u->row_bytes, F, n, c->ids,
+                                                   P, c->xa, n, (uint32_t)k, c->gu + F, 2 * F,
+                                                   c->stream));
+    } else {
+        const struct arch_matrix *g = &ly->gate_up_exps;
+        rc = cb_k(c, cuda_matvec_experts(g->type, L->tab_gate, g->row_bytes, 2 * F, n, c->ids, P,
+                                         c->xa, n, (uint32_t)k, c->gu, 2 * F, c->stream));
+    }
+    rc = rc ? rc : cb_k(c, cuda_silu_mul(c->gu, (uint32_t)F, P, c->act, c->stream));
+    const struct arch_matrix *d = &ly->down_exps;
+    return rc ? rc : cb_k(c, cuda_matvec_experts(d->type, L->tab_down, d->row_bytes, n, F, c->ids,
+                                                 P, c->act, F, 1, c->Y, n, c->stream));
+}
+
+static int cb_shared_expert(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
+{
+    const size_t n = c->hp->n_embd, Fs = c->hp->n_ff_shexp;
+    int rc = cb_mm(c, &L->sh_gu, c->xa, n, S, c->sg, 2 * Fs);
+    if (!rc && !L->sh_fused)
+        rc = cb_mm(c, &L->sh_up, c->xa, n, S, c->sg + Fs, 2 * Fs);
+    rc = rc ? rc : cb_k(c, cuda_silu_mul(c->sg, (uint32_t)Fs, S, c->sact, c->stream));
+    return rc ? rc : cb_mm(c, &L->sh_down, c->sact, Fs, S, c->so, n);
+}
+
+/* Groups the non-resident pairs as fw_route does (experts ascending, then
+ * tokens) and gathers their input rows into h_xr. Returns the row count. */
+static uint32_t cb_group_remote(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
+                                uint32_t *n_groups)
+{
+    const uint32_t E = c->hp->n_expert, k = c->hp->n_expert_used;
+    const size_t n = c->hp->n_embd;
+    memset(c->cnt, 0, E * sizeof(uint32_t));
+    for (uint32_t p = 0; p < S * k; p++)
+        c->cnt[c->h_ids[p]]++;
+    uint32_t rows = 0, g = 0;
+    for (uint32_t e = 0; e < E; e++) {
+        if (!c->cnt[e] || L->resident[e])
+            continue;
+        c->grp_expert[g] = e;
+        c->grp_count[g++] = c->cnt[e];
+        c->first[e] = rows;
+        rows += c->cnt[e];
+    }
+    memset(c->cnt, 0, E * sizeof(uint32_t));
+    for (uint32_t p = 0; p < S * k; p++) {
+        const uint32_t e = (uint32_t)c->h_ids[p];
+        if (L->resident[e])
+            continue;
+        const uint32_t a = c->first[e] + c->cnt[e]++;
+        c->row_pair[a] = p;
+        memcpy(c->h_xr + a * n, c->h_xa + (size_t)(p / k) * n, n * sizeof(float));
+    }
+    *n_groups = g;
+    return rows;
+}
+
+/* Uploads the collected rows into the expert output rows of their pairs. */
+static int cb_scatter_remote(struct backend_cuda *c, uint32_t rows)
+{
+    const size_t n = c->hp->n_embd;
+    for (uint32_t a = 0; a < rows; a++) {
+        c->cp_dst[a] = c->Y + (size_t)c->row_pair[a] * n;
+        c->cp_src[a] = c->h_yr + (size_t)a * n;
+        c->cp_size[a] = n * sizeof(float);
+    }
+    struct cudaMemcpyAttributes attr = {.srcAccessOrder = cudaMemcpySrcAccessOrderStream};
+    size_t attr_idx = 0;
+    return CUDA_CHECK(cudaMemcpyBatchAsync(c->cp_dst, c->cp_src, c->cp_size, rows, &attr,
+                                           &attr_idx, 1, c->stream));
+}
+
+/* The MoE block of a layer with non-resident experts: host round trip. */
+static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S)
+{
+    const size_t n = c->hp->n_embd, k = c->hp->n_expert_used;
+    int rc = CUDA_CHECK(cudaMemcpyAsync(c->h_ids, c->ids, S * k * sizeof(int32_t),
+                                        cudaMemcpyDeviceToHost, c->stream));
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(c->h_xa, c->xa, S * n * sizeof(float),
+                                              cudaMemcpyDeviceToHost, c->stream));
+    rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    if (rc)
+        return rc;
+    uint32_t n_groups = 0;
+    const uint32_t rows = cb_group_remote(c, L, S, &n_groups);
+    if (rows) {
+        if (!c->cfg.remote.submit || !c->cfg.remote.collect) {
+            log_error("layer %u: %u experts are not resident and no remote pool is set", l,
+                      n_groups);
+            return -EINVAL;
+        }
+        rc = c->cfg.remote.submit(c->cfg.remote.ctx, l, c->grp_expert, c->grp_count, n_groups,
+                                  c->h_xr, rows);
+    }
+    rc = rc ? rc : cb_local_experts(c, L, S);
+    if (!rc && L->sh)
+        rc = cb_shared_expert(c, L, S);
+    const double t0 = cb_now();
+    if (!rc && rows)
+        rc = c->cfg.remote.collect(c->cfg.remote.ctx, l, c->h_yr, rows);
+    c->stats.remote_wait += cb_now() - t0;
+    if (!rc && rows)
+        rc = cb_scatter_remote(c, rows);
+    c->stats.remote_rows += rows;
+    c->stats.expert_rows += S * k - rows;
+    return rc;
+}
+
+static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S)
+{
+    const struct arch_hparams *hp = c->hp;
+    const size_t n = hp->n_embd, k = hp->n_expert_used;
+    int rc = cb_mm(c, &L->router, c->xa, n, S, c->rl, hp->n_expert);
+    rc = rc ? rc : cb_k(c, cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S, c->ids, c->w,
+                                            c->stream));
+    if (rc)
+        return rc;
+    if (L->n_resident == hp->n_expert) {
+        rc = cb_local_experts(c, L, S);
+        if (!rc && L->sh)
+            rc = cb_shared_expert(c, L, S);
+        c->stats.expert_rows += S * k;
+    } else {
+        rc = cb_moe_remote(c, L, l, S);
+    }
+    return rc ? rc : cb_k(c, cuda_moe_combine(c->h, c->Y, c->w, (uint32_t)k, L->sh ? c->so : NULL,
+                                              L->shexp_gate, c->xa, (uint32_t)n, S, c->stream));
+}
+
+/* Enqueues every layer of the range over S rows of c->h at positions pos0... */
+static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
+{
+    const struct arch_hparams *hp = c->hp;
+    const uint32_t n = hp->n_embd;
+    for (uint32_t l = c->l0; l < c->l1; l++) {
+        const struct cb_layer *L = &c->layers[l - c->l0];
+        int rc = cb_k(c, cuda_rmsnorm(c->xa, n, c->h, n, L->attn_norm, n, S, hp->eps, c->stream));
+        if (!rc)
+            rc = L->ly->recurrent ? cb_deltanet(c, L, S) : cb_attention(c, L, S, pos0);
+        rc = rc ? rc : cb_k(c, cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm, n, S, hp->eps,
+                                                c->stream));
+        rc = rc ? rc : cb_moe(c, L, l, S);
+        if (rc)
+            return rc;
+        if (c->cfg.progress)
+            __atomic_add_fetch(c->cfg.progress, 1, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
+/* One decode step as a CUDA graph: capture, update (or instantiate), launch. */
+static int cb_graph_step(struct backend_cuda *c, uint32_t pos0)
+{
+    cudaGraph_t graph = NULL;
+    const double t0 = cb_now();
+    int rc = CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    if (rc)
+        return rc;
+    rc = cb_enqueue_layers(c, 1, pos0);
+    const int rc_end = CUDA_CHECK(cudaStreamEndCapture(c->stream, &graph));
+    rc = rc ? rc : rc_end;
+    const double t1 = cb_now();
+    if (!rc && c->gexec) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(c->gexec, graph, &info) != cudaSuccess) {
+            (void)cudaGetLastError(); /* a refused update is not sticky: instantiate anew */
+            cudaGraphExecDestroy(c->gexec);
+            c->gexec = NULL;
+        }
+    }
+    if (!rc && !c->gexec)
+        rc = CUDA_CHECK(cudaGraphInstantiate(&c->gexec, graph, 0));
+    c->graph_capture_s += t1 - t0;
+    c->graph_update_s += cb_now() - t1;
+    c->graph_steps++;
+    rc = rc ? rc : CUDA_CHECK(cudaGraphLaunch(c->gexec, c->stream));
+    if (graph)
+        cudaGraphDestroy(graph);
+    return rc;
+}
+
+static int cb_pass(struct backend_cuda *c, float *h, uint32_t S)
+{
+    const size_t bytes = (size_t)S * c->hp->n_embd * sizeof(float);
+    const uint64_t launches0 = c->launches;
+    memcpy(c->h_h, h, bytes);
+    int rc = CUDA_CHECK(cudaMemcpyAsync(c->h, c->h_h, bytes, cudaMemcpyHostToDevice, c->stream));
+    if (rc)
+        return rc;
+    const bool graph = S == 1 && c->graphs && c->all_resident;
+    rc = graph ? cb_graph_step(c, c->pos) : cb_enqueue_layers(c, S, c->pos);
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(c->h_h, c->h, bytes, cudaMemcpyDeviceToHost,
+                                              c->stream));
+    rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    if (rc)
+        return rc;
+    memcpy(h, c->h_h, bytes);
+    c->pos += S;
+    c->stats.tokens += S;
+    if (S == 1 && !c->launches_logged) {
+        c->launches_logged = true;
+        log_info("cuda decode step over layers %u-%u: %llu kernels per token%s", c->l0, c->l1 - 1,
+                 (unsigned long long)(c->launches - launches0),
+                 graph ? ", launched as one CUDA graph" : ", launched one by one");
+    }
+    return 0;
+}
+
+/* ---- backend ops ---- */
+
+static void cb_fini(struct backend *b)
+{
+    struct backend_cuda *c = b->impl;
+    if (!c)
+        return;
+    if (c->stream)
+        cudaStreamSynchronize(c->stream);
+    if (c->graph_steps)
+        log_info("cuda layers %u-%u: %llu decode steps as graphs, host time per step: capture "
+                 "%.1f us, update %.1f us", c->l0, c->l1 - 1,
+                 (unsigned long long)c->graph_steps, 1e6 * c->graph_capture_s / c->graph_steps,
+                 1e6 * c->graph_update_s / c->graph_steps);
+    if (c->gexec)
+        cudaGraphExecDestroy(c->gexec);
+    for (uint32_t i = 0; c->layers && i < c->l1 - c->l0; i++) {
+        cudaFree(c->layers[i].experts);
+        free(c->layers[i].resident);
+    }
+    void *dev[] = {c->trunk, c->state, c->scratch, c->tables, c->head, c->logits};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
+        cudaFree(dev[i]);
+    void *pinned[] = {c->h_h, c->h_xa, c->h_xr, c->h_yr, c->h_ids};
+    for (size_t i = 0; i < sizeof(pinned) / sizeof(pinned[0]); i++)
+        cudaFreeHost(pinned[i]);
+    if (c->stream)
+        cudaStreamDestroy(c->stream);
+    free(c->layers);
+    free(c->cnt);
+    free(c->cp_dst);
+    free(c->cp_src);
+    free(c->cp_size);
+    free(c);
+    b->impl = NULL;
+}
+
+static int cb_select_device(struct backend_cuda *c)
+{
+    setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 1);
+    const char *env = getenv("LAMINA_CUDA_DEVICE");
+    char *end = NULL;
+    long dev = env && *env ? strtol(env, &end, 10) : 0;
+    if (env && *env && (*end || dev < 0 || dev > 1024)) {
+        log_error("LAMINA_CUDA_DEVICE='%s' is not a device index", env);
+        return -EINVAL;
+    }
+    int count = 0;
+    if (CUDA_CHECK(cudaGetDeviceCount(&count)))
+        return -EIO;
+    if (dev >= count) {
+        log_error("CUDA device %ld requested but %d present", dev, count);
+        return -ENODEV;
+    }
+    c->device = (int)dev;
+    return CUDA_CHECK(cudaSetDevice(c->device));
+}
+
+/* Residency flags per layer; counts bytes of resident experts. */
+static int cb_plan_experts(struct backend_cuda *c, uint64_t *bytes)
+{
+    const uint32_t E = c->hp->n_expert;
+    c->all_resident = true;
+    *bytes = 0;
+    for (uint32_t l = c->l0; l < c->l1; l++) {
+        struct cb_layer *L = &c->layers[l - c->l0];
+        L->ly = &c->m->layers[l];
+        L->resident = calloc(E, 1);
+        if (!L->resident)
+            return -ENOMEM;
+        for (uint32_t e = 0; e < E; e++) {
+            L->resident[e] = cb_is_resident(&c->cfg, l, e);
+            L->n_resident += L->resident[e];
+        }
+        c->all_resident &= L->n_resident == E;
+        *bytes += (uint64_t)L->n_resident * cb_expert_bytes(L->ly);
+    }
+    c->tables_size = cb_align((size_t)3 * E * (c->l1 - c->l0) * sizeof(void *));
+    return 0;
+}
+
+static int cb_setup(struct backend *b, struct backend_cuda *c)
+{
+    uint64_t experts = 0;
+    int rc = cb_select_device(c);
+    rc = rc ? rc : cb_plan_experts(c, &experts);
+    if (rc)
+        return rc;
+    if (!cb_types_ok(c) || !cb_shapes_ok(c))
+        return -EINVAL;
+    rc = cb_put_trunk(c); /* sizing pass */
+    c->trunk_size = c->trunk_off;
+    cb_plan_state(c);
+    cb_carve_scratch(c);
+    rc = rc ? rc : cb_check_budget(c, experts);
+    rc = rc ? rc : CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    rc = rc ? rc : cb_malloc(&c->trunk, c->trunk_size, "the trunk");
+    rc = rc ? rc : cb_put_trunk(c);
+    rc = rc ? rc : cb_malloc(&c->scratch, c->scratch_size, "scratch");
+    if (!rc)
+        cb_carve_scratch(c);
+    rc = rc ? rc : cb_upload_all_experts(c);
+    rc = rc ? rc : cb_alloc_state(c);
+    rc = rc ? rc : cb_alloc_host(c);
+    if (rc)
+        return rc;
+    b->mem_used = experts + c->trunk_size + c->tables_size + c->state_size + c->scratch_size;
+    return 0;
+}
+
+static int cb_init(struct backend *b, const struct backend_config *cfg)
+{
+    const struct arch_model *m = cfg->model;
+    if (cfg->layer_begin >= cfg->layer_end || cfg->layer_end > m->hp.n_layer) {
+        log_error("bad layer range %u-%u for a model of %u layers", cfg->layer_begin,
+                  cfg->layer_end, m->hp.n_layer);
+        return -EINVAL;
+    }
+    struct backend_cuda *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    b->impl = c;
+    c->b = b;
+    c->m = m;
+    c->hp = &m->hp;
+    c->cfg = *cfg;
+    c->l0 = cfg->layer_begin;
+    c->l1 = cfg->layer_end;
+    c->B = cfg->max_batch ? cfg->max_batch : 256;
+    c->n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096;
+    const char *g = getenv("LAMINA_CUDA_GRAPHS");
+    c->graphs = !(g && !strcmp(g, "0"));
+    c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
+    int rc = c->layers ? cb_setup(b, c) : -ENOMEM;
+    if (rc) {
+        cb_fini(b);
+        return rc;
+    }
+    log_info("cuda device %d: layers %u-%u, %u experts resident, %.1f MiB of device memory",
+             c->device, c->l0, c->l1 - 1, b->resident_experts, b->mem_used / 1048576.0);
+    return 0;
+}
+
+static void cb_reset(struct backend *b)
+{
+    struct backend_cuda *c = b->impl;
+    c->pos = 0;
+    if (c->failed || !c->dn_state_bytes)
+        return;
+    if (CUDA_CHECK(cudaMemsetAsync(c->state, 0, c->dn_state_bytes, c->stream)) ||
+        CUDA_CHECK(cudaStreamSynchronize(c->stream)))
+        c->failed = true;
+}
+
+static int cb_layers(struct backend *b, float *h, uint32_t n)
+{
+    struct backend_cuda *c = b->impl;
+    if (c->failed) {
+        log_error("cuda backend refuses work after an earlier CUDA error");
+        return -EIO;
+    }
+    if ((uint64_t)c->pos + n > c->n_ctx) {
+        log_error("context full: %u tokens at position %u exceed the context of %u", n, c->pos,
+                  c->n_ctx);
+        return -ENOSPC;
+    }
+    for (uint32_t s = 0; s < n; s += c->B) {
+        const uint32_t S = n - s < c->B ? n - s : c->B;
+        int rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, S);
+        if (rc) {
+            /* the sequence state is now partial; a CUDA error poisons the context */
+            c->failed = rc == -EIO;
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/* Rows per output-head pass: the scratch holds B rows of h. */
+static uint32_t cb_logit_rows(const struct backend_cuda *c)
+{
+    return c->B < CB_LOGIT_ROWS ? c->B : CB_LOGIT_ROWS;
+}
+
+/* Uploads the output norm and lm head and allocates logits scratch. */
+static int cb_load_head(struct backend *b, struct backend_cuda *c)
+{
+    const struct arch_matrix *o = &c->m->output;
+    const size_t n = c->hp->n_embd;
+    const size_t head = cb_align(n * sizeof(float)) + cb_align(o->mat_bytes);
+    const size_t lg = (size_t)cb_logit_rows(c) * c->hp->n_vocab * sizeof(float);
+    if (!cuda_matvec_supports(o->type)) {
+        log_error("output tensor %s: type %s is not supported by the CUDA kernels", o->name,
+                  quant_type_name(o->type));
+        return -EINVAL;
+    }
+    if (b->mem_used + head + lg > c->budget) {
+        log_error("device memory budget of %.1f MiB has no room for the output head: %.1f MiB "
+                  "used + head %.1f MiB + logits scratch %.1f MiB", c->budget / 1048576.0,
+                  b->mem_used / 1048576.0, head / 1048576.0, lg / 1048576.0);
+        return -ENOMEM;
+    }
+    int rc = cb_malloc(&c->head, head, "the output head");
+    rc = rc ? rc : cb_malloc(&c->logits, lg, "logits scratch");
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpy(c->head, c->m->output_norm, n * sizeof(float),
+                                         cudaMemcpyHostToDevice));
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpy(c->head + cb_align(n * sizeof(float)), o->data,
+                                         o->mat_bytes, cudaMemcpyHostToDevice));
+    if (rc)
+        return rc;
+    c->out_norm = (float *)c->head;
+    c->output = cb_view(o, c->head + cb_align(n * sizeof(float)), 0, o->n_out);
+    b->mem_used += head + lg;
+    return 0;
+}
+
+static int cb_logits(struct backend *b, const float *h, uint32_t n, float *out)
+{
+    struct backend_cuda *c = b->impl;
+    const size_t ne = c->hp->n_embd, nvocab = c->hp->n_vocab;
+    if (c->failed)
+        return -EIO;
+    int rc = c->head ? 0 : cb_load_head(b, c);
+    const uint32_t R = cb_logit_rows(c);
+    for (uint32_t s = 0; s < n && !rc; s += R) {
+        const uint32_t S = n - s < R ? n - s : R;
+        const size_t bytes = (size_t)S * ne * sizeof(float);
+        memcpy(c->h_h, h + (size_t)s * ne, bytes);
+        rc = CUDA_CHECK(cudaMemcpyAsync(c->h, c->h_h, bytes, cudaMemcpyHostToDevice, c->stream));
+        rc = rc ? rc : cb_k(c, cuda_rmsnorm(c->xa, ne, c->h, ne, c->out_norm, (uint32_t)ne, S,
+                                            c->hp->eps, c->stream));
+        rc = rc ? rc : cb_mm(c, &c->output, c->xa, ne, S, c->logits, nvocab);
+        rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(out + (size_t)s * nvocab, c->logits,
+                                                  (size_t)S * nvocab * sizeof(float),
+                                                  cudaMemcpyDeviceToHost, c->stream));
+        rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    }
+    c->failed = rc == -EIO;
+    return rc;
+}
+
+static const struct forward_stats *cb_stats(const struct backend *b)
+{
+    const struct backend_cuda *c = b->impl;
+    return &c->stats;
+}
+
+const struct backend_ops backend_cuda_ops = {
+    .name = "cuda",
+    .init = cb_init,
+    .fini = cb_fini,
+    .reset = cb_reset,
+    .layers = cb_layers,
+    .logits = cb_logits,
+    .stats = cb_stats,
+};
+
+#endif /* LAMINA_CUDA */
