@@ -22,6 +22,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "coordinator/expert_pool.h"
+#include "coordinator/planner.h"
 #include "ipc/shm.h"
 #include "ipc/wire.h"
 #include "kernels/cpu/threadpool.h"
@@ -43,6 +44,8 @@ struct cluster_worker {
     bool failed;               /* found dead or hung: killed at once on shutdown */
     uint32_t l0, l1;           /* layer range */
     uint8_t **bitmaps;         /* per layer in range: residency bitmap */
+    bool *trunk, *shexp;       /* per layer in range: projections / shared expert on device */
+    bool lmhead;               /* output projection charged here */
     uint32_t resident;         /* experts held, as reported */
     uint64_t mem_used;         /* bytes, as reported */
     double last_heartbeat;     /* time of the last heartbeat */
@@ -218,6 +221,89 @@ static int cl_plan_residency(struct cluster *c)
                  w->l1 - 1, k, E);
     }
     return 0;
+}
+
+/* Trunk flags when there is no plan: everything of a worker's layers is on
+ * its device, the output projection on the last one. */
+static int cl_trunk_all(struct cluster *c)
+{
+    for (int i = 0; i < c->n; i++) {
+        struct cluster_worker *w = &c->w[i];
+        const uint32_t nl = w->l1 - w->l0;
+        w->trunk = calloc(nl, sizeof(bool));
+        w->shexp = calloc(nl, sizeof(bool));
+        if (!w->trunk || !w->shexp)
+            return -ENOMEM;
+        for (uint32_t l = 0; l < nl; l++)
+            w->trunk[l] = w->shexp[l] = true;
+        w->lmhead = i == c->n - 1;
+    }
+    return 0;
+}
+
+static bool cl_use_planner(const struct cluster *c)
+{
+    if (c->cfg.place)
+        return true;
+    for (int i = 0; i < c->n; i++)
+        if (!c->cfg.device_mem[i])
+            return false;
+    return !c->cfg.resident; /* an explicit --resident keeps the simple split */
+}
+
+/* Layer ranges, resident experts and trunk pieces from the placement planner. */
+static int cl_plan(struct cluster *c)
+{
+    const struct arch_model *m = c->cfg.model;
+    struct planner_heat *heat = NULL;
+    if (c->cfg.heat_path && planner_heat_load(c->cfg.heat_path, &heat))
+        return -EINVAL;
+    struct planner_config pc = {.model = m, .n_devices = c->n, .heat = heat,
+                                .place = c->cfg.place, .layers = c->cfg.layers,
+                                .n_ctx = c->cfg.n_ctx, .kv_f16 = c->cfg.kv_f16,
+                                .max_batch = c->cfg.max_batch};
+    pc.host_bw = planner_probe_host_bandwidth(0);
+    for (int i = 0; i < c->n; i++) {
+        pc.devices[i] = (struct planner_device){.name = c->cfg.backends[i],
+                                                .budget = c->cfg.device_mem[i]};
+        pc.dense_miss_ratio |= strncmp(c->cfg.backends[i], "cpu", 3) != 0;
+    }
+    struct planner_plan *plan = NULL;
+    int rc = planner_build(&pc, &plan);
+    planner_heat_destroy(heat);
+    if (rc)
+        return rc;
+    if (log_is_enabled(LOG_LEVEL_INFO))
+        planner_print_decisions(plan, stderr, false);
+    const uint32_t bm = (m->hp.n_expert + 7) / 8;
+    for (int i = 0; i < c->n && !rc; i++) {
+        struct cluster_worker *w = &c->w[i];
+        w->l0 = plan->dev[i].layer_begin;
+        w->l1 = plan->dev[i].layer_end;
+        w->lmhead = plan->lmhead_device == i;
+        const uint32_t nl = w->l1 - w->l0;
+        w->bitmaps = calloc(nl, sizeof(*w->bitmaps));
+        w->trunk = calloc(nl, sizeof(bool));
+        w->shexp = calloc(nl, sizeof(bool));
+        if (!w->bitmaps || !w->trunk || !w->shexp) {
+            rc = -ENOMEM;
+            break;
+        }
+        for (uint32_t l = 0; l < nl && !rc; l++) {
+            w->bitmaps[l] = malloc(bm);
+            if (!w->bitmaps[l]) {
+                rc = -ENOMEM;
+                break;
+            }
+            memcpy(w->bitmaps[l], planner_bitmap(plan, w->l0 + l), bm);
+            w->trunk[l] = plan->layers[w->l0 + l].proj;
+            w->shexp[l] = plan->layers[w->l0 + l].shexp;
+        }
+        log_info("worker %d: layers %u-%u, %u experts resident, %.1f MiB trunk placed", i, w->l0,
+                 w->l1 - 1, plan->dev[i].n_experts, plan->dev[i].trunk / 1048576.0);
+    }
+    planner_plan_destroy(plan);
+    return rc;
 }
 
 /* ---- shared memory and the CPU pool ---- */
@@ -696,7 +782,8 @@ static int cl_send_plan(struct cluster *c, int i)
         return -ENOMEM;
     for (uint32_t l = 0; l < nl; l++)
         res[l] = (struct wire_layer_residency){.layer = w->l0 + l, .bitmap = w->bitmaps[l],
-                                               .bitmap_bytes = (m->hp.n_expert + 7) / 8};
+                                               .bitmap_bytes = (m->hp.n_expert + 7) / 8,
+                                               .trunk = w->trunk[l], .shexp = w->shexp[l]};
     int threads = c->cfg.worker_threads;
     if (threads <= 0) {
         threads = threadpool_physical_cores() / c->n;
@@ -712,7 +799,7 @@ static int cl_send_plan(struct cluster *c, int i)
         .kv_f16 = c->cfg.kv_f16, .max_batch = c->cfg.max_batch, .n_threads = (uint32_t)threads,
         .next_endpoint = i + 1 < c->n ? c->data_ep[i + 1] : "",
         .listen_endpoint = i > 0 ? c->data_ep[i] : "", .is_last = i == c->n - 1,
-        .n_embd = m->hp.n_embd, .n_vocab = m->hp.n_vocab};
+        .n_embd = m->hp.n_embd, .n_vocab = m->hp.n_vocab, .lmhead = w->lmhead};
     if (i + 1 < c->n && c->w[i + 1].has_key) {
         msg.load_plan.has_next_key = true;
         memcpy(msg.load_plan.next_server_key, c->w[i + 1].key, WIRE_KEY_BYTES);
@@ -744,9 +831,15 @@ static int cl_data_endpoints(struct cluster *c)
 
 static int cl_start(struct cluster *c)
 {
-    int rc = c->cfg.layers && strcmp(c->cfg.layers, "auto") ? cl_split_list(c, c->cfg.layers)
-                                                            : cl_split_auto(c);
-    rc = rc ? rc : cl_plan_residency(c);
+    int rc;
+    if (cl_use_planner(c)) {
+        rc = cl_plan(c);
+    } else {
+        rc = c->cfg.layers && strcmp(c->cfg.layers, "auto") ? cl_split_list(c, c->cfg.layers)
+                                                           : cl_split_auto(c);
+        rc = rc ? rc : cl_plan_residency(c);
+        rc = rc ? rc : cl_trunk_all(c);
+    }
     rc = rc ? rc : cl_setup_shm(c);
     rc = rc ? rc : cl_setup_router(c);
     rc = rc ? rc : cl_data_endpoints(c);
@@ -856,6 +949,8 @@ void cluster_destroy(struct cluster *c)
         for (uint32_t l = 0; c->w[i].bitmaps && l < c->w[i].l1 - c->w[i].l0; l++)
             free(c->w[i].bitmaps[l]);
         free(c->w[i].bitmaps);
+        free(c->w[i].trunk);
+        free(c->w[i].shexp);
     }
     free(c);
 }

@@ -34,7 +34,12 @@ struct cluster_config {
     const char *backends[CLUSTER_MAX_WORKERS]; /* "cpu" per worker */
     uint64_t device_mem[CLUSTER_MAX_WORKERS];  /* budget per worker, bytes; 0 = unlimited */
     const char *layers;            /* "auto" (default) or "0-19,20-39" */
-    const char *resident;          /* "all" (default), "none", "fit", or "P%" per layer */
+    const char *resident;          /* "all" (default), "none", "fit", or "P%" per layer; used
+                                      when there is no placement plan (see place) */
+    const char *place;             /* placement plan (coordinator/planner.h): "auto", "off" or a
+                                      list; used when given or when every worker has a
+                                      device_mem budget; NULL otherwise */
+    const char *heat_path;         /* expert heat profile (heat.json) for the plan, or NULL */
     uint32_t n_ctx;                /* KV positions */
     bool kv_f16;
     uint32_t max_batch;            /* tokens per step */

@@ -64,9 +64,12 @@ static const char usage[] =
     "  --gpus LIST             same as --devices cuda:LIST, e.g. --gpus 0,1\n"
     "  --inproc                run every layer in this process (no workers)\n"
     "  --layers auto|LIST      layer ranges per worker, e.g. 0-19,20-39 (default auto)\n"
-    "  --resident SPEC         experts each worker holds: all, none, fit or P%% (default:\n"
-    "                          all; fit when --device-mem is given); the rest run on\n"
-    "                          the coordinator's CPU pool\n"
+    "  --resident SPEC         without a placement plan: experts each worker holds: all,\n"
+    "                          none, fit or P%% (default all); the rest run on the\n"
+    "                          coordinator's CPU pool\n"
+    "  --place SPEC            placement plan: auto (default when --device-mem is given),\n"
+    "                          off, or a list like lmhead=0,dnproj=0:0-19,experts=all\n"
+    "  --heat FILE             expert heat profile (heat.json) for the plan\n"
     "  --device-mem SIZE[,..]  memory budget per worker, e.g. 6G or 512M,1G\n"
     "  --timings FILE          JSON lines of per-worker, per-step stage timings\n"
     "  --listen tcp://H:P      bind on TCP with CURVE and wait for lamina-worker processes\n"
@@ -328,6 +331,10 @@ static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, b
         return cli_value(c, &cl->layers);
     if (!strcmp(a, "--resident"))
         return cli_value(c, &cl->resident);
+    if (!strcmp(a, "--place"))
+        return cli_value(c, &cl->place);
+    if (!strcmp(a, "--heat"))
+        return cli_value(c, &cl->heat_path);
     if (!strcmp(a, "--timings"))
         return cli_value(c, &cl->timings_path);
     if (!strcmp(a, "--listen")) {
@@ -354,8 +361,7 @@ static void main_cluster_defaults(struct run_opts *o)
         o->cl.n_workers = 1;
         o->cl.backends[0] = "cpu";
     }
-    if (!o->cl.resident)
-        o->cl.resident = o->cl.device_mem[0] ? "fit" : "all";
+    /* with budgets (or --place) the planner decides; else every expert is resident */
 }
 
 static int run_parse_sampler(struct cli *c, const char *a, struct sampler_config *s, bool *hit)

@@ -348,6 +348,8 @@ static void wire_build_load_plan(Lamina__LoadPlan *q, const struct wire_load_pla
         res[i].layer = p->residency[i].layer;
         res[i].bitmap.data = (uint8_t *)p->residency[i].bitmap;
         res[i].bitmap.len = p->residency[i].bitmap_bytes;
+        res[i].trunk = p->residency[i].trunk;
+        res[i].shexp = p->residency[i].shexp;
         res_ptrs[i] = &res[i];
     }
     q->model_path = wire_pb_str(p->model_path);
@@ -371,6 +373,7 @@ static void wire_build_load_plan(Lamina__LoadPlan *q, const struct wire_load_pla
     q->n_vocab = p->n_vocab;
     if (p->has_next_key)
         q->next_server_key = (ProtobufCBinaryData){WIRE_KEY_BYTES, (uint8_t *)p->next_server_key};
+    q->lmhead = p->lmhead;
 }
 
 /* Fills u from m for every type but LoadPlan. */
@@ -547,7 +550,8 @@ static void wire_fill_load_plan(struct wire_load_plan *p, const Lamina__LoadPlan
         const Lamina__LayerResidency *qr = q->residency[i];
         const uint8_t *bitmap = wire_arena_copy(a, qr->bitmap.data, qr->bitmap.len);
         if (r)
-            r[i] = (struct wire_layer_residency){qr->layer, bitmap, qr->bitmap.len};
+            r[i] = (struct wire_layer_residency){qr->layer, bitmap, qr->bitmap.len, qr->trunk,
+                                                 qr->shexp};
     }
     *p = (struct wire_load_plan){
         .model_path = wire_arena_str(a, q->model_path),
@@ -570,6 +574,7 @@ static void wire_fill_load_plan(struct wire_load_plan *p, const Lamina__LoadPlan
         .n_embd = q->n_embd,
         .n_vocab = q->n_vocab,
         .has_next_key = q->next_server_key.len == WIRE_KEY_BYTES,
+        .lmhead = q->lmhead,
     };
     if (p->has_next_key)
         memcpy(p->next_server_key, q->next_server_key.data, WIRE_KEY_BYTES);

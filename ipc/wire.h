@@ -111,6 +111,8 @@ struct wire_layer_residency {
     uint32_t layer;
     const uint8_t *bitmap; /* bit e (byte e / 8, LSB first) set: expert e is resident */
     size_t bitmap_bytes;   /* <= WIRE_BITMAP_MAX */
+    bool trunk;            /* the layer's projections are charged to the device */
+    bool shexp;            /* its shared expert is charged to the device */
 };
 
 struct wire_load_plan {
@@ -135,6 +137,7 @@ struct wire_load_plan {
     uint32_t n_vocab;
     bool has_next_key; /* next_endpoint is tcp:// and its CURVE server key follows */
     uint8_t next_server_key[WIRE_KEY_BYTES];
+    bool lmhead;       /* the output projection is charged to this device */
 };
 
 struct wire_ready {

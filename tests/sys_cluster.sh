@@ -67,6 +67,29 @@ for m in qwen3moe/qwen3moe-q8_0 qwen3next/qwen3next-f32 qwen35moe/qwen35moe-q8_0
     done
 done
 
+# 1b. every placement plan gives the same tokens (placement changes speed, never results)
+m=qwen3next/qwen3next-f32
+ids=$(ids_of qwen3next)
+common="-m $FX/conformance/$m.gguf --prompt-ids $ids -n 8 --greedy -b 32 --no-echo"
+$L run $common --inproc --dump-logits "$T/ref.npy" >"$T/ref.txt" 2>/dev/null
+for spec in "cpu,cpu 3M,4M auto" "cpu,cpu 3M,4M off" "cpu,cpu 3M,4M lmhead=1,experts=none" \
+    "cpu 8M auto" "cpu,cpu,cpu 3M,3M,6M auto"; do
+    set -- $spec
+    $L run $common --devices "$1" --device-mem "$2" --place "$3" --heat "$FX/small-model/heat.json" \
+        --dump-logits "$T/out.npy" >"$T/out.txt" 2>"$T/err"
+    rc=$?
+    if [ $rc -ne 0 ] && grep -q "heat profile has" "$T/err"; then
+        $L run $common --devices "$1" --device-mem "$2" --place "$3" \
+            --dump-logits "$T/out.npy" >"$T/out.txt" 2>"$T/err"
+        rc=$?
+    fi
+    if [ $rc -eq 0 ] && cmp -s "$T/ref.npy" "$T/out.npy" && cmp -s "$T/ref.txt" "$T/out.txt"; then
+        ok "plan --devices $1 --device-mem $2 --place $3: same logits and text as --inproc"
+    else
+        fail "plan --devices $1 --device-mem $2 --place $3: rc $rc $(grep error "$T/err" | head -1)"
+    fi
+done
+
 # A long generation to disturb: tiny model, big context.
 long_run() { # sets cpid (not in a subshell: the test must be able to wait for it)
     $L run -m "$T/tiny.gguf" -p "hello" -n 200000 -c 200000 --ignore-eos --devices cpu,cpu \

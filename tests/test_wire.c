@@ -78,8 +78,8 @@ static void samples_init(struct samples *s)
         s->bitmap0[i] = (uint8_t)(0xa5 ^ i);
     for (size_t i = 0; i < sizeof s->bitmap1; i++)
         s->bitmap1[i] = (uint8_t)(i * 37);
-    s->res[0] = (struct wire_layer_residency){20, s->bitmap0, sizeof s->bitmap0};
-    s->res[1] = (struct wire_layer_residency){23, s->bitmap1, sizeof s->bitmap1};
+    s->res[0] = (struct wire_layer_residency){20, s->bitmap0, sizeof s->bitmap0, true, false};
+    s->res[1] = (struct wire_layer_residency){23, s->bitmap1, sizeof s->bitmap1, false, true};
 }
 
 /* The sample of type t; variant 1 is a second shape where one exists (Result without logits,
@@ -194,7 +194,7 @@ static void check_load_plan(const struct wire_msg *a, const struct wire_msg *b, 
     for (size_t i = 0; i < a->load_plan.n_residency && i < b->load_plan.n_residency; i++) {
         const struct wire_layer_residency *x = &a->load_plan.residency[i];
         const struct wire_layer_residency *y = &b->load_plan.residency[i];
-        CHECK(x->layer == y->layer && x->bitmap_bytes == y->bitmap_bytes &&
+        CHECK(x->layer == y->layer && x->bitmap_bytes == y->bitmap_bytes && x->trunk == y->trunk && x->shexp == y->shexp &&
                   memcmp(x->bitmap, y->bitmap, x->bitmap_bytes) == 0,
               "%s load_plan residency[%zu] differs", where, i);
     }

@@ -33,6 +33,12 @@ struct backend_config {
      * weights (the shm segment); NULL: the model file. Resident experts are
      * copied from here. */
     const struct expert_ref *const *expert_src;
+    /* Per model layer: whether its projections (trunk) and its shared expert
+     * are charged to the device budget (the placement plan); NULL: all are.
+     * The output projection is charged when lmhead is set. */
+    const bool *trunk_on_device;
+    const bool *shexp_on_device;
+    bool lmhead;
     struct forward_remote remote;     /* for the experts not held */
     volatile uint64_t *progress;      /* bumped per layer (watchdog), or NULL */
     const char *fail;                 /* failure injection spec (tests), or NULL:

@@ -13,6 +13,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "coordinator/planner.h"
 #include "kernels/cpu/threadpool.h"
 #include "worker/backend.h"
 
@@ -37,14 +38,15 @@ static uint64_t cpu_expert_bytes(const struct arch_layer *ly)
     return ly->gate_up_exps.mat_bytes + ly->down_exps.mat_bytes;
 }
 
-static uint64_t cpu_trunk_bytes(const struct arch_layer *ly)
+/* Trunk bytes of layer l charged to the device: what the plan placed there. */
+static uint64_t cpu_trunk_bytes(const struct backend_config *cfg, uint32_t l)
 {
-    const struct arch_matrix *ms[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz,
-                                      &ly->win, &ly->wba, &ly->wbeta, &ly->walpha, &ly->wout,
-                                      &ly->router, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
+    const struct arch_layer *ly = &cfg->model->layers[l];
     uint64_t b = 0;
-    for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
-        b += ms[i]->data ? ms[i]->mat_bytes : 0;
+    if (!cfg->trunk_on_device || cfg->trunk_on_device[l])
+        b += planner_proj_bytes(ly);
+    if (!cfg->shexp_on_device || cfg->shexp_on_device[l])
+        b += planner_shexp_bytes(ly);
     return b;
 }
 
@@ -145,11 +147,12 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
         for (uint32_t e = 0; e < m->hp.n_expert; e++)
             held += cpu_is_resident(cfg, l, e);
         experts += held * cpu_expert_bytes(&m->layers[l]);
-        trunk += cpu_trunk_bytes(&m->layers[l]);
+        trunk += cpu_trunk_bytes(cfg, l);
     }
+    if (cfg->lmhead)
+        trunk += m->output.mat_bytes;
     const uint32_t n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096;
-    const uint64_t scratch = (uint64_t)(cfg->max_batch ? cfg->max_batch : 256) * m->hp.n_embd *
-                             (m->hp.n_expert_used * 2 + 16) * 4;
+    const uint64_t scratch = planner_scratch_cpu(m, cfg->max_batch ? cfg->max_batch : 256);
     if (cpu_check_budget(cfg, experts, trunk, cpu_state_bytes(cfg, n_ctx), scratch))
         goto out_fail;
     if (cpu_copy_experts(b, c, cfg, experts))

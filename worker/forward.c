@@ -404,7 +404,7 @@ static void fw_deltanet(struct forward *fw, struct forward_seq *seq, uint32_t l,
 
 static bool fw_is_resident(const struct forward *fw, uint32_t l, uint32_t e)
 {
-    return !fw->resident || !fw->resident[l] || (fw->resident[l][e / 8] >> (e % 8)) & 1;
+    return !fw->resident || (fw->resident[l] && (fw->resident[l][e / 8] >> (e % 8)) & 1);
 }
 
 /* Routes each token, then orders the (token, slot) pairs by expert: the

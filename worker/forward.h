@@ -44,7 +44,8 @@ struct forward_config {
     bool kv_f16;                    /* store K and V as f16 (llama.cpp's default) */
     uint32_t max_batch;             /* tokens per internal pass; 0 means 256 */
     /* Per model layer (indexed by layer number, n_layer entries, borrowed): a
-     * bitmap of the experts computed here (bit e of byte e/8). NULL: all. */
+     * bitmap of the experts computed here (bit e of byte e/8); a NULL entry:
+     * none of that layer. NULL: all experts of every layer. */
     const uint8_t *const *resident;
     /* Per model layer: n_expert references to where resident experts' weights
      * live (a copy in device memory). NULL, or a NULL entry: the model's own. */

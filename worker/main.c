@@ -65,6 +65,7 @@ struct worker {
     struct shm_segment *shm;
     struct expert_ref **src;       /* per model layer: refs into shm */
     uint8_t **resident;            /* per model layer bitmaps */
+    bool *trunk_on, *shexp_on;     /* per model layer: placed on the device (plan) */
     struct backend *be;
     float *h, *logits;
     /* state */
@@ -231,7 +232,9 @@ static int worker_build_residency(struct worker *w, const struct wire_load_plan 
 {
     const uint32_t E = w->m->hp.n_expert, L = w->m->hp.n_layer;
     w->resident = calloc(L, sizeof(*w->resident));
-    if (!w->resident)
+    w->trunk_on = calloc(L, sizeof(bool));
+    w->shexp_on = calloc(L, sizeof(bool));
+    if (!w->resident || !w->trunk_on || !w->shexp_on)
         return -ENOMEM;
     for (size_t i = 0; i < p->n_residency; i++) {
         const struct wire_layer_residency *r = &p->residency[i];
@@ -240,6 +243,13 @@ static int worker_build_residency(struct worker *w, const struct wire_load_plan 
                       r->layer, r->bitmap_bytes, (E + 7) / 8);
             return -EPROTO;
         }
+        if (r->layer < w->l0 || r->layer >= w->l1) {
+            log_error("load plan: residency of layer %u outside layers %u-%u", r->layer, w->l0,
+                      w->l1 - 1);
+            return -EPROTO;
+        }
+        w->trunk_on[r->layer] = r->trunk;
+        w->shexp_on[r->layer] = r->shexp;
         w->resident[r->layer] = malloc(r->bitmap_bytes);
         if (!w->resident[r->layer])
             return -ENOMEM;
@@ -293,6 +303,7 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
         .device_mem = p->device_mem_budget, .n_threads = (int)p->n_threads, .n_ctx = p->n_ctx,
         .kv_f16 = p->kv_f16, .max_batch = p->max_batch,
         .resident = (const uint8_t *const *)w->resident,
+        .trunk_on_device = w->trunk_on, .shexp_on_device = w->shexp_on, .lmhead = p->lmhead,
         .expert_src = (const struct expert_ref *const *)w->src,
         .remote = {.ctx = w, .submit = worker_submit, .collect = worker_collect},
         .progress = &w->progress, .fail = getenv("LAMINA_FAIL")};
@@ -593,6 +604,8 @@ static void worker_cleanup(struct worker *w)
     }
     free(w->src);
     free(w->resident);
+    free(w->trunk_on);
+    free(w->shexp_on);
     free(w->h);
     free(w->logits);
     shm_destroy(w->shm);
