@@ -2,8 +2,7 @@
  * test_backend_cpu: the host backend on a synthetic qwen3next tiny model
  * (synth_write, Q8_0, in /tmp), against a forward over the same layers.
  *
- *   - every expert resident: resident_experts = layers x experts, mem_used
- *     covers the expert copies, trunk matrices and KV/DeltaNet state; the
+ *   - every expert resident: resident_experts = layers x experts; the
  *     layers + logits of a 10-token prefill and 3 decode steps equal the
  *     forward's bit for bit; backend_reset starts the sequence over (same
  *     bits); stats count the tokens;
@@ -19,8 +18,12 @@
  *     (NULL) with a message giving the layer range and the sizes of resident
  *     experts, trunk, KV and state and scratch; a budget that only the
  *     half-resident plan fits accepts that plan and refuses the full one.
- *   - a NULL per-layer residency entry (backend.h: "none") is probed in a
- *     child process and reported (see the comment at bc_probe_null_entry).
+ *   - a NULL per-layer residency entry holds none of the layer's experts:
+ *     not counted, refused without remote callbacks (child process), the
+ *     same bits through them;
+ *   - mem_used is exactly expert copies + projections + shared experts +
+ *     KV and DeltaNet state + scratch; the lm head adds the output matrix,
+ *     a layer's trunk or shared expert placed off the device is not charged.
  */
 #include "worker/backend.h"
 
@@ -166,6 +169,44 @@ static uint64_t bc_expert_bytes(const struct arch_layer *ly)
     return ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes + ly->down_exps.mat_bytes;
 }
 
+static uint64_t bc_mat(const struct arch_matrix *mm)
+{
+    return mm->data ? mm->mat_bytes : 0;
+}
+
+/* A layer's projections (attention or DeltaNet, and the router). */
+static uint64_t bc_proj_bytes(const struct arch_layer *ly)
+{
+    return bc_mat(&ly->wq) + bc_mat(&ly->wk) + bc_mat(&ly->wv) + bc_mat(&ly->wo) +
+           bc_mat(&ly->wqkv) + bc_mat(&ly->wz) + bc_mat(&ly->win) + bc_mat(&ly->wba) +
+           bc_mat(&ly->wbeta) + bc_mat(&ly->walpha) + bc_mat(&ly->wout) + bc_mat(&ly->router);
+}
+
+static uint64_t bc_shexp_bytes(const struct arch_layer *ly)
+{
+    return bc_mat(&ly->gate_sh) + bc_mat(&ly->up_sh) + bc_mat(&ly->down_sh);
+}
+
+/* What backend.h says a plan of every layer, every expert and trunk piece
+ * resident is charged: expert copies + projections + shared experts + KV
+ * (f32 here) and DeltaNet state + scratch (max_batch x n_embd x (2 top_k +
+ * 16) floats, planner.h). */
+static uint64_t bc_expected_mem(const struct arch_model *m, uint32_t max_batch, bool kv_f16)
+{
+    const struct arch_hparams *hp = &m->hp;
+    uint64_t b = 0;
+    for (uint32_t l = 0; l < hp->n_layer; l++) {
+        const struct arch_layer *ly = &m->layers[l];
+        b += hp->n_expert * bc_expert_bytes(ly) + bc_proj_bytes(ly) + bc_shexp_bytes(ly);
+        if (ly->recurrent)
+            b += ((uint64_t)arch_conv_dim(hp) * (hp->ssm_conv - 1) +
+                  (uint64_t)hp->ssm_nv * hp->ssm_dv * hp->ssm_dk) * 4;
+        else
+            b += 2ull * BC_CTX * hp->n_head_kv * hp->head_dim * (kv_f16 ? 2 : 4);
+    }
+    return b + (uint64_t)max_batch * hp->n_embd * (2 * hp->n_expert_used + 16) * 4;
+}
+
 static struct backend_config bc_config(const struct arch_model *m)
 {
     return (struct backend_config){.model = m, .layer_begin = 0, .layer_end = m->hp.n_layer,
@@ -189,9 +230,10 @@ static void bc_all_resident(const struct arch_model *m, const float *ref, uint64
         if (!m->layers[l].recurrent)
             kv += 2ull * BC_CTX * m->hp.n_head_kv * m->hp.head_dim * 4;
     }
-    CHECK(b->mem_used > experts + kv && b->mem_used < experts + kv + (64u << 20),
-          "mem_used %llu for %llu bytes of experts and %llu of KV", (unsigned long long)b->mem_used,
-          (unsigned long long)experts, (unsigned long long)kv);
+    const uint64_t want = bc_expected_mem(m, 16, false);
+    CHECK(b->mem_used == want, "mem_used %llu, expected %llu (experts %llu, KV %llu)",
+          (unsigned long long)b->mem_used, (unsigned long long)want, (unsigned long long)experts,
+          (unsigned long long)kv);
     *mem_all = b->mem_used;
     CHECK(b->calls == 0 && !strcmp(b->ops->name, "cpu"), "fresh backend");
     float *out = malloc(out_bytes);
@@ -315,6 +357,32 @@ static void bc_budget(const struct arch_model *m, uint64_t mem_all)
     CHECK(b && mem_all - b->mem_used == kv32 / 2, "f16 KV saves %llu bytes, want %llu",
           b ? (unsigned long long)(mem_all - b->mem_used) : 0ull, (unsigned long long)(kv32 / 2));
     backend_destroy(b);
+    /* the plan's trunk pieces: the lm head adds the output matrix, a layer
+     * whose projections (or shared expert) stay off the device is not charged
+     * for them */
+    bc = bc_config(m);
+    bc.lmhead = true;
+    b = backend_create("cpu", &bc);
+    CHECK(b && b->mem_used - mem_all == m->output.mat_bytes, "lm head charged %llu, want %llu",
+          b ? (unsigned long long)(b->mem_used - mem_all) : 0ull,
+          (unsigned long long)m->output.mat_bytes);
+    backend_destroy(b);
+    bool trunk[16], shexp[16];
+    for (uint32_t l = 0; l < m->hp.n_layer; l++)
+        trunk[l] = shexp[l] = l != 2;
+    bc = bc_config(m);
+    bc.trunk_on_device = trunk;
+    b = backend_create("cpu", &bc);
+    const uint64_t proj2 = bc_proj_bytes(&m->layers[2]), sh2 = bc_shexp_bytes(&m->layers[2]);
+    CHECK(b && mem_all - b->mem_used == proj2, "layer 2 trunk off the device saves %llu, want %llu",
+          b ? (unsigned long long)(mem_all - b->mem_used) : 0ull, (unsigned long long)proj2);
+    backend_destroy(b);
+    bc.shexp_on_device = shexp;
+    b = backend_create("cpu", &bc);
+    CHECK(b && sh2 > 0 && mem_all - b->mem_used == proj2 + sh2,
+          "layer 2 trunk and shared expert off the device save %llu, want %llu",
+          b ? (unsigned long long)(mem_all - b->mem_used) : 0ull, (unsigned long long)(proj2 + sh2));
+    backend_destroy(b);
 }
 
 /* expert_src: resident experts are copied from this table. */
@@ -363,25 +431,26 @@ static void bc_expert_src(const struct arch_model *m, const float *ref)
     free(tab);
 }
 
-/* backend.h says a NULL entry of resident holds no expert of that layer
- * (and cpu_is_resident agrees: resident_experts does not count them), but
- * the forward it configures reads a NULL entry as "all resident" and then
- * computes those experts locally from the zeroed reference table (NULL
- * weight pointers). Probed in a child: reported, not asserted, until fixed. */
-static void bc_probe_null_entry(const struct arch_model *m)
+/* A NULL residency entry holds none of that layer's experts: counted as
+ * none, refused without remote callbacks (-EINVAL; run in a child so that
+ * a crash, as in the version before forward.h's NULL-entry fix, fails the
+ * check instead of the whole test), and computed remotely with the same
+ * bits as all-resident. */
+static void bc_null_entries(const struct arch_model *m, const float *ref)
 {
     const uint32_t L = m->hp.n_layer, E = m->hp.n_expert;
-    uint8_t none[16] = {0};
+    const size_t out_bytes = (1 + BC_D) * m->hp.n_vocab * sizeof(float);
+    uint8_t all[16];
+    memset(all, 0xff, sizeof(all));
     const uint8_t *resident[16] = {NULL};
-    for (uint32_t l = 1; l < L; l++)
-        resident[l] = none;
+    for (uint32_t l = 0; l < L; l++)
+        resident[l] = l % 2 ? all : NULL; /* layers 0 and 2: none */
     struct backend_config bc = bc_config(m);
     bc.resident = resident;
     struct backend *b = backend_create("cpu", &bc);
-    CHECK(b && b->resident_experts == 0, "NULL entry: %u experts held, want 0 (none)",
-          b ? b->resident_experts : 0);
+    CHECK(b && b->resident_experts == L / 2 * E, "NULL entries: %u experts held, want %u",
+          b ? b->resident_experts : 0, L / 2 * E);
     backend_destroy(b);
-    (void)E;
     fflush(NULL);
     pid_t pid = fork(); /* the child makes its own backend: pool threads do not survive fork */
     if (pid == 0) {
@@ -392,18 +461,32 @@ static void bc_probe_null_entry(const struct arch_model *m)
         float *h = calloc(4 * m->hp.n_embd, sizeof(float));
         for (uint32_t i = 0; cb && i < 4 * m->hp.n_embd; i++)
             h[i] = 0.01f * (float)(i % 17);
-        /* no remote callbacks: a correct backend refuses with -EINVAL */
         int rc = cb ? backend_layers(cb, h, 4) : -ENOMEM;
         _exit(rc == -EINVAL ? 0 : 3);
     }
     int status = 0;
     waitpid(pid, &status, 0);
-    if (WIFSIGNALED(status))
-        MEASURE("KNOWN BUG: backend_cpu with a NULL residency entry (documented as none) crashed "
-                "with signal %d in its first layers call", WTERMSIG(status));
-    else
-        MEASURE("NULL residency entry: child exited with %d (0 = refused as expected)",
-                WEXITSTATUS(status));
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "NULL residency entries without remote "
+          "callbacks: child %s %d, want a clean -EINVAL", WIFSIGNALED(status) ? "killed by signal"
+          : "exited with", WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+    /* with the callbacks: the logits of every expert resident */
+    struct threadpool_config tc = {.n_threads = 1, .pin = false};
+    struct threadpool *rp = threadpool_create(&tc);
+    struct expert_exec_config xc = {.pool = rp, .n_embd = m->hp.n_embd, .n_ff = m->hp.n_ff_exp,
+                                    .max_rows = 16 * m->hp.n_expert_used};
+    struct bc_remote r = {.m = m, .xx = expert_exec_create(&xc)};
+    r.X = malloc((size_t)xc.max_rows * m->hp.n_embd * sizeof(float));
+    bc.remote = (struct forward_remote){.ctx = &r, .submit = bc_submit, .collect = bc_collect};
+    b = backend_create("cpu", &bc);
+    float *out = malloc(out_bytes);
+    CHECK(b && bc_run(m, b, NULL, out) == 0, "run with NULL entries");
+    CHECK(b && memcmp(out, ref, out_bytes) == 0 && r.rows > 0,
+          "NULL entries computed remotely differ (%llu remote rows)", (unsigned long long)r.rows);
+    backend_destroy(b);
+    free(out);
+    free(r.X);
+    expert_exec_destroy(r.xx);
+    threadpool_destroy(rp);
 }
 
 int main(void)
@@ -422,7 +505,7 @@ int main(void)
             bc_budget(bm.m, mem_all);
         }
         bc_expert_src(bm.m, ref);
-        bc_probe_null_entry(bm.m);
+        bc_null_entries(bm.m, ref);
         free(ref);
     }
     bc_close(&bm);

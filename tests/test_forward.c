@@ -13,8 +13,8 @@
  *   - layer ranges: [0,k) then [k,L) on the same hidden states, as two
  *     forwards with their own sequences, equals [0,L) bit for bit for every
  *     k, over a prefill and then decode steps;
- *   - residency: half the experts of each layer (odd ids; one layer left
- *     NULL = all resident) computed through the remote callbacks with an
+ *   - residency: half the experts of each layer (odd ids; layer 1's entry
+ *     NULL = none resident) computed through the remote callbacks with an
  *     expert_exec of their own gives the all-resident logits bit for bit;
  *     the callbacks see ascending non-resident experts, the row counts add
  *     up, stats count local and remote rows; a failing submit or collect
@@ -270,7 +270,7 @@ static int tf_submit(void *ctx, uint32_t layer, const uint32_t *experts, const u
     for (uint32_t g = 0; g < n_groups; g++) {
         sum += counts[g];
         r->bad += counts[g] == 0 || (g && experts[g] <= experts[g - 1]);
-        r->bad += r->resident[layer] == NULL || tf_bit(r->resident[layer], experts[g]);
+        r->bad += r->resident[layer] != NULL && tf_bit(r->resident[layer], experts[g]);
     }
     r->bad += sum != n_rows || n_rows > r->capacity || n_groups > 64 || n_groups == 0;
     if (r->bad)
@@ -315,7 +315,7 @@ static void tf_residency(const char *arch, const struct arch_model *m, struct th
         odd_out[e / 8] |= (uint8_t)(1u << (e % 8)); /* even ids resident */
     const uint8_t *resident[16];
     for (uint32_t l = 0; l < L; l++)
-        resident[l] = l == 1 ? NULL : odd_out; /* layer 1: NULL entry = all resident */
+        resident[l] = l == 1 ? NULL : odd_out; /* layer 1: NULL entry = none resident */
     struct expert_exec_config xc = {.pool = rpool, .n_embd = m->hp.n_embd,
                                     .n_ff = m->hp.n_ff_exp, .max_rows = B * m->hp.n_expert_used};
     struct tf_remote r = {.m = m, .xx = expert_exec_create(&xc), .resident = resident,
@@ -353,7 +353,7 @@ static void tf_residency(const char *arch, const struct arch_model *m, struct th
         CHECK(st->remote_rows == r.rows - rows0 && st->remote_rows > 0 && st->expert_rows > 0,
               "%s: remote rows %llu, callbacks saw %llu", arch,
               (unsigned long long)st->remote_rows, (unsigned long long)(r.rows - rows0));
-        MEASURE("%s: half the experts remote (odd ids, layer 1 all local): %llu local rows, %llu "
+        MEASURE("%s: half the experts remote (odd ids; layer 1 all remote): %llu local rows, %llu "
                 "remote rows, logits bit-identical to all-resident", arch,
                 (unsigned long long)st->expert_rows, (unsigned long long)st->remote_rows);
         forward_stats_reset(fw);
