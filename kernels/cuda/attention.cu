@@ -1,0 +1,847 @@
+/*
+ * attention: causal GQA attention of query rows over a layer's KV cache on
+ * the GPU (twin: attention_head in kernels/cpu/attention.c, driven per token
+ * and head as in fw_attn_head_task of worker/forward.c, output gate included).
+ *
+ * Maths, per query row (token t, head h; kv head j = h / G, G = n_head /
+ * n_head_kv), with n = pos0 + t + 1 visible positions:
+ *   s_p = scale * q . K[p][j],  a = softmax(s_0 .. s_{n-1}),  o = sum_p a_p V[p][j]
+ *   o *= sigmoid(gate) when gated (gate = the hd floats after q).
+ * Shapes: q f32, row (t, h) at q + t*q_tok_stride + h*q_head_stride; cache
+ * rows of kv_dim = n_head_kv*hd elements (f16 or f32) per position, head j at
+ * element j*hd; out f32 (t, h) at out + (t*n_head + h)*hd. hd <= 256, hd % 8 == 0.
+ *
+ * The exponentials use base 2 (q is pre-multiplied by scale*log2(e)) and the
+ * softmax is online: each worker keeps a running max m, a running sum l of
+ * 2^(s - m) and an accumulator sum 2^(s - m) V, rescaled by 2^(m_old - m_new)
+ * when the max grows; partial (m, l, acc) triples combine as
+ *   M = max m_i, L = sum 2^(m_i - M) l_i, A = sum 2^(m_i - M) acc_i, o = A / L.
+ *
+ * Warp ownership (both kernels): a warp owns NR <= 8 query rows that share a
+ * KV head. Lane L owns dims [L*DPL, L*DPL + DPL) of every row (DPL = hd/32
+ * rounded up to 1, 2, 4 or 8; lanes past hd hold zeros): it keeps those dims
+ * of q and of the accumulators in registers. A sub-step consumes P = 32/NR
+ * positions: each lane forms the NR*P partial dot products over its dims, a
+ * butterfly reduce-scatter (31 shuffles) leaves lane L the full score of row
+ * L/P at position L%P, the softmax bookkeeping runs one score per lane, the
+ * weights go through shared memory, and every lane adds weight * V over its
+ * dims. A step is U sub-steps (U = 2 gives two independent shuffle chains).
+ * Every reduction has a fixed order, so results are bit-identical run to run.
+ *
+ * Decode (n_tok = 1), flash-decoding: grid (split, kv head x head group); the
+ * block's 4 warps share the group's rows (all NG query heads of one KV head,
+ * so K and V are read once per group) and interleave over the split's
+ * positions a step at a time. On sm_80+ each lane stages its own piece of
+ * the step's K and V rows through a per-warp cp.async ring 1..2 steps ahead
+ * (attn_ring; f16: 3 stages of U = 2 sub-steps, f32: 2 stages of 1); else it
+ * loads them straight from global memory. The warps' triples combine in
+ * shared memory; with one split that is the output, else each block writes
+ * its triple per row to a workspace and attn_combine_kernel merges the
+ * splits in ascending order. Splits follow from the shape alone (the same
+ * on every GPU): chunks of >= 64 positions, at most 512 blocks.
+ *
+ * Prefill (n_tok > 1): grid (token tile, kv head x head group, split). The
+ * block's 8 warps own 64 rows (BQ = 64/NG tokens x NG heads); the block loads
+ * tiles of T positions of K and V (<= 32 KiB) into shared memory once and all
+ * warps consume them, each masking its rows causally (positions <= pos0 + t)
+ * and skipping tiles past its last row. Long contexts are split over blocks
+ * and merged by the same combine kernel. CUDA cores in f32 throughout (no
+ * tensor cores): correct first, about 17 TFLOP/s on an H200.
+ *
+ * Workspace: the split paths keep n_splits x n_tok x n_head x (hd + 2) floats
+ * of stream-ordered memory (cudaMallocAsync / cudaFreeAsync on `stream`; at
+ * most ~4 MiB for a decode step). With the default pool's release threshold
+ * of 0 the first allocation after each synchronisation maps memory again
+ * (~60 us): the process should raise cudaMemPoolAttrReleaseThreshold.
+ */
+#include "kernels/cuda/ops.h"
+
+#include <cuda_fp16.h>
+
+#include "kernels/cuda/ops_device.cuh"
+
+enum {
+    ATTN_ROWS = 8,            /* query rows per warp, at most */
+    ATTN_DECODE_WARPS = 4,    /* warps per decode block */
+    ATTN_PREFILL_WARPS = 8,   /* warps per prefill block */
+    ATTN_MAX_SPLITS = 512,    /* KV splits per row, at most */
+    ATTN_MAX_BLOCKS = 512,    /* target grid size of the split decode */
+    ATTN_MIN_CHUNK = 64,      /* positions per decode split, at least */
+    ATTN_TILE_BYTES = 32768,  /* prefill K + V tile in shared memory */
+    ATTN_MAX_HD = 256,
+};
+
+struct attn_args {
+    const float *q;
+    size_t q_tok_stride, q_head_stride;
+    const char *k, *v;  /* caches, bytes */
+    uint32_t n_head, n_head_kv, hd, n_tok, pos0;
+    uint32_t G, NG, n_groups;  /* heads per kv head, heads per block, groups per kv head */
+    float scale_log2;          /* scale * log2(e) */
+    bool gated;
+    float *out;
+    float *ws_acc;  /* [split][row][hd] (NULL: one split) */
+    float *ws_ml;   /* [split][row][2]: m, l */
+    uint32_t n_splits, chunk, tile;
+};
+
+/* DPL consecutive elements of a K or V row (f16 or f32) as floats; zeros
+ * for lanes that own no dims. row + off must be DPL-element aligned. */
+template <int DPL, bool F16>
+static __device__ __forceinline__ void attn_load(const char *row, size_t off, bool own,
+                                                 float (&f)[DPL])
+{
+    if (!own) {
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            f[d] = 0.0f;
+        return;
+    }
+    if constexpr (F16) {
+        const __half *p = (const __half *)row + off;
+        if constexpr (DPL == 1) {
+            f[0] = __half2float(*p);
+        } else {
+            /* DPL halves: 1, 2 or 4 words of two */
+            __half2 h[DPL / 2];
+            if constexpr (DPL == 8)
+                *(uint4 *)h = *(const uint4 *)p;
+            else if constexpr (DPL == 4)
+                *(uint2 *)h = *(const uint2 *)p;
+            else
+                *(unsigned int *)h = *(const unsigned int *)p;
+#pragma unroll
+            for (int i = 0; i < DPL / 2; i++) {
+                const float2 t = __half22float2(h[i]);
+                f[2 * i] = t.x;
+                f[2 * i + 1] = t.y;
+            }
+        }
+    } else {
+        const float *p = (const float *)row + off;
+        if constexpr (DPL == 1) {
+            f[0] = *p;
+        } else if constexpr (DPL == 2) {
+            const float2 t = *(const float2 *)p;
+            f[0] = t.x;
+            f[1] = t.y;
+        } else {
+#pragma unroll
+            for (int i = 0; i < DPL / 4; i++) {
+                const float4 t = ((const float4 *)p)[i];
+                f[4 * i] = t.x;
+                f[4 * i + 1] = t.y;
+                f[4 * i + 2] = t.z;
+                f[4 * i + 3] = t.w;
+            }
+        }
+    }
+}
+
+/* One butterfly stage: lanes pair across bit O; each keeps the half of its
+ * 2*O values selected by that bit and adds the partner's copy of it. */
+template <int O>
+static __device__ __forceinline__ void attn_scatter_stage(float (&v)[32], bool hi)
+{
+#pragma unroll
+    for (int i = 0; i < O; i++) {
+        const float lo_v = v[i], hi_v = v[i + O];
+        const float send = hi ? lo_v : hi_v;
+        const float keep = hi ? hi_v : lo_v;
+        v[i] = keep + __shfl_xor_sync(OPS_FULL_MASK, send, O);
+    }
+}
+
+/* Butterfly reduce-scatter: on return lane L holds the sum over all lanes of
+ * v[L]. 16 + 8 + 4 + 2 + 1 shuffles. */
+static __device__ __forceinline__ float attn_reduce_scatter(float (&v)[32], int lane)
+{
+    attn_scatter_stage<16>(v, lane & 16);
+    attn_scatter_stage<8>(v, lane & 8);
+    attn_scatter_stage<4>(v, lane & 4);
+    attn_scatter_stage<2>(v, lane & 2);
+    attn_scatter_stage<1>(v, lane & 1);
+    return v[0];
+}
+
+/* The online-softmax state of one warp (see the file comment). */
+template <int DPL, int NR>
+struct attn_warp {
+    float q[NR][DPL];
+    float acc[NR][DPL];
+    float m; /* running max (log2 units) of row lane / P */
+    float l; /* this lane's share of that row's running sum */
+};
+
+template <int DPL, int NR>
+static __device__ __forceinline__ void attn_warp_init(attn_warp<DPL, NR> &st)
+{
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            st.acc[r][d] = 0.0f;
+    st.m = -INFINITY;
+    st.l = 0.0f;
+}
+
+/* One step over positions pos .. pos + U*P - 1, whose K and V rows start at
+ * k and v (`stride` elements apart; only the first n_load rows may be read,
+ * later ones are clamped to the last). Sub-step u (positions pos + u*P ..)
+ * has its own reduce-scatter; U = 2 gives the scheduler two independent
+ * shuffle chains. Position pos + u*P + L%P counts for lane L when below
+ * `lim`. sw: this warp's (U + 1) * 32 floats of shared memory. FROM_GLOBAL:
+ * issue the V loads together with the K loads, to have more in flight. */
+template <int DPL, int NR, int U, bool F16, bool FROM_GLOBAL>
+static __device__ __forceinline__ void attn_step(attn_warp<DPL, NR> &st, const char *k,
+                                                 const char *v, size_t stride, int n_load,
+                                                 uint32_t pos, uint32_t lim, bool own, int lane,
+                                                 float *sw)
+{
+    constexpr int P = 32 / NR, PU = P * U;
+    constexpr bool PREFETCH_V = FROM_GLOBAL && PU * DPL <= 32;
+    const size_t off = (size_t)lane * DPL;
+    float vf[PREFETCH_V ? PU : 1][DPL];
+    if constexpr (PREFETCH_V) {
+#pragma unroll
+        for (int p = 0; p < PU; p++)
+            attn_load<DPL, F16>(v, (size_t)(p < n_load ? p : n_load - 1) * stride + off, own,
+                                vf[p]);
+    }
+    float s[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        float sc[32];
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            float kf[DPL];
+            const int row = u * P + p;
+            attn_load<DPL, F16>(k, (size_t)(row < n_load ? row : n_load - 1) * stride + off,
+                                own, kf);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int d = 0; d < DPL; d++)
+                    acc = fmaf(st.q[r][d], kf[d], acc);
+                sc[r * P + p] = acc;
+            }
+        }
+        s[u] = attn_reduce_scatter(sc, lane);
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        s[u] = pos + (uint32_t)(u * P + lane % P) < lim ? s[u] : -INFINITY;
+        mx = fmaxf(mx, s[u]);
+    }
+#pragma unroll
+    for (int o = P / 2; o > 0; o >>= 1)
+        mx = fmaxf(mx, __shfl_xor_sync(OPS_FULL_MASK, mx, o));
+    const float m_new = fmaxf(st.m, mx);
+    float c = 1.0f, esum = 0.0f;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const float e = m_new != -INFINITY ? exp2f(s[u] - m_new) : 0.0f;
+        sw[u * 32 + lane] = e;
+        esum += e;
+    }
+    if (m_new != -INFINITY)
+        c = exp2f(st.m - m_new);
+    st.l = st.l * c + esum;
+    st.m = m_new;
+    sw[U * 32 + lane] = c;
+    __syncwarp();
+    if (__any_sync(OPS_FULL_MASK, c != 1.0f)) {
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const float cr = sw[U * 32 + r * P];
+#pragma unroll
+            for (int d = 0; d < DPL; d++)
+                st.acc[r][d] *= cr;
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < PU; p++) {
+        float vl[DPL];
+        if constexpr (PREFETCH_V) {
+#pragma unroll
+            for (int d = 0; d < DPL; d++)
+                vl[d] = vf[p][d];
+        } else {
+            attn_load<DPL, F16>(v, (size_t)(p < n_load ? p : n_load - 1) * stride + off, own,
+                                vl);
+        }
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const float w = sw[(p / P) * 32 + r * P + p % P];
+#pragma unroll
+            for (int d = 0; d < DPL; d++)
+                st.acc[r][d] = fmaf(w, vl[d], st.acc[r][d]);
+        }
+    }
+    __syncwarp();
+}
+
+/* Loads row r's q (dims of this lane, pre-scaled), zeros when !valid. */
+template <int DPL, int NR>
+static __device__ __forceinline__ void attn_load_q(attn_warp<DPL, NR> &st, int r,
+                                                   const float *qrow, bool valid, bool own,
+                                                   int lane, float scale)
+{
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
+        st.q[r][d] = valid && own ? qrow[lane * DPL + d] * scale : 0.0f;
+}
+
+/* Sum of l over the P lanes of each row; every lane of the row gets it. */
+template <int NR>
+static __device__ __forceinline__ float attn_row_sum(float l)
+{
+#pragma unroll
+    for (int o = 16 / NR; o > 0; o >>= 1)
+        l += __shfl_xor_sync(OPS_FULL_MASK, l, o);
+    return l;
+}
+
+static __device__ __forceinline__ float attn_gate(const struct attn_args &a, const float *qrow,
+                                                  uint32_t d, float o)
+{
+    return a.gated ? o * (1.0f / (1.0f + expf(-qrow[a.hd + d]))) : o;
+}
+
+static __device__ __forceinline__ size_t attn_ws_row(const struct attn_args &a, uint32_t split,
+                                                     uint32_t t, uint32_t h)
+{
+    return ((size_t)split * a.n_tok + t) * a.n_head + h;
+}
+
+/* The per-warp staging ring of the decode kernel on sm_80+: each lane copies
+ * its own PIECE bytes of the step's P K rows and P V rows into slot
+ * (step % STAGES) with cp.async, STAGES - 1 steps ahead, and later reads back
+ * only what it copied itself, so the ring needs no barrier. Used when a slot
+ * is small (P * DPL <= 32) and pieces are whole cp.async sizes. */
+template <int DPL, int NR, bool F16>
+struct attn_ring {
+    static constexpr int U = F16 ? 2 : 1;      /* sub-steps per step (see attn_step) */
+    static constexpr int P = 32 / NR * U, ESZ = F16 ? 2 : 4; /* positions per step */
+    static constexpr int PIECE = DPL * ESZ;   /* bytes of one row one lane copies */
+    static constexpr int ROW = 32 * PIECE;    /* bytes of one staged row */
+    static constexpr int SLOT = 2 * P * ROW;  /* K rows, then V rows */
+    static constexpr int STAGES = F16 ? 3 : 2;
+    static constexpr bool ON = P / U * DPL <= 32 && PIECE >= 4;
+    static constexpr size_t BYTES = (size_t)ATTN_DECODE_WARPS * STAGES * SLOT;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define ATTN_HAVE_CP_ASYNC 1
+#else
+#define ATTN_HAVE_CP_ASYNC 0
+#endif
+
+template <int PIECE>
+static __device__ __forceinline__ void attn_cp_async(char *dst, const char *src)
+{
+#if ATTN_HAVE_CP_ASYNC
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    if constexpr (PIECE >= 16) {
+#pragma unroll
+        for (int i = 0; i < PIECE / 16; i++)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d + 16 * i),
+                         "l"(src + 16 * i)
+                         : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src),
+                     "n"(PIECE)
+                     : "memory");
+    }
+#else
+    (void)dst, (void)src;
+#endif
+}
+
+static __device__ __forceinline__ void attn_cp_commit()
+{
+#if ATTN_HAVE_CP_ASYNC
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+static __device__ __forceinline__ void attn_cp_wait()
+{
+#if ATTN_HAVE_CP_ASYNC
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* Stages step i of this warp (positions first + i*step ..) into its slot and
+ * commits a group (an empty one past the last step, to keep counts even). */
+template <int DPL, int NR, bool F16>
+static __device__ __forceinline__ void attn_ring_issue(char *ring, const char *k, const char *v,
+                                                       size_t row_bytes, uint32_t first,
+                                                       uint32_t step, uint32_t n_steps,
+                                                       uint32_t c1, uint32_t i, int lane,
+                                                       bool own)
+{
+    using R = attn_ring<DPL, NR, F16>;
+    if (i < n_steps && own) {
+        const uint32_t p = first + i * step;
+        char *slot = ring + (i % R::STAGES) * R::SLOT + lane * R::PIECE;
+#pragma unroll
+        for (int r = 0; r < R::P; r++) {
+            const size_t at = (size_t)min(p + r, c1 - 1) * row_bytes + lane * R::PIECE;
+            attn_cp_async<R::PIECE>(slot + r * R::ROW, k + at);
+            attn_cp_async<R::PIECE>(slot + (R::P + r) * R::ROW, v + at);
+        }
+    }
+    attn_cp_commit();
+}
+
+/* This warp's positions of [c0, c1) through the ring (see attn_ring). */
+template <int DPL, int NR, bool F16>
+static __device__ __forceinline__ void attn_decode_ring(attn_warp<DPL, NR> &st, char *ring,
+                                                        const char *k, const char *v,
+                                                        size_t row_bytes, uint32_t c0,
+                                                        uint32_t c1, int warp, int lane,
+                                                        bool own, float *sw)
+{
+    using R = attn_ring<DPL, NR, F16>;
+    const uint32_t first = c0 + warp * R::P, step = ATTN_DECODE_WARPS * R::P;
+    const uint32_t n_steps = first < c1 ? (c1 - first + step - 1) / step : 0;
+#pragma unroll
+    for (int i = 0; i < R::STAGES - 1; i++)
+        attn_ring_issue<DPL, NR, F16>(ring, k, v, row_bytes, first, step, n_steps, c1, i, lane,
+                                      own);
+    for (uint32_t i = 0; i < n_steps; i++) {
+        attn_ring_issue<DPL, NR, F16>(ring, k, v, row_bytes, first, step, n_steps, c1,
+                                      i + R::STAGES - 1, lane, own);
+        attn_cp_wait<R::STAGES - 1>(); /* step i has landed */
+        const char *slot = ring + (i % R::STAGES) * R::SLOT;
+        attn_step<DPL, NR, R::U, F16, false>(st, slot, slot + R::P * R::ROW, 32 * DPL, R::P,
+                                             first + i * step, c1, own, lane, sw);
+    }
+    attn_cp_wait<0>();
+}
+
+template <int DPL, int NR, bool F16>
+static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32)
+    attn_decode_kernel(const struct attn_args a, bool ring)
+{
+    constexpr int P = 32 / NR, NW = ATTN_DECODE_WARPS, ESZ = F16 ? 2 : 4;
+    extern __shared__ uint4 s_dyn[]; /* the rings, then the warps' accumulators */
+    __shared__ float s_sw[NW][96];
+    __shared__ float s_m[NW][NR], s_l[NW][NR];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool own = (uint32_t)lane * DPL < a.hd;
+    const uint32_t split = blockIdx.x, j = blockIdx.y / a.n_groups;
+    const uint32_t h0 = j * a.G + (blockIdx.y % a.n_groups) * a.NG;
+    const uint32_t n_kv = a.pos0 + 1, c0 = split * a.chunk;
+    const uint32_t c1 = min(n_kv, c0 + a.chunk);
+    const size_t kv_dim = (size_t)a.n_head_kv * a.hd;
+    const char *kh = a.k + (size_t)j * a.hd * ESZ, *vh = a.v + (size_t)j * a.hd * ESZ;
+
+    attn_warp<DPL, NR> st;
+    attn_warp_init(st);
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+        attn_load_q(st, r, a.q + (size_t)(h0 + r) * a.q_head_stride, (uint32_t)r < a.NG, own,
+                    lane, a.scale_log2);
+    if (ATTN_HAVE_CP_ASYNC && attn_ring<DPL, NR, F16>::ON && ring) {
+        using R = attn_ring<DPL, NR, F16>;
+        attn_decode_ring<DPL, NR, F16>(st, (char *)s_dyn + warp * R::STAGES * R::SLOT, kh, vh,
+                                       kv_dim * ESZ, c0, c1, warp, lane, own, s_sw[warp]);
+    } else {
+        for (uint32_t p = c0 + warp * P; p < c1; p += NW * P) {
+            const size_t at = (size_t)p * kv_dim * ESZ;
+            attn_step<DPL, NR, 1, F16, true>(st, kh + at, vh + at, kv_dim, (int)(c1 - p), p,
+                                             c1, own, lane, s_sw[warp]);
+        }
+    }
+    float(*s_acc)[NR][DPL * 32] = (float(*)[NR][DPL * 32])s_dyn;
+    const float l = attn_row_sum<NR>(st.l);
+    __syncthreads(); /* the rings are free: reuse them for the accumulators */
+    if (lane % P == 0) {
+        s_m[warp][lane / P] = st.m;
+        s_l[warp][lane / P] = l;
+    }
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            s_acc[warp][r][lane * DPL + d] = st.acc[r][d];
+    __syncthreads();
+
+    for (uint32_t i = threadIdx.x; i < a.NG * a.hd; i += NW * 32) {
+        const uint32_t r = i / a.hd, d = i % a.hd, h = h0 + r;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NW; w++)
+            M = fmaxf(M, s_m[w][r]);
+        float L = 0.0f, A = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            const float wt = s_m[w][r] == -INFINITY ? 0.0f : exp2f(s_m[w][r] - M);
+            L += wt * s_l[w][r];
+            A += wt * s_acc[w][r][d];
+        }
+        if (!a.ws_acc) {
+            const float *qrow = a.q + (size_t)h * a.q_head_stride;
+            a.out[(size_t)h * a.hd + d] = attn_gate(a, qrow, d, A / L);
+            continue;
+        }
+        const size_t row = attn_ws_row(a, split, 0, h);
+        a.ws_acc[row * a.hd + d] = A;
+        if (d == 0) {
+            a.ws_ml[2 * row] = M;
+            a.ws_ml[2 * row + 1] = L;
+        }
+    }
+}
+
+/* Copies positions [t0, t0 + tile) of kv head j into the shared tiles, zeros
+ * past `end`. Rows are hd*ESZ bytes, a multiple of 16. */
+template <bool F16>
+static __device__ __forceinline__ void attn_load_tile(const struct attn_args &a, uint32_t j,
+                                                      uint32_t t0, uint32_t end, uint4 *s_k,
+                                                      uint4 *s_v)
+{
+    constexpr int ESZ = F16 ? 2 : 4;
+    const uint32_t vpr = a.hd * ESZ / 16; /* 16-byte vectors per row */
+    const size_t kv_dim = (size_t)a.n_head_kv * a.hd;
+    for (uint32_t i = threadIdx.x; i < a.tile * vpr; i += blockDim.x) {
+        const uint32_t row = i / vpr, col = i % vpr, p = t0 + row;
+        uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+        if (p < end) {
+            const size_t at = ((size_t)p * kv_dim + (size_t)j * a.hd) * ESZ + (size_t)col * 16;
+            kx = *(const uint4 *)(a.k + at);
+            vx = *(const uint4 *)(a.v + at);
+        }
+        s_k[i] = kx;
+        s_v[i] = vx;
+    }
+}
+
+template <int DPL, bool F16>
+static __global__ void __launch_bounds__(ATTN_PREFILL_WARPS * 32)
+    attn_prefill_kernel(const struct attn_args a)
+{
+    constexpr int NR = ATTN_ROWS, P = 32 / NR, ESZ = F16 ? 2 : 4;
+    extern __shared__ uint4 s_tiles[];
+    __shared__ float s_sw[ATTN_PREFILL_WARPS][64];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool own = (uint32_t)lane * DPL < a.hd;
+    const uint32_t j = blockIdx.y / a.n_groups, split = blockIdx.z;
+    const uint32_t h0 = j * a.G + (blockIdx.y % a.n_groups) * a.NG;
+    const uint32_t bq = ATTN_PREFILL_WARPS * NR / a.NG, tok0 = blockIdx.x * bq;
+    const uint32_t c0 = split * a.chunk;
+    const uint32_t c1 = min(a.pos0 + a.n_tok, c0 + a.chunk);
+    uint4 *s_k = s_tiles, *s_v = s_tiles + a.tile * (a.hd * ESZ / 16);
+
+    attn_warp<DPL, NR> st;
+    attn_warp_init(st);
+    uint32_t lim = 0, warp_lim = 0; /* lane's row limit, the warp's largest */
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        const uint32_t idx = warp * NR + r, t = tok0 + idx / a.NG, h = h0 + idx % a.NG;
+        const bool valid = idx < bq * a.NG && t < a.n_tok;
+        const uint32_t rl = valid ? min(a.pos0 + t + 1, c1) : 0;
+        attn_load_q(st, r, a.q + (size_t)t * a.q_tok_stride + (size_t)h * a.q_head_stride,
+                    valid, own, lane, a.scale_log2);
+        lim = r == lane / P ? rl : lim;
+        warp_lim = max(warp_lim, rl);
+    }
+    const uint32_t block_end = min(c1, a.pos0 + min(tok0 + bq, a.n_tok));
+    const size_t row_bytes = (size_t)a.hd * ESZ;
+    for (uint32_t t0 = c0; t0 < block_end; t0 += a.tile) {
+        __syncthreads();
+        attn_load_tile<F16>(a, j, t0, block_end, s_k, s_v);
+        __syncthreads();
+        const uint32_t stop = min(t0 + a.tile, warp_lim);
+        for (uint32_t p = t0; p < stop; p += P) {
+            const size_t at = (size_t)(p - t0) * row_bytes;
+            attn_step<DPL, NR, 1, F16, false>(st, (const char *)s_k + at,
+                                              (const char *)s_v + at, a.hd, P, p, lim, own,
+                                              lane, s_sw[warp]);
+        }
+    }
+
+    const float l = attn_row_sum<NR>(st.l);
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        const uint32_t idx = warp * NR + r, t = tok0 + idx / a.NG, h = h0 + idx % a.NG;
+        const float m_r = __shfl_sync(OPS_FULL_MASK, st.m, r * P);
+        const float l_r = __shfl_sync(OPS_FULL_MASK, l, r * P);
+        if (idx >= bq * a.NG || t >= a.n_tok || !own)
+            continue;
+        const float *qrow = a.q + (size_t)t * a.q_tok_stride + (size_t)h * a.q_head_stride;
+        if (!a.ws_acc) {
+            float *o = a.out + ((size_t)t * a.n_head + h) * a.hd;
+#pragma unroll
+            for (int d = 0; d < DPL; d++)
+                o[lane * DPL + d] = attn_gate(a, qrow, lane * DPL + d, st.acc[r][d] / l_r);
+            continue;
+        }
+        const size_t row = attn_ws_row(a, split, t, h);
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            a.ws_acc[row * a.hd + lane * DPL + d] = st.acc[r][d];
+        if (lane == 0) {
+            a.ws_ml[2 * row] = m_r;
+            a.ws_ml[2 * row + 1] = l_r;
+        }
+    }
+}
+
+/* Grid (row (t, h), 16-dim slice): merges the n_splits partial triples of
+ * the row. 256 threads: thread (sl, q) sums splits sl, sl + 64, ... of dims
+ * 4q .. 4q + 3 of the slice (float4 loads), then the 64 partial sums of each
+ * dim are added in ascending sl and the gate applied. */
+static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct attn_args a)
+{
+    __shared__ float s_w[ATTN_MAX_SPLITS];
+    __shared__ float s_tmp[32];
+    __shared__ float4 s_part[64][4];
+    const uint32_t t = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head;
+    float mx = -INFINITY;
+    for (uint32_t s = threadIdx.x; s < a.n_splits; s += blockDim.x)
+        mx = fmaxf(mx, a.ws_ml[2 * attn_ws_row(a, s, t, h)]);
+    const float M = ops_block_max(mx, s_tmp);
+    float lsum = 0.0f;
+    for (uint32_t s = threadIdx.x; s < a.n_splits; s += blockDim.x) {
+        const size_t row = attn_ws_row(a, s, t, h);
+        const float m = a.ws_ml[2 * row];
+        const float w = m == -INFINITY ? 0.0f : exp2f(m - M);
+        s_w[s] = w;
+        lsum += w * a.ws_ml[2 * row + 1];
+    }
+    const float L = ops_block_sum(lsum, s_tmp); /* its barriers publish s_w too */
+    const uint32_t q = threadIdx.x % 4, sl = threadIdx.x / 4;
+    const uint32_t d = blockIdx.y * 16 + 4 * q;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (d < a.hd) {
+#pragma unroll 4
+        for (uint32_t s = sl; s < a.n_splits; s += 64) {
+            const float w = s_w[s];
+            const float4 x = *(const float4 *)&a.ws_acc[attn_ws_row(a, s, t, h) * a.hd + d];
+            acc.x += w * x.x;
+            acc.y += w * x.y;
+            acc.z += w * x.z;
+            acc.w += w * x.w;
+        }
+    }
+    s_part[sl][q] = acc;
+    __syncthreads();
+    const uint32_t dd = blockIdx.y * 16 + threadIdx.x;
+    if (threadIdx.x >= 16 || dd >= a.hd)
+        return;
+    float A = 0.0f;
+    for (int i = 0; i < 64; i++)
+        A += ((const float *)&s_part[i][threadIdx.x / 4])[threadIdx.x % 4];
+    const float *qrow = a.q + (size_t)t * a.q_tok_stride + (size_t)h * a.q_head_stride;
+    a.out[((size_t)t * a.n_head + h) * a.hd + dd] = attn_gate(a, qrow, dd, A / L);
+}
+
+/* ---- host side ---- */
+
+static int attn_dpl(uint32_t hd)
+{
+    return hd <= 32 ? 1 : hd <= 64 ? 2 : hd <= 128 ? 4 : 8;
+}
+
+static uint32_t attn_div_up(uint64_t a, uint64_t b)
+{
+    return (uint32_t)((a + b - 1) / b);
+}
+
+/* Launches one decode instance: with the cp.async ring where the device has
+ * it (compute capability >= 8) and the instance uses one. */
+template <int DPL, int NR, bool F16>
+static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
+                          cudaStream_t stream)
+{
+    using R = attn_ring<DPL, NR, F16>;
+    const bool ring = R::ON && cp_async;
+    const size_t acc = (size_t)ATTN_DECODE_WARPS * NR * DPL * 32 * sizeof(float);
+    const size_t smem = ring && R::BYTES > acc ? R::BYTES : acc;
+    if (smem > 40 * 1024) { /* past 48 KiB with the static arrays: opt in */
+        const cudaError_t e = cudaFuncSetAttribute(
+            attn_decode_kernel<DPL, NR, F16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            (int)smem);
+        if (e != cudaSuccess) {
+            log_error("cuda_attention: %zu bytes of shared memory refused: %s", smem,
+                      cudaGetErrorString(e));
+            return -EIO;
+        }
+    }
+    attn_decode_kernel<DPL, NR, F16>
+        <<<grid, ATTN_DECODE_WARPS * 32, smem, stream>>>(a, ring);
+    return 0;
+}
+
+template <int DPL, bool F16>
+static int attn_launch_decode_nr(const struct attn_args &a, int nr, dim3 grid, bool cp_async,
+                                 cudaStream_t stream)
+{
+    switch (nr) {
+    case 1: return attn_decode_go<DPL, 1, F16>(a, grid, cp_async, stream);
+    case 2: return attn_decode_go<DPL, 2, F16>(a, grid, cp_async, stream);
+    case 4: return attn_decode_go<DPL, 4, F16>(a, grid, cp_async, stream);
+    default: return attn_decode_go<DPL, 8, F16>(a, grid, cp_async, stream);
+    }
+}
+
+template <bool F16>
+static int attn_launch_decode(const struct attn_args &a, int dpl, int nr, dim3 grid,
+                              bool cp_async, cudaStream_t stream)
+{
+    switch (dpl) {
+    case 1: return attn_launch_decode_nr<1, F16>(a, nr, grid, cp_async, stream);
+    case 2: return attn_launch_decode_nr<2, F16>(a, nr, grid, cp_async, stream);
+    case 4: return attn_launch_decode_nr<4, F16>(a, nr, grid, cp_async, stream);
+    default: return attn_launch_decode_nr<8, F16>(a, nr, grid, cp_async, stream);
+    }
+}
+
+template <bool F16>
+static void attn_launch_prefill(const struct attn_args &a, int dpl, dim3 grid, size_t smem,
+                                cudaStream_t stream)
+{
+    const dim3 block(ATTN_PREFILL_WARPS * 32);
+    switch (dpl) {
+    case 1: attn_prefill_kernel<1, F16><<<grid, block, smem, stream>>>(a); break;
+    case 2: attn_prefill_kernel<2, F16><<<grid, block, smem, stream>>>(a); break;
+    case 4: attn_prefill_kernel<4, F16><<<grid, block, smem, stream>>>(a); break;
+    default: attn_prefill_kernel<8, F16><<<grid, block, smem, stream>>>(a); break;
+    }
+}
+
+/* Heads per block: the largest divisor of G not above ATTN_ROWS. */
+static uint32_t attn_group_heads(uint32_t G)
+{
+    uint32_t ng = G < ATTN_ROWS ? G : ATTN_ROWS;
+    while (G % ng)
+        ng--;
+    return ng;
+}
+
+/* Splits of n_kv positions for `units` blocks per split: chunks of at least
+ * min_chunk positions (a multiple of `align`), at most max_blocks blocks. */
+static void attn_plan_splits(struct attn_args *a, uint32_t n_kv, uint32_t units,
+                             uint32_t min_chunk, uint32_t max_blocks, uint32_t align)
+{
+    uint32_t want = attn_div_up(n_kv, min_chunk), cap = max_blocks / units;
+    cap = cap < 1 ? 1 : cap > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : cap;
+    const uint32_t n = want < cap ? want : cap;
+    a->chunk = attn_div_up(attn_div_up(n_kv, n), align) * align;
+    a->n_splits = attn_div_up(n_kv, a->chunk);
+}
+
+static int attn_check(const float *d_q, size_t q_head_stride, const void *d_kcache,
+                      const void *d_vcache, uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
+                      uint32_t n_tok, uint32_t pos0, bool gated, const float *d_out)
+{
+    const bool bad_ptr = !d_q || !d_kcache || !d_vcache || !d_out ||
+                         (uintptr_t)d_kcache % 16 || (uintptr_t)d_vcache % 16;
+    const bool bad_shape = n_head == 0 || n_head_kv == 0 || n_head % n_head_kv || hd == 0 ||
+                           hd > ATTN_MAX_HD || hd % 8 || (n_head > 1 && q_head_stride < hd) ||
+                           (gated && q_head_stride < 2 * (size_t)hd && n_head > 1) ||
+                           (uint64_t)pos0 + n_tok > (1u << 30) ||
+                           (uint64_t)n_head * n_tok > (1u << 31);
+    if (bad_ptr || bad_shape) {
+        log_error("cuda_attention: bad arguments (q %p, kcache %p, vcache %p, out %p, n_head %u, "
+                  "n_head_kv %u, hd %u, q_head_stride %zu, n_tok %u, pos0 %u, gated %d)",
+                  (const void *)d_q, d_kcache, d_vcache, (const void *)d_out, n_head, n_head_kv,
+                  hd, q_head_stride, n_tok, pos0, (int)gated);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static int attn_ws_alloc(struct attn_args *a, cudaStream_t stream)
+{
+    const size_t rows = (size_t)a->n_splits * a->n_tok * a->n_head;
+    void *ws = nullptr;
+    const cudaError_t e = cudaMallocAsync(&ws, rows * (a->hd + 2) * sizeof(float), stream);
+    if (e != cudaSuccess) {
+        log_error("cuda_attention: workspace of %zu bytes for %u splits: %s",
+                  rows * (a->hd + 2) * sizeof(float), a->n_splits, cudaGetErrorString(e));
+        return e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO;
+    }
+    a->ws_acc = (float *)ws; /* first: its rows stay 16-byte aligned */
+    a->ws_ml = a->ws_acc + rows * a->hd;
+    return 0;
+}
+
+extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
+                              const void *d_kcache, const void *d_vcache, bool f16,
+                              uint32_t n_head, uint32_t n_head_kv, uint32_t hd, uint32_t n_tok,
+                              uint32_t pos0, float scale, bool gated, float *d_out,
+                              cudaStream_t stream)
+{
+    int rc = attn_check(d_q, q_head_stride, d_kcache, d_vcache, n_head, n_head_kv, hd, n_tok,
+                        pos0, gated, d_out);
+    if (rc || n_tok == 0)
+        return rc;
+    struct attn_args a = {};
+    a.q = d_q;
+    a.q_tok_stride = q_tok_stride;
+    a.q_head_stride = q_head_stride;
+    a.k = (const char *)d_kcache;
+    a.v = (const char *)d_vcache;
+    a.n_head = n_head;
+    a.n_head_kv = n_head_kv;
+    a.hd = hd;
+    a.n_tok = n_tok;
+    a.pos0 = pos0;
+    a.G = n_head / n_head_kv;
+    a.NG = attn_group_heads(a.G);
+    a.n_groups = a.G / a.NG;
+    a.scale_log2 = scale * 1.4426950408889634f;
+    a.gated = gated;
+    a.out = d_out;
+    const int dpl = attn_dpl(hd);
+    const uint32_t units = n_head_kv * a.n_groups, esz = f16 ? 2 : 4;
+    dim3 grid;
+    size_t smem = 0;
+    if (n_tok == 1) {
+        attn_plan_splits(&a, pos0 + 1, units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
+        grid = dim3(a.n_splits, units);
+    } else {
+        uint32_t tile = ATTN_TILE_BYTES / (2 * hd * esz);
+        a.tile = tile > 64 ? 64 : tile / 4 * 4;
+        smem = (size_t)2 * a.tile * hd * esz;
+        const uint32_t tiles = attn_div_up(n_tok, ATTN_PREFILL_WARPS * ATTN_ROWS / a.NG);
+        attn_plan_splits(&a, pos0 + n_tok, tiles * units, 512, 256, a.tile);
+        grid = dim3(tiles, units, a.n_splits);
+    }
+    if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
+        return rc;
+    if (n_tok == 1) {
+        const int nr = a.NG <= 1 ? 1 : a.NG <= 2 ? 2 : a.NG <= 4 ? 4 : 8;
+        int dev = 0, major = 0;
+        const bool cp_async = cudaGetDevice(&dev) == cudaSuccess &&
+                              cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                                     dev) == cudaSuccess &&
+                              major >= 8;
+        rc = f16 ? attn_launch_decode<true>(a, dpl, nr, grid, cp_async, stream)
+                 : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
+    } else if (f16) {
+        attn_launch_prefill<true>(a, dpl, grid, smem, stream);
+    } else {
+        attn_launch_prefill<false>(a, dpl, grid, smem, stream);
+    }
+    rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
+    if (!rc && a.n_splits > 1) {
+        attn_combine_kernel<<<dim3(n_tok * n_head, attn_div_up(hd, 16)), 256, 0, stream>>>(a);
+        rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
+    }
+    if (a.ws_acc) {
+        const cudaError_t e = cudaFreeAsync(a.ws_acc, stream);
+        if (e != cudaSuccess) {
+            log_error("cuda_attention: workspace free failed: %s", cudaGetErrorString(e));
+            rc = rc ? rc : -EIO;
+        }
+    }
+    return rc;
+}

@@ -1,0 +1,102 @@
+/*
+ * combine: the glue of the MoE feed-forward on the GPU: the SiLU-gated
+ * product of gate|up rows (twin: the loop in fw_shared_expert) and the
+ * weighted sum of expert outputs plus the gated shared expert into the
+ * residual (twin: fw_moe_combine followed by the residual add, both in
+ * worker/forward.c).
+ *
+ * silu_mul: act[r][j] = silu(gu[r][j]) * gu[r][F + j], silu(x) = x / (1 + expf(-x));
+ * rows of 2F in, F out, f32. One thread per output, grid-stride.
+ *
+ * moe_combine, per token s < S and column j < n:
+ *   out = sum_{i<k, ascending} w[s*k + i] * Y[(s*k + i)*n + j]
+ *       + sigmoid(shexp_gate . f[s]) * so[s*n + j]      (when so; gate 1 without shexp_gate)
+ *   h[s*n + j] += out
+ * Grid (column blocks of 1024, S), 256 threads each owning 4 columns
+ * 256 apart. Products and sums are rounded separately (__fmul_rn /
+ * __fadd_rn, no FMA) in the CPU's order, so without the shared-expert gate
+ * the result is bit-identical to the CPU's; the gate's dot product is a
+ * fixed block tree (each column block recomputes it identically), so it
+ * differs from the CPU's serial sum by a few ulp.
+ */
+#include "kernels/cuda/ops.h"
+
+#include "kernels/cuda/ops_device.cuh"
+
+enum { COMBINE_THREADS = 256, COMBINE_COLS = 4 };
+
+static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t rows, float *act)
+{
+    const size_t total = (size_t)rows * F;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += step) {
+        const size_t r = idx / F, j = idx % F;
+        const float g = gu[r * 2 * F + j], u = gu[r * 2 * F + F + j];
+        act[idx] = __fmul_rn(g / (1.0f + expf(-g)), u);
+    }
+}
+
+static __global__ void moe_combine_kernel(float *h, const float *Y, const float *w, uint32_t k,
+                                          const float *so, const float *gate, const float *f,
+                                          uint32_t n)
+{
+    __shared__ float s_tmp[32];
+    const size_t s = blockIdx.y;
+    float gs = 1.0f;
+    if (so && gate) {
+        float d = 0.0f;
+        for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
+            d += gate[j] * f[s * n + j];
+        d = ops_block_sum(d, s_tmp);
+        gs = 1.0f / (1.0f + expf(-d));
+    }
+#pragma unroll
+    for (int c = 0; c < COMBINE_COLS; c++) {
+        const uint32_t j = blockIdx.x * COMBINE_THREADS * COMBINE_COLS + c * COMBINE_THREADS +
+                           threadIdx.x;
+        if (j >= n)
+            break;
+        float out = 0.0f;
+        for (uint32_t i = 0; i < k; i++)
+            out = __fadd_rn(out, __fmul_rn(w[s * k + i], Y[(s * k + i) * n + j]));
+        if (so)
+            out = __fadd_rn(out, __fmul_rn(gs, so[s * n + j]));
+        h[s * n + j] = __fadd_rn(h[s * n + j], out);
+    }
+}
+
+extern "C" int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float *d_act,
+                             cudaStream_t stream)
+{
+    if (!d_gu || !d_act || F == 0) {
+        log_error("cuda_silu_mul: bad arguments (gu %p, act %p, F %u)", (const void *)d_gu,
+                  (void *)d_act, F);
+        return -EINVAL;
+    }
+    const size_t total = (size_t)rows * F;
+    if (total == 0)
+        return 0;
+    silu_mul_kernel<<<ops_grid_for(total, 256), 256, 0, stream>>>(d_gu, F, rows, d_act);
+    return OPS_LAUNCH_CHECK("cuda_silu_mul");
+}
+
+extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
+                                const float *d_so, const float *d_shexp_gate, const float *d_f,
+                                uint32_t n, uint32_t S, cudaStream_t stream)
+{
+    if (!d_h || (k && (!d_Y || !d_w)) || n == 0 || (d_so && d_shexp_gate && !d_f) ||
+        S > 65535) {
+        log_error("cuda_moe_combine: bad arguments (h %p, Y %p, w %p, k %u, so %p, gate %p, "
+                  "f %p, n %u, S %u)",
+                  (void *)d_h, (const void *)d_Y, (const void *)d_w, k, (const void *)d_so,
+                  (const void *)d_shexp_gate, (const void *)d_f, n, S);
+        return -EINVAL;
+    }
+    if (S == 0)
+        return 0;
+    const unsigned int per_block = COMBINE_THREADS * COMBINE_COLS;
+    const dim3 grid((n + per_block - 1) / per_block, S);
+    moe_combine_kernel<<<grid, COMBINE_THREADS, 0, stream>>>(d_h, d_Y, d_w, k, d_so,
+                                                             d_shexp_gate, d_f, n);
+    return OPS_LAUNCH_CHECK("cuda_moe_combine");
+}

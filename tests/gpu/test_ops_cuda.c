@@ -1,0 +1,909 @@
+/*
+ * test_ops_cuda: every launcher of kernels/cuda/ops.h against its CPU twin
+ * (kernels/cpu/ops.c, kernels/cpu/attention.c, the combine steps of
+ * worker/forward.c) on fresh random data, with the outputs poisoned (NaN
+ * bytes) before each run. Every kernel runs twice and the two outputs must be
+ * byte-identical. Attention covers decode over 1 .. 70000 positions and
+ * prefill, f16 and f32 caches, GQA 16/2 and 4/2 (plus 32/2, 6/2, 8/8), head
+ * dims 256, 128, 16, gated and not; decode attention is timed at 4k and 64k
+ * positions (cudaEvents, median of 20) with the KV bytes read per second.
+ *
+ * Tolerances (outputs of magnitude ~1): rmsnorm 1e-5 relative (f32 tree sum
+ * vs the CPU's double sum); rope 3e-6 + 2e-7 * pos absolute (theta from powf
+ * vs repeated multiplication: both are f32 angles of magnitude ~pos); kv_store
+ * bit-exact; attention 1e-4 absolute; router ids exact, weights 1e-6
+ * relative; silu_mul 1e-6 relative; combine bit-exact without the shared
+ * expert gate, 1e-5 with it; argmax and add exact.
+ *
+ * Needs a CUDA device: without one it says so and exits 1.
+ */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+
+#include "common/log.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/ops.h"
+#include "model/quant.h"
+#include "tests/check.h"
+
+/* A failed CUDA call in the test harness itself ends the test. */
+#define CU(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                          \
+                    cudaGetErrorString(e_));                                                       \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* ---- helpers ---- */
+
+struct rng {
+    uint64_t s;
+};
+
+static uint64_t rng_next(struct rng *r)
+{
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static float rng_uniform(struct rng *r, float lo, float hi)
+{
+    return lo + (hi - lo) * (float)(rng_next(r) >> 40) * 0x1p-24f;
+}
+
+static void fill_uniform(struct rng *r, float *x, size_t n, float lo, float hi)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = rng_uniform(r, lo, hi);
+}
+
+static void *xmalloc(size_t bytes)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "out of host memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+static void *dev_alloc(size_t bytes)
+{
+    void *p = NULL;
+    CU(cudaMalloc(&p, bytes ? bytes : 1));
+    return p;
+}
+
+static void *dev_upload(const void *h, size_t bytes)
+{
+    void *d = dev_alloc(bytes);
+    CU(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static void dev_poison(void *d, size_t bytes)
+{
+    CU(cudaMemset(d, 0xFF, bytes)); /* f32 0xFFFFFFFF is a NaN, int32 -1 */
+}
+
+static void dev_download(void *h, const void *d, size_t bytes)
+{
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+}
+
+/* max |a - b| / max(1, |b|), NaN-aware (a NaN anywhere gives +inf). */
+static double max_rel_err(const float *a, const float *b, size_t n)
+{
+    double m = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]) / fmax(1.0, fabs((double)b[i]));
+        if (!(d <= m))
+            m = isnan(d) ? INFINITY : d;
+    }
+    return m;
+}
+
+static double max_abs_err(const float *a, const float *b, size_t n)
+{
+    double m = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (!(d <= m))
+            m = isnan(d) ? INFINITY : d;
+    }
+    return m;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* ---- rmsnorm, add_rmsnorm, add ---- */
+
+static void test_rmsnorm(struct rng *r)
+{
+    static const uint32_t ns[] = {16, 128, 256, 2048, 5120};
+    double worst = 0.0;
+    for (size_t c = 0; c < sizeof ns / sizeof ns[0]; c++) {
+        for (int variant = 0; variant < 3; variant++) {
+            /* 0: weighted, strided rows; 1: no weight; 2: in place */
+            const uint32_t n = ns[c], rows = 1 + (uint32_t)(rng_next(r) % 33);
+            const size_t xs = n + (variant == 0 ? 7 : 0), ys = n + (variant == 0 ? 3 : 0);
+            float *x = xmalloc(rows * xs * 4), *w = xmalloc(n * 4);
+            float *ref = xmalloc(rows * ys * 4), *g1 = xmalloc(rows * ys * 4);
+            float *g2 = xmalloc(rows * ys * 4);
+            fill_uniform(r, x, rows * xs, -2.0f, 2.0f);
+            fill_uniform(r, w, n, 0.5f, 1.5f);
+            const float *wp = variant == 1 ? NULL : w;
+            memset(ref, 0, rows * ys * 4);
+            for (uint32_t i = 0; i < rows; i++)
+                ops_rmsnorm(ref + i * ys, x + i * xs, wp, n, 1e-6f);
+            float *dx = dev_upload(x, rows * xs * 4), *dw = dev_upload(w, n * 4);
+            float *dy = variant == 2 ? dx : dev_alloc(rows * ys * 4);
+            for (int run = 0; run < 2; run++) {
+                CU(cudaMemcpy(dx, x, rows * xs * 4, cudaMemcpyHostToDevice));
+                if (variant != 2)
+                    dev_poison(dy, rows * ys * 4);
+                CHECK(cuda_rmsnorm(dy, ys, dx, xs, variant == 1 ? NULL : dw, n, rows, 1e-6f,
+                                   0) == 0,
+                      "rmsnorm n %u", n);
+                dev_download(run ? g2 : g1, dy, rows * ys * 4);
+            }
+            CHECK(!memcmp(g1, g2, rows * ys * 4), "rmsnorm n %u variant %d not deterministic", n,
+                  variant);
+            double err = 0.0;
+            for (uint32_t i = 0; i < rows; i++)
+                err = fmax(err, max_rel_err(g1 + i * ys, ref + i * ys, n));
+            CHECK(err <= 1e-5, "rmsnorm n %u variant %d: err %.3g", n, variant, err);
+            worst = fmax(worst, err);
+            if (variant != 2)
+                cudaFree(dy);
+            cudaFree(dx);
+            cudaFree(dw);
+            free(x), free(w), free(ref), free(g1), free(g2);
+        }
+    }
+    MEASURE("rmsnorm: max rel err %.3g (tol 1e-5)", worst);
+}
+
+static void test_add_rmsnorm(struct rng *r)
+{
+    const uint32_t n = 2048, rows = 7;
+    const size_t cnt = (size_t)n * rows;
+    float *h = xmalloc(cnt * 4), *d = xmalloc(cnt * 4), *w = xmalloc(n * 4);
+    float *href = xmalloc(cnt * 4), *yref = xmalloc(cnt * 4);
+    float *hg[2], *yg[2];
+    for (int i = 0; i < 2; i++)
+        hg[i] = xmalloc(cnt * 4), yg[i] = xmalloc(cnt * 4);
+    double worst = 0.0;
+    for (int variant = 0; variant < 2; variant++) { /* 0: with delta, 1: delta NULL, w NULL */
+        fill_uniform(r, h, cnt, -3.0f, 3.0f);
+        fill_uniform(r, d, cnt, -1.0f, 1.0f);
+        fill_uniform(r, w, n, 0.5f, 1.5f);
+        for (size_t i = 0; i < cnt; i++)
+            href[i] = variant == 0 ? h[i] + d[i] : h[i];
+        for (uint32_t i = 0; i < rows; i++)
+            ops_rmsnorm(yref + i * n, href + i * n, variant == 0 ? w : NULL, n, 1e-6f);
+        float *dh = dev_upload(h, cnt * 4), *dd = dev_upload(d, cnt * 4);
+        float *dw = dev_upload(w, n * 4), *dy = dev_alloc(cnt * 4);
+        for (int run = 0; run < 2; run++) {
+            CU(cudaMemcpy(dh, h, cnt * 4, cudaMemcpyHostToDevice));
+            dev_poison(dy, cnt * 4);
+            CHECK(cuda_add_rmsnorm(dh, variant == 0 ? dd : NULL, dy, variant == 0 ? dw : NULL, n,
+                                   rows, 1e-6f, 0) == 0,
+                  "add_rmsnorm");
+            dev_download(hg[run], dh, cnt * 4);
+            dev_download(yg[run], dy, cnt * 4);
+        }
+        CHECK(!memcmp(hg[0], hg[1], cnt * 4) && !memcmp(yg[0], yg[1], cnt * 4),
+              "add_rmsnorm variant %d not deterministic", variant);
+        CHECK(!memcmp(hg[0], href, cnt * 4), "add_rmsnorm variant %d: residual not exact",
+              variant);
+        double err = max_rel_err(yg[0], yref, cnt);
+        CHECK(err <= 1e-5, "add_rmsnorm variant %d: err %.3g", variant, err);
+        worst = fmax(worst, err);
+        cudaFree(dh), cudaFree(dd), cudaFree(dw), cudaFree(dy);
+    }
+    MEASURE("add_rmsnorm: residual exact, max rel err %.3g (tol 1e-5)", worst);
+    free(h), free(d), free(w), free(href), free(yref);
+    for (int i = 0; i < 2; i++)
+        free(hg[i]), free(yg[i]);
+}
+
+static void test_add(struct rng *r)
+{
+    static const size_t counts[] = {1, 1001, (1u << 20) + 3};
+    for (size_t c = 0; c < 3; c++) {
+        const size_t n = counts[c];
+        float *h = xmalloc(n * 4), *d = xmalloc(n * 4), *g1 = xmalloc(n * 4),
+              *g2 = xmalloc(n * 4);
+        fill_uniform(r, h, n, -1.0f, 1.0f);
+        fill_uniform(r, d, n, -1.0f, 1.0f);
+        float *dh = dev_upload(h, n * 4), *dd = dev_upload(d, n * 4);
+        CHECK(cuda_add(dh, dd, n, 0) == 0, "add %zu", n);
+        dev_download(g1, dh, n * 4);
+        CU(cudaMemcpy(dh, h, n * 4, cudaMemcpyHostToDevice));
+        CHECK(cuda_add(dh, dd, n, 0) == 0, "add %zu", n);
+        dev_download(g2, dh, n * 4);
+        size_t bad = 0;
+        for (size_t i = 0; i < n; i++)
+            bad += g1[i] != h[i] + d[i];
+        CHECK(bad == 0 && !memcmp(g1, g2, n * 4), "add %zu: %zu wrong", n, bad);
+        cudaFree(dh), cudaFree(dd);
+        free(h), free(d), free(g1), free(g2);
+    }
+    MEASURE("add: exact for 1, 1001, 2^20+3 elements");
+}
+
+/* ---- rope ---- */
+
+struct rope_case {
+    uint32_t n_tok, n_heads, hd, n_rot, pos0, gate; /* gate: head stride 2*hd */
+    float base;
+};
+
+static double rope_case_run(struct rng *r, const struct rope_case *c)
+{
+    const size_t hs = (size_t)c->hd * (c->gate ? 2 : 1), ts = hs * c->n_heads;
+    const size_t cnt = ts * c->n_tok;
+    float *x = xmalloc(cnt * 4), *ref = xmalloc(cnt * 4), *g1 = xmalloc(cnt * 4),
+          *g2 = xmalloc(cnt * 4);
+    fill_uniform(r, x, cnt, -1.0f, 1.0f);
+    memcpy(ref, x, cnt * 4);
+    for (uint32_t t = 0; t < c->n_tok; t++)
+        for (uint32_t j = 0; j < c->n_heads; j++)
+            ops_rope_neox(ref + t * ts + j * hs, c->n_rot, (int64_t)c->pos0 + t, c->base);
+    float *dx = dev_alloc(cnt * 4);
+    for (int run = 0; run < 2; run++) {
+        CU(cudaMemcpy(dx, x, cnt * 4, cudaMemcpyHostToDevice));
+        CHECK(cuda_rope_neox(dx, c->n_tok, ts, c->n_heads, hs, c->n_rot, c->pos0, c->base, 0) ==
+                  0,
+              "rope");
+        dev_download(run ? g2 : g1, dx, cnt * 4);
+    }
+    CHECK(!memcmp(g1, g2, cnt * 4), "rope not deterministic");
+    double err = 0.0;
+    size_t untouched_bad = 0;
+    for (uint32_t t = 0; t < c->n_tok; t++) {
+        const double tol = 3e-6 + 2e-7 * (c->pos0 + t);
+        for (uint32_t j = 0; j < c->n_heads; j++) {
+            const size_t o = t * ts + j * hs;
+            const double e = max_abs_err(g1 + o, ref + o, c->n_rot);
+            CHECK(e <= tol, "rope pos %u head %u: err %.3g > %.3g", c->pos0 + t, j, e, tol);
+            err = fmax(err, e);
+            for (size_t i = c->n_rot; i < hs; i++)
+                untouched_bad += memcmp(&g1[o + i], &x[o + i], 4) != 0;
+        }
+    }
+    CHECK(untouched_bad == 0, "rope changed %zu dims past n_rot", untouched_bad);
+    cudaFree(dx);
+    free(x), free(ref), free(g1), free(g2);
+    return err;
+}
+
+static void test_rope(struct rng *r)
+{
+    static const struct rope_case cases[] = {
+        {1, 16, 256, 64, 0, 1, 1e7f},       {1, 16, 256, 64, 37, 1, 1e7f},
+        {5, 16, 256, 64, 37, 1, 1e7f},      {64, 2, 256, 64, 0, 0, 1e7f},
+        {1, 32, 128, 128, 70000, 0, 1e6f},  {3, 4, 128, 128, 262000, 0, 1e6f},
+        {64, 4, 16, 16, 37, 0, 10000.0f},   {7, 4, 128, 128, 4095, 0, 1e6f},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const double e = rope_case_run(r, &cases[i]);
+        MEASURE("rope n_tok %u heads %u hd %u n_rot %u pos0 %u: max abs err %.3g", cases[i].n_tok,
+                cases[i].n_heads, cases[i].hd, cases[i].n_rot, cases[i].pos0, e);
+    }
+}
+
+/* ---- kv_store ---- */
+
+/* Values over the whole f16 range: subnormals, halfway cases, overflow. */
+static float kv_value(struct rng *r, size_t i)
+{
+    static const float special[] = {0.0f,     -0.0f,    1e-8f,  3e-5f,    6.1e-5f,
+                                    65504.0f, 65519.0f, 65520.0f, -7e4f, 1.00048828125f};
+    if (i % 97 < sizeof special / sizeof special[0])
+        return special[i % 97];
+    const float mag = exp2f(rng_uniform(r, -26.0f, 17.0f)) * rng_uniform(r, 1.0f, 2.0f);
+    return rng_next(r) & 1 ? mag : -mag;
+}
+
+static void test_kv_store(struct rng *r)
+{
+    const uint32_t kv_dim = 512, cap = 128;
+    static const uint32_t shapes[][2] = {{1, 0}, {1, 100}, {7, 0}, {7, 100}}; /* n_tok, pos0 */
+    for (int f16 = 0; f16 < 2; f16++) {
+        for (size_t c = 0; c < 4; c++) {
+            const uint32_t n_tok = shapes[c][0], pos0 = shapes[c][1];
+            const size_t ts = kv_dim + 5, esz = f16 ? 2 : 4, cbytes = (size_t)cap * kv_dim * esz;
+            float *k = xmalloc(n_tok * ts * 4), *v = xmalloc(n_tok * ts * 4);
+            for (size_t i = 0; i < n_tok * ts; i++)
+                k[i] = kv_value(r, i), v[i] = kv_value(r, i + 13);
+            uint8_t *kc[2], *vc[2];
+            float *dk = dev_upload(k, n_tok * ts * 4), *dv = dev_upload(v, n_tok * ts * 4);
+            void *dkc = dev_alloc(cbytes), *dvc = dev_alloc(cbytes);
+            for (int run = 0; run < 2; run++) {
+                kc[run] = xmalloc(cbytes), vc[run] = xmalloc(cbytes);
+                dev_poison(dkc, cbytes), dev_poison(dvc, cbytes);
+                CHECK(cuda_kv_store(dkc, dvc, f16, dk, dv, ts, kv_dim, n_tok, pos0, 0) == 0,
+                      "kv_store");
+                dev_download(kc[run], dkc, cbytes);
+                dev_download(vc[run], dvc, cbytes);
+            }
+            CHECK(!memcmp(kc[0], kc[1], cbytes) && !memcmp(vc[0], vc[1], cbytes),
+                  "kv_store not deterministic");
+            size_t bad = 0, stray = 0;
+            for (uint32_t p = 0; p < cap; p++) {
+                for (uint32_t i = 0; i < kv_dim; i++) {
+                    const size_t at = ((size_t)p * kv_dim + i) * esz;
+                    if (p < pos0 || p >= pos0 + n_tok) {
+                        stray += kc[0][at] != 0xFF || vc[0][at] != 0xFF;
+                        continue;
+                    }
+                    const size_t src = (p - pos0) * ts + i;
+                    if (f16) {
+                        uint16_t ek = quant_f32_to_f16(k[src]), ev = quant_f32_to_f16(v[src]);
+                        bad += memcmp(kc[0] + at, &ek, 2) || memcmp(vc[0] + at, &ev, 2);
+                    } else {
+                        bad += memcmp(kc[0] + at, &k[src], 4) || memcmp(vc[0] + at, &v[src], 4);
+                    }
+                }
+            }
+            CHECK(bad == 0 && stray == 0, "kv_store f16 %d n_tok %u pos0 %u: %zu wrong, %zu stray",
+                  f16, n_tok, pos0, bad, stray);
+            cudaFree(dk), cudaFree(dv), cudaFree(dkc), cudaFree(dvc);
+            free(k), free(v);
+            for (int run = 0; run < 2; run++)
+                free(kc[run]), free(vc[run]);
+        }
+    }
+    MEASURE("kv_store: f16 bit-identical to quant_f32_to_f16 and f32 exact (incl. subnormals, "
+            "overflow), other positions untouched");
+}
+
+/* ---- attention ---- */
+
+struct attn_case {
+    uint32_t n_head, n_head_kv, hd, n_tok, pos0;
+    bool f16, gated;
+};
+
+/* Host copy of one attention problem and its CPU reference. */
+struct attn_host {
+    const struct attn_case *c;
+    uint32_t n_kv, kv_dim, g;
+    size_t esz, q_tok_stride, q_head_stride;
+    void *k, *v;
+    float *q, *ref;
+    float scale;
+    int n_threads, thread;
+};
+
+static void attn_host_fill(struct attn_host *a, const struct attn_case *c, struct rng *r)
+{
+    a->c = c;
+    a->n_kv = c->pos0 + c->n_tok;
+    a->kv_dim = c->n_head_kv * c->hd;
+    a->g = c->gated ? 2 : 1;
+    a->esz = c->f16 ? 2 : 4;
+    a->q_head_stride = (size_t)c->hd * a->g;
+    a->q_tok_stride = a->q_head_stride * c->n_head;
+    a->scale = 1.0f / sqrtf((float)c->hd);
+    const size_t cells = (size_t)a->n_kv * a->kv_dim;
+    a->k = xmalloc(cells * a->esz);
+    a->v = xmalloc(cells * a->esz);
+    for (size_t i = 0; i < cells; i++) {
+        const float kx = rng_uniform(r, -1.0f, 1.0f), vx = rng_uniform(r, -1.0f, 1.0f);
+        if (c->f16) {
+            ((uint16_t *)a->k)[i] = quant_f32_to_f16(kx);
+            ((uint16_t *)a->v)[i] = quant_f32_to_f16(vx);
+        } else {
+            ((float *)a->k)[i] = kx;
+            ((float *)a->v)[i] = vx;
+        }
+    }
+    const size_t nq = a->q_tok_stride * c->n_tok;
+    a->q = xmalloc(nq * 4);
+    fill_uniform(r, a->q, nq, -6.0f, 6.0f); /* scores of std ~2: a peaked softmax */
+    a->ref = xmalloc((size_t)c->n_tok * c->n_head * c->hd * 4);
+}
+
+static void attn_host_free(struct attn_host *a)
+{
+    free(a->k), free(a->v), free(a->q), free(a->ref);
+}
+
+/* The CPU twin, as fw_attn_head_task runs it, for rows thread, thread + n, ... */
+static void *attn_ref_thread(void *arg)
+{
+    const struct attn_host *a = arg;
+    const struct attn_case *c = a->c;
+    float *scores = xmalloc((size_t)a->n_kv * 4);
+    const uint32_t G = c->n_head / c->n_head_kv;
+    for (uint32_t task = (uint32_t)a->thread; task < c->n_tok * c->n_head;
+         task += (uint32_t)a->n_threads) {
+        const uint32_t t = task / c->n_head, h = task % c->n_head, kvh = h / G;
+        const float *qh = a->q + t * a->q_tok_stride + h * a->q_head_stride;
+        float *out = a->ref + ((size_t)t * c->n_head + h) * c->hd;
+        attention_head(qh, (const char *)a->k + (size_t)kvh * c->hd * a->esz,
+                       (const char *)a->v + (size_t)kvh * c->hd * a->esz, c->f16, a->kv_dim,
+                       c->pos0 + t + 1, c->hd, a->scale, out, scores);
+        if (c->gated)
+            for (uint32_t i = 0; i < c->hd; i++)
+                out[i] *= ops_sigmoid(qh[c->hd + i]);
+    }
+    free(scores);
+    return NULL;
+}
+
+static void attn_reference(struct attn_host *a)
+{
+    enum { MAX_THREADS = 32 };
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    const int n = ncpu < 1 ? 1 : ncpu > MAX_THREADS ? MAX_THREADS : (int)ncpu;
+    struct attn_host args[MAX_THREADS];
+    pthread_t th[MAX_THREADS];
+    for (int i = 0; i < n; i++) {
+        args[i] = *a;
+        args[i].n_threads = n;
+        args[i].thread = i;
+        if (pthread_create(&th[i], NULL, attn_ref_thread, &args[i])) {
+            attn_ref_thread(&args[i]);
+            th[i] = 0;
+        }
+    }
+    for (int i = 0; i < n; i++)
+        if (th[i])
+            pthread_join(th[i], NULL);
+}
+
+struct attn_dev {
+    void *k, *v;
+    float *q, *out;
+};
+
+static void attn_dev_upload(struct attn_dev *d, const struct attn_host *a)
+{
+    const size_t bytes = (size_t)a->n_kv * a->kv_dim * a->esz;
+    d->k = dev_upload(a->k, bytes);
+    d->v = dev_upload(a->v, bytes);
+    d->q = dev_upload(a->q, a->q_tok_stride * a->c->n_tok * 4);
+    d->out = dev_alloc((size_t)a->c->n_tok * a->c->n_head * a->c->hd * 4);
+}
+
+static void attn_dev_free(struct attn_dev *d)
+{
+    cudaFree(d->k), cudaFree(d->v), cudaFree(d->q), cudaFree(d->out);
+}
+
+static int attn_launch(const struct attn_dev *d, const struct attn_host *a, cudaStream_t s)
+{
+    const struct attn_case *c = a->c;
+    return cuda_attention(d->q, a->q_tok_stride, a->q_head_stride, d->k, d->v, c->f16, c->n_head,
+                          c->n_head_kv, c->hd, c->n_tok, c->pos0, a->scale, c->gated, d->out, s);
+}
+
+/* Runs one case twice against the reference; returns the max abs error. */
+static double attn_case_run(const struct attn_case *c, struct rng *r)
+{
+    struct attn_host a;
+    struct attn_dev d;
+    attn_host_fill(&a, c, r);
+    attn_dev_upload(&d, &a);
+    const size_t n_out = (size_t)c->n_tok * c->n_head * c->hd;
+    float *g[2] = {xmalloc(n_out * 4), xmalloc(n_out * 4)};
+    for (int run = 0; run < 2; run++) {
+        dev_poison(d.out, n_out * 4);
+        CHECK(attn_launch(&d, &a, 0) == 0, "attention launch");
+        dev_download(g[run], d.out, n_out * 4);
+    }
+    attn_reference(&a);
+    const double err = max_abs_err(g[0], a.ref, n_out);
+    CHECK(!memcmp(g[0], g[1], n_out * 4),
+          "attention not deterministic (heads %u/%u hd %u n_tok %u pos0 %u f16 %d gated %d)",
+          c->n_head, c->n_head_kv, c->hd, c->n_tok, c->pos0, c->f16, c->gated);
+    CHECK(err <= 1e-4, "attention heads %u/%u hd %u n_tok %u pos0 %u f16 %d gated %d: err %.3g",
+          c->n_head, c->n_head_kv, c->hd, c->n_tok, c->pos0, c->f16, c->gated, err);
+    attn_dev_free(&d);
+    attn_host_free(&a);
+    free(g[0]), free(g[1]);
+    return err;
+}
+
+static void test_attention_decode(struct rng *r)
+{
+    static const uint32_t n_kvs[] = {1, 7, 256, 4096};
+    static const uint32_t heads[][2] = {{16, 2}, {4, 2}};
+    static const uint32_t hds[] = {256, 128, 16};
+    for (size_t i = 0; i < 4; i++) {
+        double worst = 0.0;
+        for (int f16 = 0; f16 < 2; f16++)
+            for (size_t h = 0; h < 2; h++)
+                for (size_t j = 0; j < 3; j++)
+                    for (int gated = 0; gated < 2; gated++) {
+                        const struct attn_case c = {heads[h][0], heads[h][1], hds[j], 1,
+                                                    n_kvs[i] - 1, f16, gated};
+                        worst = fmax(worst, attn_case_run(&c, r));
+                    }
+        MEASURE("attention decode n_kv %u: max abs err %.3g over 24 shapes (tol 1e-4)", n_kvs[i],
+                worst);
+    }
+    /* 70000 positions: each dtype, GQA ratio, head dim and gate at least once */
+    static const struct attn_case longs[] = {
+        {16, 2, 256, 1, 69999, true, true},   {4, 2, 128, 1, 69999, false, false},
+        {16, 2, 16, 1, 69999, false, true},   {4, 2, 256, 1, 69999, true, false},
+        {32, 2, 128, 1, 69999, true, false},
+    };
+    for (size_t i = 0; i < sizeof longs / sizeof longs[0]; i++) {
+        const double e = attn_case_run(&longs[i], r);
+        MEASURE("attention decode n_kv 70000 heads %u/%u hd %u f16 %d gated %d: max abs err %.3g",
+                longs[i].n_head, longs[i].n_head_kv, longs[i].hd, longs[i].f16, longs[i].gated,
+                e);
+    }
+    /* odd group sizes: G = 3 (padded rows), G = 1 (MHA), G = 16 (two groups) */
+    static const struct attn_case odd[] = {
+        {6, 2, 64, 1, 999, true, false}, {8, 8, 32, 1, 300, false, true},
+        {32, 2, 128, 1, 5000, false, true}, {12, 1, 96, 1, 77, true, true},
+    };
+    double worst = 0.0;
+    for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++)
+        worst = fmax(worst, attn_case_run(&odd[i], r));
+    MEASURE("attention decode G = 3, 1, 16, 12 (hd 64, 32, 128, 96): max abs err %.3g", worst);
+}
+
+static void test_attention_prefill(struct rng *r)
+{
+    static const uint32_t toks[] = {5, 64}, pos0s[] = {0, 37};
+    static const uint32_t heads[][2] = {{16, 2}, {4, 2}};
+    static const uint32_t hds[] = {256, 128, 16};
+    double worst = 0.0;
+    for (size_t t = 0; t < 2; t++)
+        for (size_t p = 0; p < 2; p++)
+            for (int f16 = 0; f16 < 2; f16++)
+                for (size_t h = 0; h < 2; h++)
+                    for (size_t j = 0; j < 3; j++)
+                        for (int gated = 0; gated < 2; gated++) {
+                            const struct attn_case c = {heads[h][0], heads[h][1], hds[j],
+                                                        toks[t],     pos0s[p],    f16,
+                                                        gated};
+                            worst = fmax(worst, attn_case_run(&c, r));
+                        }
+    MEASURE("attention prefill n_tok 5/64 pos0 0/37: max abs err %.3g over 96 shapes (tol 1e-4)",
+            worst);
+    /* long prefix: the KV range splits over blocks */
+    static const struct attn_case longs[] = {
+        {16, 2, 256, 5, 5000, true, true},   {4, 2, 128, 64, 3000, false, false},
+        {32, 2, 128, 33, 2000, true, false}, {6, 2, 64, 17, 1500, false, true},
+        {8, 8, 32, 9, 700, true, false},
+    };
+    worst = 0.0;
+    for (size_t i = 0; i < sizeof longs / sizeof longs[0]; i++)
+        worst = fmax(worst, attn_case_run(&longs[i], r));
+    MEASURE("attention prefill after 700..5000 cached positions (split KV, G 8/2/16/3/1): max "
+            "abs err %.3g",
+            worst);
+}
+
+/* Median time of 20 launches after 3 warm-ups, in ms. */
+static float attn_time_ms(const struct attn_case *c, struct rng *r)
+{
+    struct attn_host a;
+    struct attn_dev d;
+    attn_host_fill(&a, c, r);
+    attn_dev_upload(&d, &a);
+    cudaEvent_t e0, e1;
+    CU(cudaEventCreate(&e0));
+    CU(cudaEventCreate(&e1));
+    float ms[20];
+    for (int i = 0; i < 3; i++)
+        CHECK(attn_launch(&d, &a, 0) == 0, "attention launch");
+    for (int i = 0; i < 20; i++) {
+        CU(cudaEventRecord(e0, 0));
+        CHECK(attn_launch(&d, &a, 0) == 0, "attention launch");
+        CU(cudaEventRecord(e1, 0));
+        CU(cudaEventSynchronize(e1));
+        CU(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    qsort(ms, 20, sizeof ms[0], cmp_float);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    attn_dev_free(&d);
+    attn_host_free(&a);
+    return (ms[9] + ms[10]) / 2;
+}
+
+static void test_attention_timing(struct rng *r, const char *pool)
+{
+    static const struct attn_case cases[] = {
+        {16, 2, 256, 1, 4095, true, true},   {16, 2, 256, 1, 65535, true, true},
+        {16, 2, 256, 1, 65535, false, true}, {32, 4, 128, 1, 4095, true, false},
+        {32, 4, 128, 1, 65535, true, false}, {16, 2, 256, 512, 3584, true, true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const struct attn_case *c = &cases[i];
+        const float ms = attn_time_ms(c, r);
+        const double n_kv = c->pos0 + c->n_tok;
+        const double bytes = 2.0 * n_kv * c->n_head_kv * c->hd * (c->f16 ? 2 : 4);
+        MEASURE("attention %s heads %u/%u hd %u n_tok %u ctx %.0f %s: %.1f us, %.0f GB/s of KV "
+                "(%s)",
+                c->n_tok == 1 ? "decode" : "prefill", c->n_head, c->n_head_kv, c->hd, c->n_tok,
+                n_kv, c->f16 ? "f16" : "f32", ms * 1e3, bytes / (ms * 1e-3) / 1e9, pool);
+    }
+}
+
+/* ---- router ---- */
+
+static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int mode,
+                        double *worst)
+{
+    /* mode 0: continuous logits; 1: few levels (many exact ties); 2: all equal */
+    float *x = xmalloc((size_t)S * E * 4), *scratch = xmalloc(E * 4);
+    for (size_t i = 0; i < (size_t)S * E; i++)
+        x[i] = mode == 0 ? rng_uniform(r, -4.0f, 4.0f)
+               : mode == 1 ? 0.5f * (float)(rng_next(r) % 9) - 2.0f
+                           : 0.25f;
+    int32_t *ids_ref = xmalloc(S * k * 4), *ids[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
+    float *w_ref = xmalloc(S * k * 4), *w[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
+    for (uint32_t s = 0; s < S; s++)
+        ops_router_topk(x + (size_t)s * E, E, k, ids_ref + s * k, w_ref + s * k, scratch);
+    float *dx = dev_upload(x, (size_t)S * E * 4), *dw = dev_alloc(S * k * 4);
+    int32_t *di = dev_alloc(S * k * 4);
+    for (int run = 0; run < 2; run++) {
+        dev_poison(di, S * k * 4), dev_poison(dw, S * k * 4);
+        CHECK(cuda_router_topk(dx, E, k, S, di, dw, 0) == 0, "router");
+        dev_download(ids[run], di, S * k * 4);
+        dev_download(w[run], dw, S * k * 4);
+    }
+    CHECK(!memcmp(ids[0], ids[1], S * k * 4) && !memcmp(w[0], w[1], S * k * 4),
+          "router not deterministic");
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)S * k; i++)
+        bad += ids[0][i] != ids_ref[i];
+    const double err = max_rel_err(w[0], w_ref, (size_t)S * k);
+    CHECK(bad == 0, "router E %u k %u mode %d: %zu ids differ", E, k, mode, bad);
+    CHECK(err <= 1e-6, "router E %u k %u mode %d: weight err %.3g", E, k, mode, err);
+    *worst = fmax(*worst, err);
+    cudaFree(dx), cudaFree(dw), cudaFree(di);
+    free(x), free(scratch), free(ids_ref), free(w_ref);
+    for (int i = 0; i < 2; i++)
+        free(ids[i]), free(w[i]);
+}
+
+static void test_router(struct rng *r)
+{
+    double worst = 0.0;
+    for (int mode = 0; mode < 3; mode++) {
+        router_case(r, 512, 10, 37, mode, &worst);
+        router_case(r, 16, 4, 37, mode, &worst);
+        router_case(r, 128, 8, 5, mode, &worst);
+        router_case(r, 512, 16, 3, mode, &worst);
+    }
+    MEASURE("router E 512/16/128 k 10/4/8/16 (random, 9-level ties, all equal): ids exact, "
+            "max weight rel err %.3g",
+            worst);
+}
+
+/* ---- silu_mul, moe_combine, argmax ---- */
+
+static void test_silu_mul(struct rng *r)
+{
+    const uint32_t F = 768, rows = 9;
+    float *gu = xmalloc(rows * 2 * F * 4), *ref = xmalloc(rows * F * 4);
+    float *g[2] = {xmalloc(rows * F * 4), xmalloc(rows * F * 4)};
+    fill_uniform(r, gu, rows * 2 * F, -8.0f, 8.0f);
+    for (uint32_t a = 0; a < rows; a++)
+        for (uint32_t j = 0; j < F; j++)
+            ref[a * F + j] = ops_silu(gu[a * 2 * F + j]) * gu[a * 2 * F + F + j];
+    float *dgu = dev_upload(gu, rows * 2 * F * 4), *dact = dev_alloc(rows * F * 4);
+    for (int run = 0; run < 2; run++) {
+        dev_poison(dact, rows * F * 4);
+        CHECK(cuda_silu_mul(dgu, F, rows, dact, 0) == 0, "silu_mul");
+        dev_download(g[run], dact, rows * F * 4);
+    }
+    const double err = max_rel_err(g[0], ref, rows * F);
+    CHECK(!memcmp(g[0], g[1], rows * F * 4), "silu_mul not deterministic");
+    CHECK(err <= 1e-6, "silu_mul err %.3g", err);
+    MEASURE("silu_mul: max rel err %.3g (tol 1e-6)", err);
+    cudaFree(dgu), cudaFree(dact);
+    free(gu), free(ref), free(g[0]), free(g[1]);
+}
+
+/* fw_moe_combine followed by the residual add, with slot s*k + i. */
+static void combine_ref(float *h, const float *Y, const float *w, uint32_t k, const float *so,
+                        const float *gate, const float *f, uint32_t n, uint32_t S)
+{
+    float *out = xmalloc(n * 4);
+    for (uint32_t s = 0; s < S; s++) {
+        memset(out, 0, n * 4);
+        for (uint32_t i = 0; i < k; i++)
+            for (uint32_t j = 0; j < n; j++)
+                out[j] += w[s * k + i] * Y[((size_t)s * k + i) * n + j];
+        if (so) {
+            float gs = 1.0f;
+            if (gate) {
+                float d = 0.0f;
+                for (uint32_t j = 0; j < n; j++)
+                    d += gate[j] * f[(size_t)s * n + j];
+                gs = ops_sigmoid(d);
+            }
+            for (uint32_t j = 0; j < n; j++)
+                out[j] += gs * so[(size_t)s * n + j];
+        }
+        for (uint32_t j = 0; j < n; j++)
+            h[(size_t)s * n + j] += out[j];
+    }
+    free(out);
+}
+
+static void test_moe_combine(struct rng *r)
+{
+    const uint32_t n = 2048, k = 8, S = 5;
+    const size_t hn = (size_t)S * n;
+    float *h = xmalloc(hn * 4), *Y = xmalloc(hn * k * 4), *w = xmalloc(S * k * 4);
+    float *so = xmalloc(hn * 4), *gate = xmalloc(n * 4), *f = xmalloc(hn * 4);
+    float *ref = xmalloc(hn * 4), *g[2] = {xmalloc(hn * 4), xmalloc(hn * 4)};
+    fill_uniform(r, h, hn, -2.0f, 2.0f);
+    fill_uniform(r, Y, hn * k, -1.0f, 1.0f);
+    fill_uniform(r, w, S * k, 0.0f, 0.3f);
+    fill_uniform(r, so, hn, -1.0f, 1.0f);
+    fill_uniform(r, gate, n, -0.05f, 0.05f);
+    fill_uniform(r, f, hn, -1.0f, 1.0f);
+    float *dh = dev_alloc(hn * 4), *dY = dev_upload(Y, hn * k * 4), *dw = dev_upload(w, S * k * 4);
+    float *dso = dev_upload(so, hn * 4), *dgate = dev_upload(gate, n * 4);
+    float *df = dev_upload(f, hn * 4);
+    static const char *names[] = {"routed only", "shared, no gate", "shared, gated"};
+    for (int variant = 0; variant < 3; variant++) {
+        const float *hso = variant ? so : NULL, *hgate = variant == 2 ? gate : NULL;
+        memcpy(ref, h, hn * 4);
+        combine_ref(ref, Y, w, k, hso, hgate, f, n, S);
+        for (int run = 0; run < 2; run++) {
+            CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
+            CHECK(cuda_moe_combine(dh, dY, dw, k, variant ? dso : NULL,
+                                   variant == 2 ? dgate : NULL, df, n, S, 0) == 0,
+                  "moe_combine");
+            dev_download(g[run], dh, hn * 4);
+        }
+        const double err = max_rel_err(g[0], ref, hn);
+        CHECK(!memcmp(g[0], g[1], hn * 4), "moe_combine %s not deterministic", names[variant]);
+        CHECK(err <= (variant == 2 ? 1e-5 : 0.0), "moe_combine %s: err %.3g", names[variant],
+              err);
+        MEASURE("moe_combine n %u k %u S %u %s: max rel err %.3g (%s)", n, k, S, names[variant],
+                err, variant == 2 ? "tol 1e-5" : "bit-exact expected");
+    }
+    cudaFree(dh), cudaFree(dY), cudaFree(dw), cudaFree(dso), cudaFree(dgate), cudaFree(df);
+    free(h), free(Y), free(w), free(so), free(gate), free(f), free(ref), free(g[0]), free(g[1]);
+}
+
+static void test_argmax(struct rng *r)
+{
+    const uint32_t V = 151936, S = 7;
+    float *x = xmalloc((size_t)S * V * 4);
+    fill_uniform(r, x, (size_t)S * V, -10.0f, 10.0f);
+    int32_t want[7];
+    for (uint32_t s = 0; s < S; s++) {
+        float *row = x + (size_t)s * V;
+        const uint32_t a = (uint32_t)(rng_next(r) % V), b = (uint32_t)(rng_next(r) % V);
+        if (s == 5) { /* all equal: index 0 */
+            for (uint32_t i = 0; i < V; i++)
+                row[i] = 1.5f;
+            want[s] = 0;
+            continue;
+        }
+        row[a] = 20.0f; /* s >= 1: a tie at a second place, the lower wins */
+        if (s >= 1)
+            row[b] = 20.0f;
+        want[s] = (int32_t)(s >= 1 && b < a ? b : a);
+        if (s == 6) { /* a tie at the last and first elements */
+            row[0] = row[V - 1] = 30.0f;
+            want[s] = 0;
+        }
+    }
+    float *dx = dev_upload(x, (size_t)S * V * 4);
+    int32_t *dout = dev_alloc(S * 4), got[2][7];
+    for (int run = 0; run < 2; run++) {
+        dev_poison(dout, S * 4);
+        CHECK(cuda_argmax(dx, V, S, dout, 0) == 0, "argmax");
+        dev_download(got[run], dout, S * 4);
+    }
+    size_t bad = 0;
+    for (uint32_t s = 0; s < S; s++)
+        bad += got[0][s] != want[s] || got[1][s] != want[s];
+    CHECK(bad == 0, "argmax: %zu rows wrong", bad);
+    MEASURE("argmax n_vocab %u: %u rows exact (planted ties, all-equal row)", V, S);
+    cudaFree(dx), cudaFree(dout);
+    free(x);
+}
+
+/* ---- argument checks ---- */
+
+static void test_bad_args(void)
+{
+    float *d = dev_alloc(1 << 20);
+    int32_t *di = dev_alloc(1024);
+    log_set_level(LOG_LEVEL_ERROR);
+    CHECK(cuda_rmsnorm(d, 8, NULL, 8, NULL, 8, 1, 1e-6f, 0) == -EINVAL, "rmsnorm null x");
+    CHECK(cuda_rope_neox(d, 1, 64, 1, 64, 63, 0, 1e4f, 0) == -EINVAL, "rope odd n_rot");
+    CHECK(cuda_attention(d, 512, 256, d, d, true, 16, 3, 256, 1, 0, 1.0f, false, d, 0) ==
+              -EINVAL,
+          "attention n_head %% n_head_kv");
+    CHECK(cuda_attention(d, 512, 512, d, d, true, 1, 1, 512, 1, 0, 1.0f, false, d, 0) == -EINVAL,
+          "attention hd 512");
+    CHECK(cuda_attention(d, 512, 20, d, d, true, 1, 1, 20, 1, 0, 1.0f, false, d, 0) == -EINVAL,
+          "attention hd 20");
+    CHECK(cuda_router_topk(d, 513, 4, 1, di, d, 0) == -EINVAL, "router E 513");
+    CHECK(cuda_router_topk(d, 16, 17, 1, di, d, 0) == -EINVAL, "router k 17");
+    CHECK(cuda_router_topk(d, 4, 5, 1, di, d, 0) == -EINVAL, "router k > E");
+    CHECK(cuda_argmax(d, 0, 1, di, 0) == -EINVAL, "argmax empty vocab");
+    CHECK(cuda_silu_mul(d, 0, 1, d, 0) == -EINVAL, "silu_mul F 0");
+    CHECK(cuda_attention(d, 512, 256, d, d, true, 16, 2, 256, 0, 0, 1.0f, false, d, 0) == 0,
+          "attention n_tok 0 is a no-op");
+    CU(cudaDeviceSynchronize());
+    cudaFree(d), cudaFree(di);
+}
+
+/* The stream-ordered pool releases its memory at every synchronisation by
+ * default; a threshold keeps it, as the worker should. */
+static void keep_pool_memory(void)
+{
+    cudaMemPool_t pool;
+    uint64_t keep = UINT64_MAX;
+    CU(cudaDeviceGetDefaultMemPool(&pool, 0));
+    CU(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+}
+
+/* Usage: test_ops_cuda [--timing] (--timing: only the timings, for profilers) */
+int main(int argc, char **argv)
+{
+    log_init("test", -1);
+    int n_dev = 0;
+    cudaError_t e = cudaGetDeviceCount(&n_dev);
+    if (e != cudaSuccess || n_dev == 0) {
+        fprintf(stderr, "test_ops_cuda: no CUDA device present (%s)\n",
+                e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        return 1;
+    }
+    struct cudaDeviceProp prop;
+    CU(cudaGetDeviceProperties(&prop, 0));
+    printf("test_ops_cuda: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    struct rng r = {0x5EED0F0C5ull};
+    const bool timing_only = argc > 1 && !strcmp(argv[1], "--timing");
+    if (!timing_only) {
+        test_rmsnorm(&r);
+        test_add_rmsnorm(&r);
+        test_add(&r);
+        test_rope(&r);
+        test_kv_store(&r);
+        test_attention_decode(&r);
+        test_attention_prefill(&r);
+    }
+    test_attention_timing(&r, "default pool");
+    keep_pool_memory();
+    test_attention_timing(&r, "pool keeps memory");
+    if (!timing_only) {
+        test_router(&r);
+        test_silu_mul(&r);
+        test_moe_combine(&r);
+        test_argmax(&r);
+        test_bad_args();
+    }
+    CU(cudaGetLastError());
+    return test_main_result("test_ops_cuda");
+}
