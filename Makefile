@@ -85,17 +85,17 @@ $(LIB): $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/lamina: $(BUILD)/coordinator/main.o $(LIB)
-	$(CC) -o $@ $^ $(LDLIBS)
+$(BUILD)/lamina: $(BUILD)/coordinator/main.o $(LIB) $(CUDA_LIB)
+	$(CC) -o $@ $(BUILD)/coordinator/main.o $(LIB) $(CUDA_LDLIBS) $(LDLIBS)
 
-$(BUILD)/tools/%: $(BUILD)/tools/%.o $(LIB)
-	$(CC) -o $@ $^ $(LDLIBS)
+$(BUILD)/tools/%: $(BUILD)/tools/%.o $(LIB) $(CUDA_LIB)
+	$(CC) -o $@ $< $(LIB) $(CUDA_LDLIBS) $(LDLIBS)
 
 $(BUILD)/lamina-worker: $(BUILD)/worker/main.o $(LIB) $(CUDA_LIB)
 	$(CC) -o $@ $(BUILD)/worker/main.o $(LIB) $(CUDA_LDLIBS) $(LDLIBS)
 
-$(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB) | $(BINS)
-	$(CC) -o $@ $^ $(LDLIBS)
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB) $(CUDA_LIB) | $(BINS)
+	$(CC) -o $@ $< $(LIB) $(CUDA_LDLIBS) $(LDLIBS)
 
 cuda: $(CU_OBJS)
 

@@ -148,6 +148,7 @@ static int bench_setup(struct bench_job *j)
     struct engine_config ec = {.model_path = cfg->model_path, .n_threads = cfg->n_threads,
                                .n_ctx = ctx + 1, .n_batch = cfg->n_batch, .kv_f16 = cfg->kv_f16,
                                .progress = true, .cluster = cfg->cluster,
+                               .backend = cfg->backend,
                                .on_cluster = cfg->on_cluster};
     j->eng = engine_create(&ec);
     if (!j->eng)
@@ -166,7 +167,8 @@ static void bench_print(struct bench_job *j, double pp_med, double pp_spr, doubl
     const double bpt = bench_bytes_per_token(j->m);
     const double roof = bw > 0 ? bw * 1e9 / bpt : 0;
     const int nt = engine_n_threads(j->eng);
-    const char *backend = cfg->cluster ? cfg->cluster->backends[0] : "cpu (in-process)";
+    const char *backend = cfg->cluster ? cfg->cluster->backends[0]
+                          : cfg->backend ? cfg->backend : "cpu (in-process)";
     if (cfg->json) {
         printf("{\"model\":\"%s\",\"arch\":\"%s\",\"backend\":\"%s\",\"threads\":%d,"
                "\"pp\":%u,\"pp_tps\":%.3f,\"pp_spread\":%.3f,\"tg\":%u,\"tg_tps\":%.3f,"

@@ -28,6 +28,7 @@ struct bench_config {
     bool membw;            /* measure host read bandwidth (default true) */
     uint64_t seed;         /* token ids */
     struct cluster_config *cluster; /* workers (--devices), or NULL: in-process */
+    const char *backend;            /* in-process worker backend ("cuda:0"), or NULL: CPU */
     void (*on_cluster)(struct cluster *c);
 };
 

@@ -10,6 +10,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "kernels/cpu/threadpool.h"
+#include "worker/backend.h"
 #include "worker/forward.h"
 
 struct engine {
@@ -20,6 +21,7 @@ struct engine {
     struct forward *fw;        /* every layer here (inproc), or only the embedding */
     struct forward_seq *seq;   /* inproc only */
     struct cluster *cl;        /* workers, or NULL */
+    struct backend *be;        /* in-process backend (--inproc --backend), or NULL */
     uint32_t pos;
     uint32_t B;
     float *h;                  /* B rows of n_embd */
@@ -34,7 +36,7 @@ static int engine_build(struct engine *e)
         return -ENOMEM;
     struct forward_config fc = {.model = e->m, .pool = e->pool, .n_ctx = cfg->n_ctx,
                                 .kv_f16 = cfg->kv_f16, .max_batch = e->B};
-    if (cfg->cluster) /* only embeds here; a one-layer range keeps its state small */
+    if (cfg->cluster || cfg->backend) /* only embeds here: a one-layer range keeps it small */
         fc.layer_end = 1;
     e->fw = forward_create(&fc);
     if (!e->fw)
@@ -42,6 +44,21 @@ static int engine_build(struct engine *e)
     e->h = malloc((size_t)e->B * e->m->hp.n_embd * sizeof(float));
     if (!e->h)
         return -ENOMEM;
+    if (!cfg->cluster && cfg->backend) {
+        const char *kind = cfg->backend;
+        if (!strncmp(kind, "cuda:", 5)) {
+            setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 1);
+            setenv("LAMINA_CUDA_DEVICE", kind + 5, 1);
+            kind = "cuda";
+        }
+        struct backend_config bc = {.model = e->m, .layer_begin = 0,
+                                    .layer_end = e->m->hp.n_layer, .n_threads = cfg->n_threads,
+                                    .n_ctx = forward_n_ctx(e->fw), .kv_f16 = cfg->kv_f16,
+                                    .max_batch = e->B, .lmhead = true,
+                                    .fail = getenv("LAMINA_FAIL")};
+        e->be = backend_create(kind, &bc);
+        return e->be ? 0 : -EIO;
+    }
     if (!cfg->cluster) {
         e->seq = forward_seq_create(e->fw);
         return e->seq ? 0 : -ENOMEM;
@@ -90,6 +107,7 @@ void engine_destroy(struct engine *e)
     if (e->cl && e->cfg.on_cluster)
         e->cfg.on_cluster(NULL);
     cluster_destroy(e->cl);
+    backend_destroy(e->be);
     forward_seq_destroy(e->seq);
     forward_destroy(e->fw);
     threadpool_destroy(e->pool);
@@ -134,6 +152,12 @@ static int engine_pass(struct engine *e, const int32_t *ids, uint32_t c, bool al
         return rc;
     if (e->cl)
         return cluster_step(e->cl, e->h, c, e->pos, all, out);
+    if (e->be) {
+        rc = backend_layers(e->be, e->h, c);
+        if (rc || (!all && !last))
+            return rc;
+        return backend_logits(e->be, all ? e->h : e->h + (size_t)(c - 1) * w, all ? c : 1, out);
+    }
     rc = forward_layers(e->fw, e->seq, e->h, c);
     if (rc || (!all && !last))
         return rc;
@@ -162,6 +186,10 @@ int engine_reset(struct engine *e)
     e->pos = 0;
     if (e->cl)
         return cluster_reset(e->cl);
+    if (e->be) {
+        backend_reset(e->be);
+        return 0;
+    }
     forward_seq_reset(e->seq);
     return 0;
 }
@@ -172,7 +200,7 @@ void engine_print_summary(const struct engine *e, FILE *out)
         cluster_print_summary(e->cl, out);
         return;
     }
-    const struct forward_stats *st = forward_get_stats(e->fw);
+    const struct forward_stats *st = e->be ? backend_stats(e->be) : forward_get_stats(e->fw);
     double tot = st->attn + st->deltanet + st->router + st->experts + st->shared_expert;
     if (tot > 0)
         fprintf(out, "stages: attention %.0f%%, deltanet %.0f%%, router %.0f%%, routed experts "

@@ -27,6 +27,8 @@ struct engine_config {
     bool progress;                   /* progress bar while paging in a large file */
     struct cluster_config *cluster;  /* workers to start (model fields filled in here); NULL:
                                         every layer in this process */
+    const char *backend;             /* in this process without workers: a worker backend
+                                        ("cuda:0") runs every layer; NULL: the CPU forward */
     void (*on_cluster)(struct cluster *c); /* told the live cluster, and NULL before it goes */
 };
 

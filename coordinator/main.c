@@ -79,7 +79,7 @@ static const char usage[] =
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
     "lamina bench -m FILE [-p 512] [-n 128] [-r 5] [--threads N] [--json] [--no-membw]\n"
-    "             [--inproc | --devices LIST ...: the worker options of run]\n"
+    "             [--inproc [--backend cuda:N] | --devices LIST ...: the worker options of run]\n"
     "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N]\n"
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
@@ -687,9 +687,15 @@ static int cmd_bench(struct cli *c)
             bc.json = true;
         else if (!strcmp(a, "--no-membw"))
             bc.membw = false;
+        else if (!strcmp(a, "--backend"))
+            rc = cli_value(c, &bc.backend);
         else if ((rc = run_parse_cluster(c, a, &o, &hit)) == 0 && !hit)
             rc = cli_fail(c, "unknown option %s", a);
     }
+    if (!rc && bc.backend && !o.inproc)
+        rc = cli_fail(c, "%s", "--backend runs every layer in this process: add --inproc");
+    if (!rc && bc.backend && !main_device_ok(bc.backend))
+        rc = cli_fail(c, "backend '%s' is not available in this build", bc.backend);
     if (!rc && !o.inproc) {
         main_cluster_defaults(&o);
         bc.cluster = &o.cl;

@@ -71,6 +71,7 @@ llama_build() {
 tests() {
     nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
     local pass=0 fail=0
+    .devbin/tools/bench_ipc -n 10000 2>&1 | tee "$OUT/bench-ipc.txt"
     for t in .devbin/tests/gpu/test_*; do
         [ -x "$t" ] || continue
         n=$(basename "$t")
@@ -90,8 +91,11 @@ bench() {
     grep -qx "/.models/" .git/info/exclude 2>/dev/null || true
     [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
         --seed 1 --threads 14 -o $m 2>&1 | tail -2
-    .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --devices cuda --no-membw 2>&1 |
+    df -h /dev/shm >"$OUT/shm.txt" 2>&1
+    .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc --backend cuda:0 --no-membw 2>&1 |
         tee "$OUT/bench-lamina.txt" | grep -v " info: "
+    LAMINA_LOG=info .devbin/lamina run -m $m -p "The quick brown fox" -n 32 --inproc 2>&1 |
+        tail -3 >"$OUT/run-cpu.txt"
 }
 
 llama_bench() {
