@@ -991,21 +991,26 @@ static const char *worker_bin(int argc, char **argv, char *buf, size_t cap)
 /*
  * cluster.c's cl_spawn() ignores the path cl_worker_bin() returns for cfg->worker_bin and
  * execs an uninitialised buffer (reported to the lead); its default, lamina-worker next to
- * this executable, works. Until that is fixed, part B uses the default through a link
- * BUILD/tests/lamina-worker -> bin, made here and removed after. Returns true when made.
+ * this executable, works. Until that is fixed, part B leaves worker_bin NULL and makes that
+ * default a link to bin (replacing a link left by an earlier run; a real file there is used as
+ * it is). Returns true when the default can be used; *made: a link was made, remove it after.
  */
-static bool worker_link(const char *bin, char *link, size_t cap)
+static bool worker_link(const char *bin, char *link, size_t cap, bool *made)
 {
     char target[4096];
+    struct stat st;
+    *made = false;
     ssize_t n = readlink("/proc/self/exe", link, cap - 32);
     if (n <= 0 || !realpath(bin, target))
         return false;
     link[n] = 0;
     char *slash = strrchr(link, '/');
     strcpy(slash ? slash + 1 : link, "lamina-worker");
-    if (access(link, F_OK) == 0)
-        return false;
-    return symlink(target, link) == 0;
+    if (lstat(link, &st) == 0 && !S_ISLNK(st.st_mode))
+        return access(link, X_OK) == 0;
+    unlink(link);
+    *made = symlink(target, link) == 0;
+    return *made;
 }
 
 /* ---- the model, the segment and the CPU pool ---- */
@@ -2225,9 +2230,9 @@ int main(int argc, char **argv)
         struct oversize ov;
         oversize_start(&ov, &fx, bin);
         char link[4096];
-        bool linked = worker_link(bin, link, sizeof(link));
+        bool made, linked = worker_link(bin, link, sizeof(link), &made);
         part_b_logged(&fx, linked ? NULL : bin, ref, ov.f.rundir);
-        if (linked)
+        if (made)
             unlink(link);
         oversize_finish(&ov);
         free(ref);
