@@ -177,8 +177,8 @@ static void ta_check_layers(const char *arch, const char *file, const struct arc
         ta_check_matrix(arch, file, &ly->gate_exps, "ffn_gate_exps", n, F, E);
         ta_check_matrix(arch, file, &ly->up_exps, "ffn_up_exps", n, F, E);
         ta_check_matrix(arch, file, &ly->down_exps, "ffn_down_exps", F, n, E);
-        CHECK(arch_matrix_expert(&ly->down_exps, 3) == ly->down_exps.data + 3 * ly->down_exps.mat_bytes,
-              "%s: expert pointer", arch);
+        CHECK(arch_matrix_expert(&ly->down_exps, 3) ==
+                  ly->down_exps.data + 3 * ly->down_exps.mat_bytes, "%s: expert pointer", arch);
         if (hp->n_ff_shexp) {
             ta_check_matrix(arch, file, &ly->gate_sh, "ffn_gate_shexp", n, hp->n_ff_shexp, 1);
             ta_check_matrix(arch, file, &ly->down_sh, "ffn_down_shexp", hp->n_ff_shexp, n, 1);

@@ -240,7 +240,8 @@ static void bc_all_resident(const struct arch_model *m, const float *ref, uint64
     CHECK(bc_run(m, b, NULL, out) == 0, "all-resident run");
     CHECK(memcmp(out, ref, out_bytes) == 0, "all-resident backend differs from the forward");
     const struct forward_stats *st = backend_stats(b);
-    CHECK(st && st->tokens == BC_P + BC_D, "stats: %llu tokens", st ? (unsigned long long)st->tokens : 0);
+    CHECK(st && st->tokens == BC_P + BC_D, "stats: %llu tokens",
+          st ? (unsigned long long)st->tokens : 0ull);
     CHECK(b->calls == 1 + BC_D, "calls %llu", (unsigned long long)b->calls);
     backend_reset(b);
     memset(out, 0, out_bytes);
@@ -303,8 +304,9 @@ static void bc_half_resident(const struct arch_model *m, const float *ref, uint6
         float *out = malloc(out_bytes);
         CHECK(bc_run(m, b, NULL, out) == 0, "half-resident run");
         CHECK(memcmp(out, ref, out_bytes) == 0, "remote experts change the logits");
-        CHECK(r.rows > 0 && r.rows == backend_stats(b)->remote_rows, "remote rows %llu vs stats %llu",
-              (unsigned long long)r.rows, (unsigned long long)backend_stats(b)->remote_rows);
+        CHECK(r.rows > 0 && r.rows == backend_stats(b)->remote_rows,
+              "remote rows %llu vs stats %llu", (unsigned long long)r.rows,
+              (unsigned long long)backend_stats(b)->remote_rows);
         MEASURE("half resident: %u experts held, %llu rows computed remotely, mem_used %.3f MiB "
                 "(all resident %.3f MiB); logits bit-identical", b->resident_experts,
                 (unsigned long long)r.rows, b->mem_used / 1048576.0, mem_all / 1048576.0);
@@ -381,7 +383,8 @@ static void bc_budget(const struct arch_model *m, uint64_t mem_all)
     b = backend_create("cpu", &bc);
     CHECK(b && sh2 > 0 && mem_all - b->mem_used == proj2 + sh2,
           "layer 2 trunk and shared expert off the device save %llu, want %llu",
-          b ? (unsigned long long)(mem_all - b->mem_used) : 0ull, (unsigned long long)(proj2 + sh2));
+          b ? (unsigned long long)(mem_all - b->mem_used) : 0ull,
+          (unsigned long long)(proj2 + sh2));
     backend_destroy(b);
 }
 

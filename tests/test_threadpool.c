@@ -179,7 +179,8 @@ static void tp_back_to_back(void)
     atomic_store(&count, 0);
     for (int i = 0; i < 4000; i++)
         threadpool_run(pool, tp_count, &count, 5);
-    CHECK(atomic_load(&count) == 20000, "4 threads: %lld tasks ran", (long long)atomic_load(&count));
+    CHECK(atomic_load(&count) == 20000, "4 threads: %lld tasks ran",
+          (long long)atomic_load(&count));
     /* a pause long enough for the workers to fall asleep, then more jobs */
     usleep(20000);
     threadpool_run(pool, tp_count, &count, 9);
