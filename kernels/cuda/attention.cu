@@ -33,8 +33,10 @@
  * so K and V are read once per group) and interleave over the split's
  * positions a step at a time. On sm_80+ each lane stages its own piece of
  * the step's K and V rows through a per-warp cp.async ring 1..2 steps ahead
- * (attn_ring; f16: 3 stages of U = 2 sub-steps, f32: 2 stages of 1); else it
- * loads them straight from global memory. The warps' triples combine in
+ * (attn_ring; 8 rows of f16: 3 stages of U = 2 sub-steps, else 2 stages of
+ * 1; at most 96 KiB a block); else it loads them straight from global
+ * memory. (Splitting the 8 heads of a group over two warps, for 3 blocks
+ * per SM instead of 2, measured slower.) The warps' triples combine in
  * shared memory; with one split that is the output, else each block writes
  * its triple per row to a workspace and attn_combine_kernel merges the
  * splits in ascending order. Splits follow from the shape alone (the same
@@ -323,14 +325,14 @@ static __device__ __forceinline__ size_t attn_ws_row(const struct attn_args &a, 
  * is small (P * DPL <= 32) and pieces are whole cp.async sizes. */
 template <int DPL, int NR, bool F16>
 struct attn_ring {
-    static constexpr int U = F16 ? 2 : 1;      /* sub-steps per step (see attn_step) */
+    static constexpr int U = F16 && NR == 8 ? 2 : 1; /* sub-steps per step (attn_step) */
     static constexpr int P = 32 / NR * U, ESZ = F16 ? 2 : 4; /* positions per step */
     static constexpr int PIECE = DPL * ESZ;   /* bytes of one row one lane copies */
     static constexpr int ROW = 32 * PIECE;    /* bytes of one staged row */
     static constexpr int SLOT = 2 * P * ROW;  /* K rows, then V rows */
-    static constexpr int STAGES = F16 ? 3 : 2;
-    static constexpr bool ON = P / U * DPL <= 32 && PIECE >= 4;
+    static constexpr int STAGES = F16 && NR == 8 ? 3 : 2;
     static constexpr size_t BYTES = (size_t)ATTN_DECODE_WARPS * STAGES * SLOT;
+    static constexpr bool ON = P / U * DPL <= 64 && PIECE >= 4 && BYTES <= 96 * 1024;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -360,6 +362,7 @@ static __device__ __forceinline__ void attn_cp_async(char *dst, const char *src)
 #endif
 }
 
+template <int UNUSED = 0>
 static __device__ __forceinline__ void attn_cp_commit()
 {
 #if ATTN_HAVE_CP_ASYNC
@@ -425,8 +428,8 @@ static __device__ __forceinline__ void attn_decode_ring(attn_warp<DPL, NR> &st, 
 }
 
 template <int DPL, int NR, bool F16>
-static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32)
-    attn_decode_kernel(const struct attn_args a, bool ring)
+static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3)
+    attn_decode_kernel(const struct attn_args a)
 {
     constexpr int P = 32 / NR, NW = ATTN_DECODE_WARPS, ESZ = F16 ? 2 : 4;
     extern __shared__ uint4 s_dyn[]; /* the rings, then the warps' accumulators */
@@ -447,7 +450,7 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32)
     for (int r = 0; r < NR; r++)
         attn_load_q(st, r, a.q + (size_t)(h0 + r) * a.q_head_stride, (uint32_t)r < a.NG, own,
                     lane, a.scale_log2);
-    if (ATTN_HAVE_CP_ASYNC && attn_ring<DPL, NR, F16>::ON && ring) {
+    if constexpr (ATTN_HAVE_CP_ASYNC && attn_ring<DPL, NR, F16>::ON) {
         using R = attn_ring<DPL, NR, F16>;
         attn_decode_ring<DPL, NR, F16>(st, (char *)s_dyn + warp * R::STAGES * R::SLOT, kh, vh,
                                        kv_dim * ESZ, c0, c1, warp, lane, own, s_sw[warp]);
@@ -661,7 +664,7 @@ static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
                           cudaStream_t stream)
 {
     using R = attn_ring<DPL, NR, F16>;
-    const bool ring = R::ON && cp_async;
+    const bool ring = R::ON && cp_async; /* as the device code decides */
     const size_t acc = (size_t)ATTN_DECODE_WARPS * NR * DPL * 32 * sizeof(float);
     const size_t smem = ring && R::BYTES > acc ? R::BYTES : acc;
     if (smem > 40 * 1024) { /* past 48 KiB with the static arrays: opt in */
@@ -675,7 +678,7 @@ static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
         }
     }
     attn_decode_kernel<DPL, NR, F16>
-        <<<grid, ATTN_DECODE_WARPS * 32, smem, stream>>>(a, ring);
+        <<<grid, ATTN_DECODE_WARPS * 32, smem, stream>>>(a);
     return 0;
 }
 
@@ -716,10 +719,10 @@ static void attn_launch_prefill(const struct attn_args &a, int dpl, dim3 grid, s
     }
 }
 
-/* Heads per block: the largest divisor of G not above ATTN_ROWS. */
-static uint32_t attn_group_heads(uint32_t G)
+/* Heads per block: the largest divisor of G not above cap. */
+static uint32_t attn_group_heads(uint32_t G, uint32_t cap)
 {
-    uint32_t ng = G < ATTN_ROWS ? G : ATTN_ROWS;
+    uint32_t ng = G < cap ? G : cap;
     while (G % ng)
         ng--;
     return ng;
@@ -795,7 +798,7 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
     a.n_tok = n_tok;
     a.pos0 = pos0;
     a.G = n_head / n_head_kv;
-    a.NG = attn_group_heads(a.G);
+    a.NG = attn_group_heads(a.G, ATTN_ROWS);
     a.n_groups = a.G / a.NG;
     a.scale_log2 = scale * 1.4426950408889634f;
     a.gated = gated;
