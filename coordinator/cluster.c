@@ -387,6 +387,7 @@ static int cl_setup_router(struct cluster *c)
     struct wire_socket_config sc = wire_socket_config_default();
     sc.send_timeout_ms = 5000;
     sc.spin_us = 100; /* expert requests arrive within microseconds of each other */
+    sc.no_handover = true; /* a second peer must not take over a worker's routing id */
     if (c->cfg.listen) {
         rc = wire_keypair_generate(&c->keys);
         if (rc)
@@ -435,8 +436,10 @@ static const char *cl_worker_bin(const struct cluster *c, char *buf, size_t cap)
 
 static int cl_spawn(struct cluster *c, int i)
 {
-    char bin[PATH_MAX], idx[16];
-    cl_worker_bin(c, bin, sizeof(bin));
+    char buf[PATH_MAX], idx[16];
+    const char *path = cl_worker_bin(c, buf, sizeof(buf));
+    char bin[PATH_MAX];
+    snprintf(bin, sizeof(bin), "%s", path);
     snprintf(idx, sizeof(idx), "%d", i);
     const pid_t parent = getpid();
     fflush(NULL);
@@ -486,8 +489,8 @@ static void cl_describe_exit(const struct cluster_worker *w, char *buf, size_t c
 /* Worker index from a routing id "w<i>" / "h<i>"; -1 if unknown. */
 static int cl_worker_of(const struct cluster *c, const char *id, size_t len, bool *watchdog)
 {
-    if (len < 2 || len > 8 || (id[0] != 'w' && id[0] != 'h'))
-        return -1;
+    if (len < 2 || len > 8 || (id[0] != 'w' && id[0] != 'h') || (len > 2 && id[1] == '0'))
+        return -1; /* exactly "w<i>" / "h<i>": no look-alikes such as "w00" */
     int v = 0;
     for (size_t k = 1; k < len; k++) {
         if (id[k] < '0' || id[k] > '9')
@@ -674,8 +677,8 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
         return -EINVAL;
     c->step++;
     const double now = cl_now();
-    for (int i = 0; i < c->n; i++)
-        c->w[i].progress_time = now;
+    for (int i = 0; i < c->n; i++) /* silence between steps is not a failure */
+        c->w[i].progress_time = c->w[i].last_heartbeat = now;
     struct wire_msg m = {.type = WIRE_TYPE_STEP};
     m.step = (struct wire_step){.seq_id = 0, .pos = pos, .n_tokens = n, .step = c->step,
                                 .all_logits = all_logits, .n_embd = hp->n_embd};
@@ -754,7 +757,8 @@ static int cl_wait_all(struct cluster *c, bool ready, double timeout_s)
             continue;
         bool wd;
         int i = cl_worker_of(c, id, id_len, &wd);
-        if (i >= 0 && !wd && m.type == WIRE_TYPE_HELLO && m.hello.worker_index == (uint32_t)i) {
+        if (i >= 0 && !wd && m.type == WIRE_TYPE_HELLO && m.hello.worker_index == (uint32_t)i &&
+            (!c->w[i].pid || m.hello.pid == (uint32_t)c->w[i].pid)) {
             c->w[i].hello = true;
             c->w[i].has_key = m.hello.has_curve_key;
             memcpy(c->w[i].key, m.hello.curve_public_key, WIRE_KEY_BYTES);

@@ -851,7 +851,7 @@ static int wire_apply_options(struct wire_socket *s, const struct wire_socket_co
          WIRE_SETOPT_INT(z, ZMQ_HEARTBEAT_TTL, c->heartbeat_ttl_ms)))
         return -EINVAL;
     if (s->type == ZMQ_ROUTER && (WIRE_SETOPT_INT(z, ZMQ_ROUTER_MANDATORY, 1) ||
-                                  WIRE_SETOPT_INT(z, ZMQ_ROUTER_HANDOVER, 1)))
+                                  WIRE_SETOPT_INT(z, ZMQ_ROUTER_HANDOVER, c->no_handover ? 0 : 1)))
         return -EINVAL;
     if (c->routing_id &&
         wire_setopt(z, ZMQ_ROUTING_ID, c->routing_id, strlen(c->routing_id), "ZMQ_ROUTING_ID"))

@@ -260,6 +260,8 @@ struct wire_socket_config {
     int heartbeat_ttl_ms;     /* ZMQ_HEARTBEAT_TTL asked of the peer, ms (default 2000) */
     bool immediate;           /* ZMQ_IMMEDIATE: queue only to finished connections, so a send
                                  with no live peer times out (default true) */
+    bool no_handover;         /* ROUTER: leave ZMQ_ROUTER_HANDOVER off, so a second peer with
+                                 a routing id in use is refused (default false: handover on) */
     int spin_us;              /* wire_recv busy-polls this long before sleeping, us (default
                                  0); for round trips expected within microseconds; ignored on
                                  machines of fewer than 8 CPUs, where it starves the peer */

@@ -464,6 +464,7 @@ static int worker_finish_step(struct worker *w, const struct wire_step *st, stru
 
 static int worker_step(struct worker *w, const struct wire_msg *m, double recv_wait)
 {
+    w->step = m->step.step; /* errors about this step name it */
     int rc = worker_check_step(w, m);
     if (rc)
         return rc;
