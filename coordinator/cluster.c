@@ -10,6 +10,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <limits.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -448,6 +449,11 @@ static int cl_spawn(struct cluster *c, int i)
         return SYS_CHECK(pid);
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
+        cpu_set_t all; /* not the coordinator's pinning: the worker pins its own threads */
+        CPU_ZERO(&all);
+        for (int k = 0; k < CPU_SETSIZE; k++)
+            CPU_SET(k, &all);
+        sched_setaffinity(0, sizeof(all), &all);
         if (getppid() != parent)
             _exit(127);
         char *argv[] = {bin, "--connect", c->endpoint, "--index", idx, NULL};

@@ -35,6 +35,8 @@ struct threadpool {
     int n_threads;                     /* workers + owner */
     struct threadpool_worker *workers; /* n_threads - 1 entries */
     int cpus[THREADPOOL_MAX_CPUS];     /* logical cpu per physical core */
+    cpu_set_t owner_mask;              /* the owner thread's affinity before pinning */
+    bool owner_pinned;                 /* owner_mask must be restored at destroy */
     int n_cpus;                        /* entries of cpus */
     _Atomic uint32_t generation;       /* bumped per job (futex word) */
     _Atomic int64_t next;              /* next task index */
@@ -62,12 +64,21 @@ static int threadpool_read_int(const char *path)
     return v;
 }
 
-/* One logical CPU per (package, core) pair among the CPUs we may run on. */
+/* The CPUs the process was allowed at start, read once before main() runs
+ * and never written again: a later pool must not mistake a pinned owner
+ * thread's single CPU for the machine. */
+static cpu_set_t threadpool_start_mask;
+
+__attribute__((constructor)) static void threadpool_read_start_mask(void)
+{
+    if (sched_getaffinity(0, sizeof(threadpool_start_mask), &threadpool_start_mask) != 0)
+        CPU_ZERO(&threadpool_start_mask);
+}
+
+/* One logical CPU per (package, core) pair among the CPUs the process may run on. */
 static int threadpool_list_cores(int *cpus, int cap)
 {
-    cpu_set_t allowed;
-    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0)
-        CPU_ZERO(&allowed);
+    cpu_set_t allowed = threadpool_start_mask;
     int n = 0;
     int seen_pkg[THREADPOOL_MAX_CPUS], seen_core[THREADPOOL_MAX_CPUS];
     for (int c = 0; c < CPU_SETSIZE && n < cap; c++) {
@@ -156,7 +167,11 @@ struct threadpool *threadpool_create(const struct threadpool_config *cfg)
     }
     if (!cfg->pin)
         pool->n_cpus = 0;
-    threadpool_pin(pool, pthread_self(), 0);
+    if (pool->n_cpus > 0 &&
+        pthread_getaffinity_np(pthread_self(), sizeof(pool->owner_mask), &pool->owner_mask) == 0) {
+        pool->owner_pinned = true; /* restored at destroy: the caller's thread is only lent */
+        threadpool_pin(pool, pthread_self(), 0);
+    }
     for (int i = 1; i < pool->n_threads; i++) {
         struct threadpool_worker *w = &pool->workers[i - 1];
         w->pool = pool;
@@ -186,6 +201,8 @@ void threadpool_destroy(struct threadpool *pool)
     threadpool_futex(&pool->generation, FUTEX_WAKE_PRIVATE, INT32_MAX);
     for (int i = 1; i < pool->n_threads; i++)
         pthread_join(pool->workers[i - 1].thread, NULL);
+    if (pool->owner_pinned)
+        pthread_setaffinity_np(pthread_self(), sizeof(pool->owner_mask), &pool->owner_mask);
     free(pool->workers);
     free(pool);
 }

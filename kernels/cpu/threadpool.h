@@ -2,6 +2,8 @@
  * threadpool: a fixed set of compute threads, pinned one per physical core,
  * that run parallel-for jobs for the CPU kernels.
  *
+ * The owner thread is pinned to the first core while the pool lives and its
+ * affinity is restored by threadpool_destroy().
  * One owner thread (the one that created the pool) submits jobs with
  * threadpool_run(); the call blocks until every task has finished, and the
  * owner thread takes part in the work. Jobs must not submit nested jobs.
