@@ -99,14 +99,16 @@ $(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB) $(CUDA_LIB) | $(BINS)
 
 cuda: $(CU_OBJS)
 
-# The README's first command: a small synthetic qwen3next model, then text.
+# The README's first command: a small synthetic qwen3next model, then text from a
+# coordinator and two CPU workers (half the experts on the coordinator's CPU pool).
 DEMO_MODEL := models/demo-qwen3next-tiny-q8_0.gguf
 $(DEMO_MODEL): | $(BUILD)/lamina
 	@mkdir -p models
 	$(BUILD)/lamina gen-model --arch qwen3next --shape tiny --type q8_0 --heat zipf:1.0 --seed 7 -o $@
 
 demo: all $(DEMO_MODEL)
-	$(BUILD)/lamina run -m $(DEMO_MODEL) -p "The quick brown fox" -n 48 --seed 1
+	$(BUILD)/lamina run -m $(DEMO_MODEL) -p "The quick brown fox" -n 48 --seed 1 \
+		--devices cpu,cpu --resident 50%
 
 test: all
 	@BUILD=$(BUILD) sh tests/run.sh $(TESTS)
