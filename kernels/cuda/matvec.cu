@@ -5,37 +5,44 @@
  * Maths: y[r] = sum_i w[r][i] x[i] with w the dequantized weight of
  * model-spec 2.2/2.3, f32 products and f32 sums, activations never
  * quantized. Every type is cut into groups of 256 elements (8 blocks of
- * Q8_0/Q4_0, one K-quant super-block, 256 plain values; GB bytes each, the
+ * Q8_0/Q4_0, one K-quant super-block, 256 plain values; GB bytes each; the
  * last group of a row may be short). Lane l of a warp owns one unit of 8
  * elements of each group: two runs of 4 consecutive elements (positions pa
- * and pb) with per-run scale s and min m, decoded to float levels q so that
- * w = s*q - m. The levels come from byte bits planted into the mantissa of
- * 2^23 (one byte permute and one add per element, no int-to-float
- * conversion); each run's dot adds s * sum(q*x) - m * sum(x), as the CPU
- * twin does.
+ * and pa + DPB). A unit decodes to float levels q with per-run scales s and
+ * offsets c such that the run adds s * sum(q*x) + c * sum(x) (times a
+ * per-type power of two FIN applied once at the end). Levels come from
+ * bits planted into a float's mantissa with one byte permute each: 4-, 5-
+ * and 6-bit values become 1 + v/16 or 1 + v/128 (the 1 is taken back through
+ * sum(x); the cancellation costs a few ulps, far inside the tolerance),
+ * Q8_0 bytes become 2^23 + (v + 128) minus 2^23 + 128 exactly. So there is
+ * no int-to-float conversion and about two instructions per weight.
  *
  * Shapes and ownership (mv_kernel): a block is 8 warps. The warps form
- * 8/KS row groups of KS warps; a row group owns R consecutive rows and its
- * KS warps split the row's steps (a step is U groups) round-robin, so short
- * matrices still fill the GPU (KS = 8 for long rows, 1 for rows of one
- * step). Per step a warp copies the R rows' U*GB bytes into its own shared
- * staging buffer: 16-byte loads for the 16-byte granules inside each row's
- * range, 2-byte loads for the head and tail (rows and blocks are only 2-byte
- * aligned in general: an 18-byte Q4_0 block or a 210-byte Q6_K row), all
- * loads issued before any store. The bytes keep their address mod 16 in
- * shared memory. Then each lane decodes its unit of every group for all R
- * rows from shared memory (aligned 4-byte words joined with funnel shifts)
- * and multiplies them with its 8 activations, read once through the
- * read-only cache and used for the R rows (and, for a matmul chunk, NS
- * activation rows at once). Lanes reduce with shuffles; the KS warps of a
- * row group meet in shared memory in a fixed order, so results do not
- * depend on timing.
+ * 8/KS row groups of KS warps; a row group owns R = 8 consecutive rows (4
+ * for F32 and Q6_K) and its KS warps split the row's steps (a step is U
+ * groups) round-robin, KS chosen as the fewest that give the launch 4096
+ * warps (long rows of few rows: KS = 8; the vocabulary projection: KS = 1).
+ * A warp owns a staging buffer of two steps of its R rows in shared
+ * memory. When the rows start at multiples of VW bytes (16, or 4 for Q6_K whose
+ * 210-byte blocks allow no more) each lane copies VW-byte words of each
+ * row with cp.async, the next step in flight while this one is decoded;
+ * else (rows only 2-byte aligned: an odd number of 18-byte Q4_0 blocks, a
+ * misplaced expert) words are gathered from 2-byte loads. Lanes read their
+ * unit's bytes from the staging buffer as aligned words joined by funnel
+ * shifts. Each lane loads its 8 activations of a step's groups (read-only
+ * cache, 16-byte loads when aligned) before waiting for the weights, and
+ * uses them for the R rows (and, for a matmul chunk, for NS activation
+ * rows at once). Lanes reduce with shuffles; the KS warps of a row group
+ * meet in shared memory in a fixed order, so results do not depend on
+ * timing.
  *
- * Jobs (grid y): one for cuda_matvec and a matmul chunk; one per (token,
+ * Jobs (grid y): one for cuda_matvec and per matmul chunk; one per (token,
  * slot) pair for cuda_matvec_experts, whose blocks read the expert id and
- * its weight address from device memory and skip the pair when the
- * address is NULL. cuda_matmul runs chunks of NS = 8, 4, 2, 1 activation
- * rows, each chunk reading the weights once.
+ * its weight address from device memory, skip the pair when the address
+ * is NULL (or the id negative), and pick the staging by the address's
+ * alignment. Expert addresses must be 2-byte aligned (GGUF data always
+ * is). cuda_matmul runs chunks of NS = 8, 4, 2, 1 activation rows, each
+ * chunk reading the weights once.
  */
 #include "kernels/cuda/matvec.h"
 
@@ -51,14 +58,17 @@ extern "C" {
 namespace {
 
 constexpr int kWarps = 8;              /* warps per block */
+constexpr int kRows = 8;               /* rows per warp (R); F32 and Q6_K take 4 */
 constexpr int kGroup = 256;            /* elements per group */
 constexpr float kMagic = 8388608.0f;   /* 2^23: a float whose low byte is an integer */
 constexpr unsigned kMaxJobsY = 65535u; /* grid y limit */
+constexpr uint64_t kWantWarps = 4096;  /* warps a launch should have to fill an H200 */
+constexpr uint64_t kMaxN = 1ull << 28; /* longest row: its bytes fit 31 bits */
 
-/* One lane's 8 elements of a group: w = s*q - m per run of 4. */
+/* One lane's 8 elements of a group: run A adds sa*sum(q*x) + ca*sum(x). */
 struct Unit {
     float q[8];
-    float sa, sb, ma, mb;
+    float sa, sb, ca, cb;
 };
 
 /* ---- reading staged bytes ----------------------------------------------- */
@@ -68,14 +78,16 @@ __device__ __forceinline__ uint32_t rd16(const uint8_t *p)
     return *reinterpret_cast<const uint16_t *>(p);
 }
 
-/* N little-endian words starting at the 2-byte aligned shared address p:
+/* N little-endian words at byte off of the staged group g (2-byte aligned):
  * N+1 aligned loads joined by funnel shifts (the staging buffer has room
- * for the extra word). */
-template <int N>
-__device__ __forceinline__ void rdw(const uint8_t *p, uint32_t *out)
+ * for the extra word). AL: g is 4-byte aligned, so the shift depends on the
+ * lane's offset alone and the compiler computes it once. */
+template <int N, bool AL>
+__device__ __forceinline__ void rdw(const uint8_t *g, unsigned off, uint32_t *out)
 {
-    const unsigned mis = static_cast<unsigned>(reinterpret_cast<uintptr_t>(p) & 3u);
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(p - mis);
+    const unsigned mis = AL ? off & 3u
+                            : static_cast<unsigned>((reinterpret_cast<uintptr_t>(g) + off) & 3u);
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(g + off - mis);
     uint32_t prev = w[0];
 #pragma unroll
     for (int i = 0; i < N; i++) {
@@ -90,8 +102,8 @@ __device__ __forceinline__ float f16(uint32_t h)
     return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
 
-/* q[i] = byte i of v minus off, through the mantissa of 2^23. */
-__device__ __forceinline__ void levels4(uint32_t v, float off, float *q)
+/* q[i] = 2^23 + byte i of v, minus off (exact for off = 2^23 + integer). */
+__device__ __forceinline__ void levels_low(uint32_t v, float off, float *q)
 {
     q[0] = __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7650))) - off;
     q[1] = __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7651))) - off;
@@ -99,143 +111,170 @@ __device__ __forceinline__ void levels4(uint32_t v, float off, float *q)
     q[3] = __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7653))) - off;
 }
 
-/* Byte k of the little-endian words w. */
-__device__ __forceinline__ uint32_t byte_at(const uint32_t *w, int k)
+/* q[i] = the float with bytes 0x3F, byte i of v, 0, 0: for bytes 0x80 | b
+ * (b < 128) that is 1 + b/128, so 6-bit values v give 1 + v/128 and
+ * nibbles placed as v << 3 give 1 + v/16. */
+__device__ __forceinline__ void levels_mid(uint32_t v, float *q)
 {
-    return (w[k >> 2] >> ((k & 3) * 8)) & 0xFFu;
+    q[0] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7054)));
+    q[1] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7154)));
+    q[2] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7254)));
+    q[3] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7354)));
 }
 
-/* get_scale_min_k4 (model-spec 2.3) of sub-block j from the 12 scale bytes. */
-__device__ __forceinline__ void scale_min_k4(const uint32_t *s, int j, uint32_t *sc, uint32_t *m)
+/* get_scale_min_k4 (model-spec 2.3) of sub-block j from the 12 scale bytes
+ * (little-endian words s0, s1, s2), without indexing arrays by j. */
+__device__ __forceinline__ void scale_min_k4(uint32_t s0, uint32_t s1, uint32_t s2, int j,
+                                             uint32_t *sc, uint32_t *m)
 {
+    const uint32_t sh = (j & 3) * 8, b0 = s0 >> sh, b1 = s1 >> sh, b2 = s2 >> sh;
     if (j < 4) {
-        *sc = byte_at(s, j) & 63u;
-        *m = byte_at(s, j + 4) & 63u;
+        *sc = b0 & 63u;
+        *m = b1 & 63u;
     } else {
-        *sc = (byte_at(s, j + 4) & 0x0Fu) | ((byte_at(s, j - 4) >> 6) << 4);
-        *m = (byte_at(s, j + 4) >> 4) | ((byte_at(s, j) >> 6) << 4);
+        *sc = (b2 & 0x0Fu) | ((b0 >> 2) & 0x30u);
+        *m = ((b2 >> 4) & 0x0Fu) | ((b1 >> 2) & 0x30u);
     }
 }
 
 /* ---- the types ------------------------------------------------------------
- * Each type: EB bytes per EE elements (its block), GB bytes per group, U
- * groups per step, MIN (has mins), PLAIN (no scales; elements may end
- * inside a unit), pa/pb (run positions of lane l in a group), first/end
- * (lowest element and one past the highest of lane l's unit) and unit()
- * (decode lane l's unit of the group at g). */
+ * Each type: EE elements in EB bytes (its block), GB bytes per group, U
+ * groups per step, VW the widest load its steps allow, FIN the power of
+ * two the sums are multiplied by at the end; PLAIN (no scales; rows may
+ * end inside a unit), SAME (one scale for both runs, offsets K*s), MIN
+ * (own offsets ca, cb), else offsets K*sa and K*sb; pa (where lane l's
+ * run A starts in a group; run B starts DPB later), first/end (lowest element and one past the
+ * highest of lane l's unit) and unit() (decode lane l's unit of the group
+ * at g); LEAN: its aligned decode fits 64 registers. */
 
 struct TQ8_0 {
-    static constexpr int EE = 32, EB = 34, GB = 272, U = 2;
-    static constexpr bool MIN = false, PLAIN = false;
+    static constexpr int EE = 32, EB = 34, GB = 272, U = 1, VW = 16;
+    static constexpr bool PLAIN = false, SAME = true, MIN = false, LEAN = true;
+    static constexpr float K = 0.0f, FIN = 1.0f;
     __device__ static int pa(int l) { return 32 * (l >> 2) + 8 * (l & 3); }
-    __device__ static int pb(int l) { return pa(l) + 4; }
+    static constexpr int DPB = 4;
     __device__ static int first(int l) { return 32 * (l >> 2); }
     __device__ static int end(int l) { return first(l) + 32; }
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
-        const uint8_t *b = g + 34 * (l >> 2);
+        const int b = 34 * (l >> 2);
         uint32_t v[2];
-        rdw<2>(b + 2 + 8 * (l & 3), v);
-        u.sa = u.sb = f16(rd16(b));
-        levels4(v[0] ^ 0x80808080u, kMagic + 128.0f, u.q);
-        levels4(v[1] ^ 0x80808080u, kMagic + 128.0f, u.q + 4);
+        rdw<2, AL>(g, b + 2 + 8 * (l & 3), v);
+        u.sa = f16(rd16(g + b));
+        levels_low(v[0] ^ 0x80808080u, kMagic + 128.0f, u.q);
+        levels_low(v[1] ^ 0x80808080u, kMagic + 128.0f, u.q + 4);
     }
 };
 
+/* Q4_0: level 1 + v/16 for nibble v, so (v - 8) = 16 * (level - 1.5). */
 struct TQ4_0 {
-    static constexpr int EE = 32, EB = 18, GB = 144, U = 2;
-    static constexpr bool MIN = false, PLAIN = false;
+    static constexpr int EE = 32, EB = 18, GB = 144, U = 2, VW = 16;
+    static constexpr bool PLAIN = false, SAME = true, MIN = false, LEAN = true;
+    static constexpr float K = -1.5f, FIN = 16.0f;
     __device__ static int pa(int l) { return 32 * (l >> 2) + 4 * (l & 3); }
-    __device__ static int pb(int l) { return pa(l) + 16; }
+    static constexpr int DPB = 16;
     __device__ static int first(int l) { return 32 * (l >> 2); }
     __device__ static int end(int l) { return first(l) + 32; }
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
-        const uint8_t *b = g + 18 * (l >> 2);
+        const int b = 18 * (l >> 2);
         uint32_t v;
-        rdw<1>(b + 2 + 4 * (l & 3), &v);
-        u.sa = u.sb = f16(rd16(b));
-        levels4(v & 0x0F0F0F0Fu, kMagic + 8.0f, u.q);
-        levels4((v >> 4) & 0x0F0F0F0Fu, kMagic + 8.0f, u.q + 4);
+        rdw<1, AL>(g, b + 2 + 4 * (l & 3), &v);
+        u.sa = f16(rd16(g + b));
+        levels_mid(((v << 3) & 0x78787878u) | 0x80808080u, u.q);
+        levels_mid(((v >> 1) & 0x78787878u) | 0x80808080u, u.q + 4);
     }
 };
 
-/* Q4_K and Q5_K: lane l = 8c + j takes bytes 4j..4j+3 of chunk c; low
- * nibbles are elements 64c + 4j.. (sub-block 2c), high ones 64c + 32 + 4j..
- * (sub-block 2c + 1). */
-__device__ __forceinline__ void kquant_scales(const uint8_t *g, int l, Unit &u)
+/* Q4_K and Q5_K scales: lane l = 8c + j takes sub-blocks 2c and 2c + 1;
+ * a run adds d*sc*sum(v*x) - dmin*m*sum(x) with v = F*(level - 1), so
+ * s = d*sc and c = -(d*sc + dmin*m/F) once the sum is multiplied by F. */
+template <bool AL>
+__device__ __forceinline__ void kquant_scales(const uint8_t *g, int l, float inv_f, Unit &u)
 {
     uint32_t s[3];
-    rdw<3>(g + 4, s);
-    const float d = f16(rd16(g)), dmin = f16(rd16(g + 2));
+    rdw<3, AL>(g, 4, s);
+    const float d = f16(rd16(g)), dmin = f16(rd16(g + 2)) * inv_f;
     const int c = l >> 3;
     uint32_t sc, m;
-    scale_min_k4(s, 2 * c, &sc, &m);
+    scale_min_k4(s[0], s[1], s[2], 2 * c, &sc, &m);
     u.sa = d * static_cast<float>(sc);
-    u.ma = dmin * static_cast<float>(m);
-    scale_min_k4(s, 2 * c + 1, &sc, &m);
+    u.ca = -fmaf(dmin, static_cast<float>(m), u.sa);
+    scale_min_k4(s[0], s[1], s[2], 2 * c + 1, &sc, &m);
     u.sb = d * static_cast<float>(sc);
-    u.mb = dmin * static_cast<float>(m);
+    u.cb = -fmaf(dmin, static_cast<float>(m), u.sb);
 }
 
+/* Lane l = 8c + j takes qs bytes 4j..4j+3 of chunk c: low nibbles are
+ * elements 64c + 4j.., high ones 64c + 32 + 4j.. */
 struct TQ4_K {
-    static constexpr int EE = 256, EB = 144, GB = 144, U = 2;
-    static constexpr bool MIN = true, PLAIN = false;
+    static constexpr int EE = 256, EB = 144, GB = 144, U = 2, VW = 16;
+    static constexpr bool PLAIN = false, SAME = false, MIN = true, LEAN = true;
+    static constexpr float K = 0.0f, FIN = 16.0f;
     __device__ static int pa(int l) { return 64 * (l >> 3) + 4 * (l & 7); }
-    __device__ static int pb(int l) { return pa(l) + 32; }
+    static constexpr int DPB = 32;
     __device__ static int first(int) { return 0; }
     __device__ static int end(int) { return 256; }
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
         uint32_t v;
-        rdw<1>(g + 16 + 32 * (l >> 3) + 4 * (l & 7), &v);
-        kquant_scales(g, l, u);
-        levels4(v & 0x0F0F0F0Fu, kMagic, u.q);
-        levels4((v >> 4) & 0x0F0F0F0Fu, kMagic, u.q + 4);
+        rdw<1, AL>(g, 16 + 32 * (l >> 3) + 4 * (l & 7), &v);
+        kquant_scales<AL>(g, l, 1.0f / FIN, u);
+        levels_mid(((v << 3) & 0x78787878u) | 0x80808080u, u.q);
+        levels_mid(((v >> 1) & 0x78787878u) | 0x80808080u, u.q + 4);
     }
 };
 
+/* Q5_K: 5-bit values v as levels 1 + v/128. */
 struct TQ5_K {
-    static constexpr int EE = 256, EB = 176, GB = 176, U = 2;
-    static constexpr bool MIN = true, PLAIN = false;
+    static constexpr int EE = 256, EB = 176, GB = 176, U = 2, VW = 16;
+    static constexpr bool PLAIN = false, SAME = false, MIN = true, LEAN = false;
+    static constexpr float K = 0.0f, FIN = 128.0f;
     __device__ static int pa(int l) { return TQ4_K::pa(l); }
-    __device__ static int pb(int l) { return TQ4_K::pb(l); }
+    static constexpr int DPB = 32;
     __device__ static int first(int) { return 0; }
     __device__ static int end(int) { return 256; }
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
         const int c = l >> 3;
         uint32_t v, h;
-        rdw<1>(g + 48 + 32 * c + 4 * (l & 7), &v);
-        rdw<1>(g + 16 + 4 * (l & 7), &h);
-        kquant_scales(g, l, u);
+        rdw<1, AL>(g, 48 + 32 * c + 4 * (l & 7), &v);
+        rdw<1, AL>(g, 16 + 4 * (l & 7), &h);
+        kquant_scales<AL>(g, l, 1.0f / FIN, u);
         const uint32_t lo = (v & 0x0F0F0F0Fu) | (((h >> (2 * c)) & 0x01010101u) << 4);
         const uint32_t hi = ((v >> 4) & 0x0F0F0F0Fu) | (((h >> (2 * c + 1)) & 0x01010101u) << 4);
-        levels4(lo, kMagic, u.q);
-        levels4(hi, kMagic, u.q + 4);
+        levels_mid(lo | 0x80808080u, u.q);
+        levels_mid(hi | 0x80808080u, u.q + 4);
     }
 };
 
 /* Q6_K: lane l = 16h + 8p + t takes ql bytes 32p + 4t.. of half h (low
  * nibbles: elements 128h + 32p + 4t.., high: 64 further) and qh bytes 4t..
- * (bits 2p and 4 + 2p). */
+ * (bits 2p and 4 + 2p); 6-bit values v as levels 1 + v/128, so
+ * v - 32 = 128 * (level - 1.25). */
 struct TQ6_K {
-    static constexpr int EE = 256, EB = 210, GB = 210, U = 2;
-    static constexpr bool MIN = false, PLAIN = false;
+    static constexpr int EE = 256, EB = 210, GB = 210, U = 2, VW = 4;
+    static constexpr bool PLAIN = false, SAME = false, MIN = false, LEAN = false;
+    static constexpr float K = -1.25f, FIN = 128.0f;
     __device__ static int pa(int l) { return 128 * (l >> 4) + 32 * ((l >> 3) & 1) + 4 * (l & 7); }
-    __device__ static int pb(int l) { return pa(l) + 64; }
+    static constexpr int DPB = 64;
     __device__ static int first(int) { return 0; }
     __device__ static int end(int) { return 256; }
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
         const int h = l >> 4, p = (l >> 3) & 1, t = l & 7;
         uint32_t v, hb;
-        rdw<1>(g + 64 * h + 32 * p + 4 * t, &v);
-        rdw<1>(g + 128 + 32 * h + 4 * t, &hb);
+        rdw<1, AL>(g, 64 * h + 32 * p + 4 * t, &v);
+        rdw<1, AL>(g, 128 + 32 * h + 4 * t, &hb);
         const uint32_t lo = (v & 0x0F0F0F0Fu) | (((hb >> (2 * p)) & 0x03030303u) << 4);
         const uint32_t hi = ((v >> 4) & 0x0F0F0F0Fu) | (((hb >> (4 + 2 * p)) & 0x03030303u) << 4);
-        levels4(lo, kMagic + 32.0f, u.q);
-        levels4(hi, kMagic + 32.0f, u.q + 4);
+        levels_mid(lo | 0x80808080u, u.q);
+        levels_mid(hi | 0x80808080u, u.q + 4);
         const int ia = 192 + 8 * h + (t >> 2) + 2 * p, ib = ia + 4;
         const float d = f16(rd16(g + 208));
         const int8_t sa = static_cast<int8_t>(rd16(g + (ia & ~1)) >> ((ia & 1) * 8));
@@ -246,17 +285,24 @@ struct TQ6_K {
 };
 
 /* Plain types: lane l owns elements 8l .. 8l + 7. */
-struct TF16 {
-    static constexpr int EE = 1, EB = 2, GB = 512, U = 1;
-    static constexpr bool MIN = false, PLAIN = true;
+struct TPlain {
+    static constexpr int EE = 1, U = 1, VW = 16;
+    static constexpr bool PLAIN = true, SAME = true, MIN = false;
+    static constexpr float K = 0.0f, FIN = 1.0f;
     __device__ static int pa(int l) { return 8 * l; }
-    __device__ static int pb(int l) { return 8 * l + 4; }
+    static constexpr int DPB = 4;
     __device__ static int first(int l) { return 8 * l; }
     __device__ static int end(int l) { return 8 * l + 8; }
+};
+
+struct TF16 : TPlain {
+    static constexpr int EB = 2, GB = 512;
+    static constexpr bool LEAN = true;
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
         uint32_t v[4];
-        rdw<4>(g + 16 * l, v);
+        rdw<4, AL>(g, 16 * l, v);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             u.q[2 * i] = f16(v[i] & 0xFFFFu);
@@ -265,17 +311,14 @@ struct TF16 {
     }
 };
 
-struct TBF16 {
-    static constexpr int EE = 1, EB = 2, GB = 512, U = 1;
-    static constexpr bool MIN = false, PLAIN = true;
-    __device__ static int pa(int l) { return 8 * l; }
-    __device__ static int pb(int l) { return 8 * l + 4; }
-    __device__ static int first(int l) { return 8 * l; }
-    __device__ static int end(int l) { return 8 * l + 8; }
+struct TBF16 : TPlain {
+    static constexpr int EB = 2, GB = 512;
+    static constexpr bool LEAN = true;
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
         uint32_t v[4];
-        rdw<4>(g + 16 * l, v);
+        rdw<4, AL>(g, 16 * l, v);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             u.q[2 * i] = __int_as_float(static_cast<int>(v[i] << 16));
@@ -284,24 +327,21 @@ struct TBF16 {
     }
 };
 
-struct TF32 {
-    static constexpr int EE = 1, EB = 4, GB = 1024, U = 1;
-    static constexpr bool MIN = false, PLAIN = true;
-    __device__ static int pa(int l) { return 8 * l; }
-    __device__ static int pb(int l) { return 8 * l + 4; }
-    __device__ static int first(int l) { return 8 * l; }
-    __device__ static int end(int l) { return 8 * l + 8; }
+struct TF32 : TPlain {
+    static constexpr int EB = 4, GB = 1024;
+    static constexpr bool LEAN = false;
+    template <bool AL>
     __device__ static void unit(const uint8_t *g, int l, Unit &u)
     {
         uint32_t v[8];
-        rdw<8>(g + 32 * l, v);
+        rdw<8, AL>(g, 32 * l, v);
 #pragma unroll
         for (int i = 0; i < 8; i++)
             u.q[i] = __int_as_float(static_cast<int>(v[i]));
     }
 };
 
-/* ---- the kernel ------------------------------------------------------------ */
+/* ---- staging ----------------------------------------------------------------- */
 
 struct MvArgs {
     const uint8_t *w;        /* weights (matvec, matmul) */
@@ -315,92 +355,84 @@ struct MvArgs {
     float *y;
     size_t ldy;
     uint32_t n_jobs;
-    int ks_log2;  /* warps per row group: 1 << ks_log2 */
-    bool x_vec4;  /* every activation row is 16-byte aligned */
+    int ks_log2;     /* warps per row group: 1 << ks_log2 */
+    bool x_vec4;     /* every activation row is 16-byte aligned */
+    bool rows_align; /* row_bytes and the row size are multiples of VW */
 };
 
-/* Staging buffer bytes per row: U groups, up to 15 bytes of misalignment,
- * one word read past the end by rdw, rounded to 16. */
+/* Staging buffer bytes per row: a step plus the word rdw reads past it,
+ * rounded to 16. */
 template <class T>
-constexpr int kStageRow = (T::U * T::GB + 15 + 4 + 15) / 16 * 16;
+constexpr int kStageRow = (T::U * T::GB + 4 + 15) / 16 * 16;
 
-/* Copies bytes [off, off + len) of rows row0 .. row0 + R - 1 (those below
- * n_rows) into dst[i] (dst[i] + (a & 15) is byte off of row i, a its
- * address). Loads first, then stores, so they are all in flight at once. */
-template <class T, int R>
-__device__ __forceinline__ void stage_rows(uint8_t (*dst)[kStageRow<T>], const uint8_t *w,
-                                           size_t row_bytes, uint64_t row0, uint64_t n_rows,
-                                           size_t off, uint32_t len, int lane)
+template <int VW>
+struct VecOf;
+template <>
+struct VecOf<16> {
+    using type = uint4;
+};
+template <>
+struct VecOf<4> {
+    using type = uint32_t;
+};
+
+/* Gathers the step bytes [0, len) of a row at the 2-byte aligned src into
+ * the staging row dst (16-byte aligned) as VW-byte words assembled from
+ * 2-byte loads, lane l taking words l, l + 32, ...; all loads are issued
+ * before any store. */
+template <class T>
+__device__ __forceinline__ void gather_row(uint8_t *dst, const uint8_t *src, uint32_t len,
+                                           int lane)
 {
-    constexpr int GPR = T::U * T::GB / 16 + 1; /* most granules a row range holds */
-    constexpr int NG = (R * GPR + 31) / 32;
-    constexpr int NH = (R * 16 + 31) / 32;
-    uint4 g[NG];
-    uint32_t h[NH];
+    constexpr int VW = T::VW, PER = (T::U * T::GB / VW + 31) / 32;
+    using V = typename VecOf<VW>::type;
+    V v[PER];
 #pragma unroll
-    for (int k = 0; k < NG; k++) {
-        const int j = lane + 32 * k, i = j / GPR, q = j % GPR;
-        if (j < R * GPR && row0 + i < n_rows) {
-            const uintptr_t a = reinterpret_cast<uintptr_t>(w + (row0 + i) * row_bytes + off);
-            const uintptr_t a0 = (a + 15) & ~uintptr_t{15}, a1 = (a + len) & ~uintptr_t{15};
-            if (a0 + 16u * (q + 1) <= a1)
-                g[k] = __ldcs(reinterpret_cast<const uint4 *>(a0 + 16u * q));
-        }
+    for (int m = 0; m < PER; m++) {
+        const uint32_t at = static_cast<uint32_t>(lane + 32 * m) * VW;
+        uint32_t h[VW / 2];
+#pragma unroll
+        for (int k = 0; k < VW / 2; k++)
+            h[k] = at + 2 * k < len
+                       ? __ldcs(reinterpret_cast<const unsigned short *>(src + at + 2 * k))
+                       : 0u;
+        uint32_t *out = reinterpret_cast<uint32_t *>(&v[m]);
+#pragma unroll
+        for (int k = 0; k < VW / 4; k++)
+            out[k] = h[2 * k] | h[2 * k + 1] << 16;
     }
 #pragma unroll
-    for (int k = 0; k < NH; k++) {
-        const int j = lane + 32 * k, i = j >> 4, slot = j & 15;
-        if (i < R && row0 + i < n_rows) {
-            const uintptr_t a = reinterpret_cast<uintptr_t>(w + (row0 + i) * row_bytes + off);
-            const uintptr_t a0 = (a + 15) & ~uintptr_t{15}, a1 = (a + len) & ~uintptr_t{15};
-            const uintptr_t p = slot < 8 ? a + 2u * slot : a1 + 2u * (slot - 8);
-            const bool ok = slot < 8 ? p < a0 && p < a + len : a1 >= a0 && p < a + len;
-            if (ok)
-                h[k] = __ldcs(reinterpret_cast<const unsigned short *>(p));
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < NG; k++) {
-        const int j = lane + 32 * k, i = j / GPR, q = j % GPR;
-        if (j < R * GPR && row0 + i < n_rows) {
-            const uintptr_t a = reinterpret_cast<uintptr_t>(w + (row0 + i) * row_bytes + off);
-            const uintptr_t a0 = (a + 15) & ~uintptr_t{15}, a1 = (a + len) & ~uintptr_t{15};
-            if (a0 + 16u * (q + 1) <= a1)
-                *reinterpret_cast<uint4 *>(dst[i] + (a0 - (a & ~uintptr_t{15})) + 16 * q) = g[k];
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < NH; k++) {
-        const int j = lane + 32 * k, i = j >> 4, slot = j & 15;
-        if (i < R && row0 + i < n_rows) {
-            const uintptr_t a = reinterpret_cast<uintptr_t>(w + (row0 + i) * row_bytes + off);
-            const uintptr_t a0 = (a + 15) & ~uintptr_t{15}, a1 = (a + len) & ~uintptr_t{15};
-            const uintptr_t p = slot < 8 ? a + 2u * slot : a1 + 2u * (slot - 8);
-            const bool ok = slot < 8 ? p < a0 && p < a + len : a1 >= a0 && p < a + len;
-            if (ok)
-                *reinterpret_cast<uint16_t *>(dst[i] + (p - (a & ~uintptr_t{15}))) =
-                    static_cast<uint16_t>(h[k]);
-        }
+    for (int m = 0; m < PER; m++) {
+        const uint32_t at = static_cast<uint32_t>(lane + 32 * m) * VW;
+        if (at < len)
+            *reinterpret_cast<V *>(dst + at) = v[m];
     }
 }
 
-/* The 4 activations at x[p..p+3] (n elements valid from x; all of them
- * when full). */
-__device__ __forceinline__ float4 ld_x4(const float *x, int p, bool vec4, bool full, int n)
+/* ---- the kernel ------------------------------------------------------------ */
+
+/* The 4 activations at p, which is element `at` of a group of which n
+ * elements exist (all of them when full). */
+__device__ __forceinline__ float4 ld_x4(const float *p, int at, bool vec4, bool full, int n)
 {
     if (full && vec4)
-        return __ldg(reinterpret_cast<const float4 *>(x + p));
+        return __ldg(reinterpret_cast<const float4 *>(p));
     float4 r;
-    r.x = full || p < n ? __ldg(x + p) : 0.0f;
-    r.y = full || p + 1 < n ? __ldg(x + p + 1) : 0.0f;
-    r.z = full || p + 2 < n ? __ldg(x + p + 2) : 0.0f;
-    r.w = full || p + 3 < n ? __ldg(x + p + 3) : 0.0f;
+    r.x = full || at < n ? __ldg(p) : 0.0f;
+    r.y = full || at + 1 < n ? __ldg(p + 1) : 0.0f;
+    r.z = full || at + 2 < n ? __ldg(p + 2) : 0.0f;
+    r.w = full || at + 3 < n ? __ldg(p + 3) : 0.0f;
     return r;
 }
 
-__device__ __forceinline__ float dot4(const float *q, float4 x)
+__device__ __forceinline__ float dot4(const float *q, float4 x, float init)
 {
-    return fmaf(q[3], x.w, fmaf(q[2], x.z, fmaf(q[1], x.y, q[0] * x.x)));
+    return fmaf(q[3], x.w, fmaf(q[2], x.z, fmaf(q[1], x.y, fmaf(q[0], x.x, init))));
+}
+
+__device__ __forceinline__ float sum4(float4 x)
+{
+    return (x.x + x.y) + (x.z + x.w);
 }
 
 /* Zeroes the levels of elements at or past n (a short plain group). */
@@ -413,49 +445,104 @@ __device__ __forceinline__ void mask_unit(Unit &u, int pa, int pb, int n)
     }
 }
 
-/* Adds lane's unit of group G (staged at g[i] + gi*GB for row i) times NS
- * activation rows into acc. */
-template <class T, int R, int NS>
-__device__ __forceinline__ void group_dot(const uint8_t *const *g, int gi, uint64_t G,
-                                          const MvArgs &a, const float *x, int lane,
-                                          float (&acc)[R][NS])
+/* acc += unit u times activations xa, xb (run sums sa, sb). */
+template <class T>
+__device__ __forceinline__ float unit_dot(const Unit &u, float4 xa, float4 xb, float suma,
+                                          float sumb, float acc)
 {
-    const int elems = a.n - G * kGroup < kGroup ? static_cast<int>(a.n - G * kGroup) : kGroup;
-    const bool full = T::end(lane) <= elems;
-    if (!full && !(T::PLAIN && T::first(lane) < elems))
-        return;
-    const int pa = T::pa(lane), pb = T::pb(lane);
-    Unit u[R];
+    if (T::PLAIN)
+        return acc + dot4(u.q + 4, xb, dot4(u.q, xa, 0.0f));
+    if (T::SAME) {
+        const float bias = T::K != 0.0f ? T::K * (suma + sumb) : 0.0f;
+        return fmaf(u.sa, dot4(u.q + 4, xb, dot4(u.q, xa, bias)), acc);
+    }
+    if (T::MIN) {
+        acc = fmaf(u.ca, suma, fmaf(u.cb, sumb, acc));
+        return fmaf(u.sa, dot4(u.q, xa, 0.0f), fmaf(u.sb, dot4(u.q + 4, xb, 0.0f), acc));
+    }
+    return fmaf(u.sa, dot4(u.q, xa, T::K * suma), fmaf(u.sb, dot4(u.q + 4, xb, T::K * sumb), acc));
+}
+
+/* Lane's unit of group gi of a staged row (16-byte aligned in shared
+ * memory, so only the group offset decides the word alignment). */
+template <class T>
+__device__ __forceinline__ void decode(const uint8_t *row, int gi, int lane, Unit &u)
+{
+    if ((gi * T::GB) % 4 == 0)
+        T::template unit<true>(row + gi * T::GB, lane, u);
+    else
+        T::template unit<false>(row + gi * T::GB, lane, u);
+}
+
+/* Adds lane's unit of group gi of the staged step (row i at g[i]) times
+ * the activations xa, xb (runs A and B, loaded beforehand) into acc. */
+template <class T, int R>
+__device__ __forceinline__ void group_dot_x(const uint8_t *const *g, int gi, float4 xa, float4 xb,
+                                            int lane, float (&acc)[R][1])
+{
+    const float suma = sum4(xa), sumb = sum4(xb);
 #pragma unroll
     for (int i = 0; i < R; i++) {
-        T::unit(g[i] + gi * T::GB, lane, u[i]);
-        if (T::PLAIN && !full)
-            mask_unit(u[i], pa, pb, elems);
+        Unit u;
+        decode<T>(g[i], gi, lane, u);
+        acc[i][0] = unit_dot<T>(u, xa, xb, suma, sumb, acc[i][0]);
     }
-#pragma unroll
-    for (int s = 0; s < NS; s++) {
-        const float *xs = x + s * a.ldx + G * kGroup;
-        const float4 xa = ld_x4(xs, pa, a.x_vec4, full, elems);
-        const float4 xb = ld_x4(xs, pb, a.x_vec4, full, elems);
-        const float suma = (xa.x + xa.y) + (xa.z + xa.w), sumb = (xb.x + xb.y) + (xb.z + xb.w);
+}
+
+/* Adds lane's unit of group gi of the staged step (row i at g[i]) times NS
+ * activation rows into acc; xp is the lane's run A of the group in
+ * activation row 0. FAST: the group is whole and the activations 16-byte
+ * aligned; else elems of the group's elements exist. */
+template <class T, int R, int NS, bool FAST>
+__device__ __forceinline__ void group_dot(const uint8_t *const *g, int gi, const float *xp,
+                                          int elems, const MvArgs &a, int lane,
+                                          float (&acc)[R][NS])
+{
+    bool full = true;
+    const int pa = T::pa(lane), pb = pa + T::DPB;
+    if (!FAST && T::EE != kGroup && elems < kGroup) {
+        full = T::end(lane) <= elems;
+        if (!full && !(T::PLAIN && T::first(lane) < elems))
+            return;
+    }
+    auto ld = [&](const float *p, int at) {
+        if (FAST)
+            return __ldg(reinterpret_cast<const float4 *>(p));
+        return ld_x4(p, at, a.x_vec4, full, elems);
+    };
+    if constexpr (NS == 1) {
+        const float4 xa = ld(xp, pa), xb = ld(xp + T::DPB, pb);
+        const float suma = sum4(xa), sumb = sum4(xb);
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            const float ra = dot4(u[i].q, xa), rb = dot4(u[i].q + 4, xb);
-            if (T::PLAIN) {
-                acc[i][s] += ra + rb;
-                continue;
-            }
-            float v = fmaf(u[i].sa, ra, u[i].sb * rb);
-            if (T::MIN)
-                v -= fmaf(u[i].ma, suma, u[i].mb * sumb);
-            acc[i][s] += v;
+            Unit u;
+            decode<T>(g[i], gi, lane, u);
+            if (T::PLAIN && !full)
+                mask_unit(u, pa, pb, elems);
+            acc[i][0] = unit_dot<T>(u, xa, xb, suma, sumb, acc[i][0]);
+        }
+    } else {
+        Unit u[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            decode<T>(g[i], gi, lane, u[i]);
+            if (T::PLAIN && !full)
+                mask_unit(u[i], pa, pb, elems);
+        }
+#pragma unroll
+        for (int s = 0; s < NS; s++) {
+            const float4 xa = ld(xp + s * a.ldx, pa), xb = ld(xp + s * a.ldx + T::DPB, pb);
+            const float suma = sum4(xa), sumb = sum4(xb);
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                acc[i][s] = unit_dot<T>(u[i], xa, xb, suma, sumb, acc[i][s]);
         }
     }
 }
 
 /* Sums acc over the warp, then over the row group's warps, and writes the
  * rows below n_rows of y (activation row s at y + s*ldy). */
-template <int R, int NS>
+template <class T, int R, int NS>
 __device__ __forceinline__ void reduce_store(float (&acc)[R][NS], float (*red)[R * NS],
                                              const MvArgs &a, float *y, uint64_t block_row0,
                                              int warp, int lane)
@@ -474,8 +561,8 @@ __device__ __forceinline__ void reduce_store(float (&acc)[R][NS], float (*red)[R
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int s = 0; s < NS; s++)
-                if (lane == i * NS + s && row0 + i < a.n_rows)
-                    y[s * a.ldy + row0 + i] = acc[i][s];
+                if (lane == ((i * NS + s) & 31) && row0 + i < a.n_rows)
+                    y[s * a.ldy + row0 + i] = acc[i][s] * T::FIN;
         return;
     }
     if (lane == 0)
@@ -493,22 +580,214 @@ __device__ __forceinline__ void reduce_store(float (&acc)[R][NS], float (*red)[R
             v += red[rg * kn + w][k];
         const uint64_t row = block_row0 + static_cast<uint64_t>(rg) * R + i;
         if (row < a.n_rows)
-            y[s * a.ldy + row] = v;
+            y[s * a.ldy + row] = v * T::FIN;
     }
 }
 
+/* Step geometry of one job's rows (32-bit: the launcher bounds a row to
+ * 2^28 elements). */
+template <class T>
+struct Steps {
+    static constexpr uint32_t SB = T::U * T::GB, SE = T::U * kGroup; /* bytes, elements */
+    uint32_t n, ngroups, nfull, nsteps, nfast, row_size;
+
+    __device__ __forceinline__ explicit Steps(uint64_t n64)
+    {
+        n = static_cast<uint32_t>(n64);
+        ngroups = (n + kGroup - 1) / kGroup;
+        nfull = n / kGroup;
+        nsteps = (ngroups + T::U - 1) / T::U;
+        nfast = nfull / T::U;
+        row_size = n / T::EE * T::EB;
+    }
+    __device__ __forceinline__ uint32_t len(uint32_t s) const
+    {
+        return row_size - s * SB < SB ? row_size - s * SB : SB;
+    }
+};
+
+/* Decodes step s staged at stage[i] (row i) against the activations. */
 template <class T, int R, int NS>
-__global__ void __launch_bounds__(kWarps * 32) mv_kernel(const MvArgs a)
+__device__ __forceinline__ void step_dot(const uint8_t (*stage)[kStageRow<T>], const Steps<T> &sp,
+                                         uint32_t s, const MvArgs &a, const float *xp, int lane,
+                                         float (&acc)[R][NS])
 {
-    __shared__ __align__(16) uint8_t stage[kWarps][R][kStageRow<T>];
+    const uint8_t *g[R];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+        g[i] = stage[i];
+    const float *xs = xp + s * Steps<T>::SE;
+    if (s < sp.nfast && a.x_vec4) {
+#pragma unroll
+        for (int gi = 0; gi < T::U; gi++)
+            group_dot<T, R, NS, true>(g, gi, xs + gi * kGroup, kGroup, a, lane, acc);
+        return;
+    }
+#pragma unroll
+    for (int gi = 0; gi < T::U; gi++) {
+        const uint32_t G = s * T::U + gi;
+        if (G < sp.ngroups) {
+            const int elems = G < sp.nfull ? kGroup : static_cast<int>(sp.n - G * kGroup);
+            group_dot<T, R, NS, false>(g, gi, xs + gi * kGroup, elems, a, lane, acc);
+        }
+    }
+}
+
+/* cp.async copies (sm_80 and later; plain load and store before): VW bytes
+ * from global src to shared dst, bypassing registers and, for 16 bytes,
+ * L1. */
+template <int VW>
+__device__ __forceinline__ void copy_async(uint8_t *dst, const uint8_t *src)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    if (VW == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+#else
+    using V = typename VecOf<VW>::type;
+    *reinterpret_cast<V *>(dst) = *reinterpret_cast<const V *>(src);
+#endif
+}
+
+__device__ __forceinline__ void copy_commit()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+__device__ __forceinline__ void copy_wait_all()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 0;\n" ::);
+#endif
+}
+
+/* Waits until at most one group of this thread's copies is in flight. */
+__device__ __forceinline__ void copy_wait_one()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 1;\n" ::);
+#endif
+}
+
+/* Rows starting at VW-aligned addresses: steps ks, ks + kn, ... copied
+ * with cp.async into NB staging buffers; with two, the next step is in
+ * flight while this one is decoded. */
+template <class T, int R, int NB, int NS>
+__device__ __forceinline__ void run_steps_async(uint8_t (*stage)[R][kStageRow<T>],
+                                                const MvArgs &a, const uint8_t *w,
+                                                const float *x, uint64_t row0, int ks, int kn,
+                                                int lane, float (&acc)[R][NS])
+{
+    constexpr int VW = T::VW, PER = (T::U * T::GB / VW + 31) / 32;
+    const Steps<T> sp(a.n);
+    const int rows = a.n_rows - row0 < R ? static_cast<int>(a.n_rows - row0) : R;
+    const uint8_t *src = w + row0 * a.row_bytes + lane * VW;
+    auto issue = [&](uint32_t s, int buf) {
+        const int lim = static_cast<int>(sp.len(s)) - lane * VW;
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int m = 0; m < PER; m++)
+                if (i < rows && 32 * m * VW < lim)
+                    copy_async<VW>(stage[buf][i] + lane * VW + 32 * m * VW,
+                                   src + i * a.row_bytes + s * Steps<T>::SB + 32 * m * VW);
+    };
+    const float *xp = x + T::pa(lane);
+    uint32_t s = ks;
+    int buf = 0;
+    if (NB == 2 && s < sp.nsteps)
+        issue(s, 0);
+    copy_commit();
+    for (; s < sp.nsteps; s += kn, buf ^= NB - 1) {
+        if (NB == 1)
+            issue(s, 0);
+        else if (s + kn < sp.nsteps)
+            issue(s + kn, buf ^ 1);
+        copy_commit();
+        /* a whole step of one activation row: its loads start before the
+         * wait for the weights, so the two latencies overlap */
+        const bool fast = NS == 1 && s < sp.nfast && a.x_vec4;
+        float4 xv[T::U][2];
+        if (fast)
+#pragma unroll
+            for (int gi = 0; gi < T::U; gi++) {
+                const float *xs = xp + s * Steps<T>::SE + gi * kGroup;
+                xv[gi][0] = __ldg(reinterpret_cast<const float4 *>(xs));
+                xv[gi][1] = __ldg(reinterpret_cast<const float4 *>(xs + T::DPB));
+            }
+        if (NB == 1)
+            copy_wait_all();
+        else
+            copy_wait_one();
+        __syncwarp();
+        if constexpr (NS == 1) {
+            if (fast) {
+                const uint8_t *g[R];
+#pragma unroll
+                for (int i = 0; i < R; i++)
+                    g[i] = stage[buf][i];
+#pragma unroll
+                for (int gi = 0; gi < T::U; gi++)
+                    group_dot_x<T, R>(g, gi, xv[gi][0], xv[gi][1], lane, acc);
+            } else {
+                step_dot<T, R, NS>(stage[buf], sp, s, a, xp, lane, acc);
+            }
+        } else {
+            step_dot<T, R, NS>(stage[buf], sp, s, a, xp, lane, acc);
+        }
+        __syncwarp();
+    }
+}
+
+/* Rows only 2-byte aligned (rare): each step gathered row by row from
+ * 2-byte loads, then decoded. */
+template <class T, int R, int NS>
+__device__ __forceinline__ void run_steps_regs(uint8_t (*stage)[kStageRow<T>], const MvArgs &a,
+                                               const uint8_t *w, const float *x, uint64_t row0,
+                                               int ks, int kn, int lane, float (&acc)[R][NS])
+{
+    const Steps<T> sp(a.n);
+    const int rows = a.n_rows - row0 < R ? static_cast<int>(a.n_rows - row0) : R;
+    const uint8_t *src = w + row0 * a.row_bytes;
+    for (uint32_t s = ks; s < sp.nsteps; s += kn) {
+        for (int i = 0; i < rows; i++)
+            gather_row<T>(stage[i], src + i * a.row_bytes + s * Steps<T>::SB, sp.len(s), lane);
+        __syncwarp();
+        step_dot<T, R, NS>(stage, sp, s, a, x + T::pa(lane), lane, acc);
+        __syncwarp();
+    }
+}
+
+/* Blocks per SM the registers must allow: 4 (64 registers) for the
+ * aligned decode of the types that fit without spilling (measured: more
+ * warps beat more registers there), 3 for the others and the experts,
+ * fewer for the matmul chunks. */
+template <class T, int NS, int MODE>
+constexpr int min_blocks()
+{
+    if (NS > 2)
+        return 1;
+    if (NS == 2)
+        return 2;
+    return MODE == 1 && T::LEAN ? 4 : 3;
+}
+
+/* MODE: 0 rows 2-byte aligned, 1 rows VW-aligned, 2 decided per job by
+ * the weight address (experts). */
+template <class T, int R, int NS, int MODE>
+__global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_kernel(const MvArgs a)
+{
+    constexpr int NB = kWarps * 2 * R * kStageRow<T> <= 40 * 1024 ? 2 : 1;
+    __shared__ __align__(16) uint8_t stage[kWarps][NB][R][kStageRow<T>];
     __shared__ float red[kWarps][R * NS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kn = 1 << a.ks_log2, ks = warp & (kn - 1), rg = warp >> a.ks_log2;
     const uint64_t block_row0 = static_cast<uint64_t>(blockIdx.x) * (kWarps >> a.ks_log2) * R;
     const uint64_t row0 = block_row0 + static_cast<uint64_t>(rg) * R;
-    const uint64_t ngroups = (a.n + kGroup - 1) / kGroup;
-    const uint64_t nsteps = (ngroups + T::U - 1) / T::U;
-    const size_t row_size = a.n / T::EE * T::EB;
     for (uint32_t job = blockIdx.y; job < a.n_jobs; job += gridDim.y) {
         const uint8_t *w = a.w;
         const float *x = a.x;
@@ -527,56 +806,57 @@ __global__ void __launch_bounds__(kWarps * 32) mv_kernel(const MvArgs a)
 #pragma unroll
             for (int s = 0; s < NS; s++)
                 acc[i][s] = 0.0f;
-        for (uint64_t st = ks; st < nsteps; st += kn) {
-            const size_t off = st * T::U * T::GB;
-            const uint32_t len = static_cast<uint32_t>(
-                row_size - off < T::U * T::GB ? row_size - off : T::U * T::GB);
-            stage_rows<T, R>(stage[warp], w, a.row_bytes, row0, a.n_rows, off, len, lane);
-            __syncwarp();
-            const uint8_t *g[R];
-#pragma unroll
-            for (int i = 0; i < R; i++)
-                g[i] = stage[warp][i] +
-                       (reinterpret_cast<uintptr_t>(w + (row0 + i) * a.row_bytes + off) & 15u);
-#pragma unroll
-            for (int gi = 0; gi < T::U; gi++) {
-                const uint64_t G = st * T::U + gi;
-                if (G < ngroups)
-                    group_dot<T, R, NS>(g, gi, G, a, x, lane, acc);
-            }
-            __syncwarp();
+        if (row0 < a.n_rows) {
+            const bool wide = MODE == 1 || (MODE == 2 && a.rows_align &&
+                                            (reinterpret_cast<uintptr_t>(w) & (T::VW - 1)) == 0);
+            if (MODE != 0 && wide)
+                run_steps_async<T, R, NB, NS>(stage[warp], a, w, x, row0, ks, kn, lane, acc);
+            else if (MODE != 1)
+                run_steps_regs<T, R, NS>(stage[warp][0], a, w, x, row0, ks, kn, lane, acc);
         }
-        reduce_store<R, NS>(acc, red, a, y, block_row0, warp, lane);
+        reduce_store<T, R, NS>(acc, red, a, y, block_row0, warp, lane);
         __syncthreads();
     }
 }
 
 /* ---- launchers ------------------------------------------------------------ */
 
-constexpr int kRows = 4; /* rows per warp */
-
-/* ks_log2 for rows of nsteps steps: up to 8 warps per row, none idle. */
-int pick_ks(uint64_t nsteps)
+/* ks_log2: the fewest warps per row (so each does several steps) that give
+ * the launch kWantWarps warps, at most 8 and at most one per step. */
+int pick_ks(uint64_t nsteps, uint64_t row_groups)
 {
     int k = 0;
-    while (k < 3 && (2ull << k) <= nsteps)
+    while (k < 3 && (2ull << k) <= nsteps && (row_groups << k) < kWantWarps)
         k++;
     return k;
 }
 
 template <class T, int NS>
-int launch_t(MvArgs a, cudaStream_t stream)
+int launch_t(MvArgs a, int mode, cudaStream_t stream)
 {
     const uint64_t nsteps = ((a.n + kGroup - 1) / kGroup + T::U - 1) / T::U;
-    a.ks_log2 = pick_ks(nsteps);
-    const uint64_t rows_per_block = static_cast<uint64_t>(kWarps >> a.ks_log2) * kRows;
+    constexpr int R = T::GB >= 1024 || T::VW < 16 ? 4 : kRows; /* F32, Q6_K: 4 (measured) */
+    const uint64_t row_groups = (a.n_rows + R - 1) / R;
+    a.ks_log2 = pick_ks(nsteps, row_groups * (a.n_jobs < kMaxJobsY ? a.n_jobs : kMaxJobsY));
+    const size_t row_size = a.n / T::EE * T::EB;
+    a.rows_align = (a.row_bytes | row_size) % T::VW == 0;
+    if (mode == 1 && !(a.rows_align && reinterpret_cast<uintptr_t>(a.w) % T::VW == 0))
+        mode = 0;
+    const uint64_t rows_per_block = static_cast<uint64_t>(kWarps >> a.ks_log2) * R;
     const uint64_t blocks = (a.n_rows + rows_per_block - 1) / rows_per_block;
     if (blocks > 0x7FFFFFFFull) {
         log_error("cuda matvec: %llu rows are too many", (unsigned long long)a.n_rows);
         return -EINVAL;
     }
     dim3 grid(static_cast<unsigned>(blocks), a.n_jobs < kMaxJobsY ? a.n_jobs : kMaxJobsY);
-    mv_kernel<T, kRows, NS><<<grid, kWarps * 32, 0, stream>>>(a);
+    if constexpr (NS > 1)
+        mv_kernel<T, R, NS, 2><<<grid, kWarps * 32, 0, stream>>>(a);
+    else if (mode == 2)
+        mv_kernel<T, R, NS, 2><<<grid, kWarps * 32, 0, stream>>>(a);
+    else if (mode == 1)
+        mv_kernel<T, R, NS, 1><<<grid, kWarps * 32, 0, stream>>>(a);
+    else
+        mv_kernel<T, R, NS, 0><<<grid, kWarps * 32, 0, stream>>>(a);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
         log_error("cuda matvec: launch failed: %s", cudaGetErrorString(err));
@@ -585,18 +865,20 @@ int launch_t(MvArgs a, cudaStream_t stream)
     return 0;
 }
 
+/* mode: 1 when the weights may be aligned (matvec), 2 for experts; the
+ * matmul chunks (NS > 1) decide per job like experts. */
 template <int NS>
-int launch(uint32_t type, const MvArgs &a, cudaStream_t stream)
+int launch(uint32_t type, const MvArgs &a, int mode, cudaStream_t stream)
 {
     switch (type) {
-    case QUANT_TYPE_Q8_0: return launch_t<TQ8_0, NS>(a, stream);
-    case QUANT_TYPE_Q4_0: return launch_t<TQ4_0, NS>(a, stream);
-    case QUANT_TYPE_Q4_K: return launch_t<TQ4_K, NS>(a, stream);
-    case QUANT_TYPE_Q5_K: return launch_t<TQ5_K, NS>(a, stream);
-    case QUANT_TYPE_Q6_K: return launch_t<TQ6_K, NS>(a, stream);
-    case QUANT_TYPE_F16: return launch_t<TF16, NS>(a, stream);
-    case QUANT_TYPE_BF16: return launch_t<TBF16, NS>(a, stream);
-    case QUANT_TYPE_F32: return launch_t<TF32, NS>(a, stream);
+    case QUANT_TYPE_Q8_0: return launch_t<TQ8_0, NS>(a, mode, stream);
+    case QUANT_TYPE_Q4_0: return launch_t<TQ4_0, NS>(a, mode, stream);
+    case QUANT_TYPE_Q4_K: return launch_t<TQ4_K, NS>(a, mode, stream);
+    case QUANT_TYPE_Q5_K: return launch_t<TQ5_K, NS>(a, mode, stream);
+    case QUANT_TYPE_Q6_K: return launch_t<TQ6_K, NS>(a, mode, stream);
+    case QUANT_TYPE_F16: return launch_t<TF16, NS>(a, mode, stream);
+    case QUANT_TYPE_BF16: return launch_t<TBF16, NS>(a, mode, stream);
+    case QUANT_TYPE_F32: return launch_t<TF32, NS>(a, mode, stream);
     default: return -EINVAL;
     }
 }
@@ -625,7 +907,12 @@ int check_weights(const char *what, uint32_t type, uintptr_t w, size_t row_bytes
         log_error("%s: type %u is not supported", what, type);
         return -EINVAL;
     }
-    if (n % ee || n / ee > SIZE_MAX / eb || row_bytes < n / ee * eb) {
+    if (n > kMaxN) {
+        log_error("%s: rows of %llu elements are longer than %llu", what, (unsigned long long)n,
+                  (unsigned long long)kMaxN);
+        return -EINVAL;
+    }
+    if (n % ee || row_bytes < n / ee * eb) {
         log_error("%s: %llu elements of type %u do not fit rows of %zu bytes", what,
                   (unsigned long long)n, type, row_bytes);
         return -EINVAL;
@@ -689,10 +976,10 @@ extern "C" int cuda_matmul(uint32_t type, const void *d_w, size_t row_bytes, uin
         a.x = d_X + static_cast<size_t>(s) * ldx;
         a.y = d_Y + static_cast<size_t>(s) * ldy;
         switch (ns) {
-        case 8: rc = launch<8>(type, a, stream); break;
-        case 4: rc = launch<4>(type, a, stream); break;
-        case 2: rc = launch<2>(type, a, stream); break;
-        default: rc = launch<1>(type, a, stream); break;
+        case 8: rc = launch<8>(type, a, 1, stream); break;
+        case 4: rc = launch<4>(type, a, 1, stream); break;
+        case 2: rc = launch<2>(type, a, 1, stream); break;
+        default: rc = launch<1>(type, a, 1, stream); break;
         }
         s += ns;
     }
@@ -732,5 +1019,5 @@ extern "C" int cuda_matvec_experts(uint32_t type, const void *const *d_addr, siz
     a.ldy = ldy;
     a.n_jobs = n_pairs;
     a.x_vec4 = x_vec4(d_X, ldx);
-    return launch<1>(type, a, stream);
+    return launch<1>(type, a, 2, stream);
 }

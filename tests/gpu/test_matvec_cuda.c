@@ -6,15 +6,20 @@
  * quant_quantize_row, uploaded as stored (aligned rows, rows at a 2-byte
  * offset with padded strides, short rows, long rows, and one case in mapped
  * pinned host memory). Every output buffer is poisoned with NaN bits first;
- * each result must be within 1e-5 of sum |w_i x_i| of the CPU result and
- * every element the kernel must not write (stride padding, rows of pairs
- * whose expert is NULL) must still hold the poison. Checked: cuda_matvec,
- * cuda_matmul for S = 1, 3, 17, 64 (aligned and unaligned activation rows),
- * cuda_matvec_experts with 8 experts (two NULL, one misaligned, one in
- * mapped host memory), top_k 2, x_div 2 and 1. Then the decode kernel is
- * timed on Q4_0 and Q8_0 matrices of 2048x8192, 8192x2048 and 151936x2048
- * (rotating over copies that together exceed the L2 cache; median of 20,
- * GB/s of weight bytes), and a 64-row matmul against 64 matvecs.
+ * each result must be within 1e-5 of sum |w_i x_i| of the exact dot
+ * product of the dequantized row (matvec_dot_ref: the kernels keep f32
+ * activations) and within 1e-2 of the CPU twin's result (matvec_rows,
+ * matvec_rows_batch, which may round the activations to int8 as llama.cpp
+ * does; the largest difference is printed), and every element the kernel
+ * must not write (stride padding, rows of pairs whose expert is NULL) must
+ * still hold the poison. Checked: cuda_matvec, cuda_matmul for S = 1, 3,
+ * 17, 64 (aligned and unaligned activation rows), cuda_matvec_experts with
+ * 8 experts (two NULL, one misaligned, one in mapped host memory), top_k 2,
+ * x_div 2 and 1. Then the decode kernel is timed in CUDA graphs on Q4_0
+ * and Q8_0 matrices of 2048x8192, 8192x2048 and 151936x2048, Q4_K and Q6_K
+ * on one shape each (rotating over copies that together exceed the L2
+ * cache; median of 20, GB/s of weight bytes; sampled rows checked), routed
+ * experts of a decode step, and a 64-row matmul against 64 matvecs.
  */
 #include "kernels/cuda/matvec.h"
 
@@ -29,7 +34,8 @@
 #include "model/quant.h"
 #include "tests/check.h"
 
-#define TOL 1e-5           /* allowed error relative to sum |w_i x_i| */
+#define TOL 1e-5      /* allowed error against the exact dot, relative to sum |w_i x_i| */
+#define TWIN_TOL 1e-2 /* against the CPU twin, which may round activations to int8 */
 #define POISON 0xFFFFFFFFu /* NaN bits written over outputs before each run */
 
 /* A failed CUDA call ends the test: nothing after it can be trusted. */
@@ -148,22 +154,36 @@ static bool is_poison(float v)
     return b == POISON;
 }
 
-/* Compares got[r] with ref[r] for r < m->rows (activation x); returns the
- * largest error relative to sum |w x|. */
+/* Largest differences seen from the CPU twin, over the whole test. */
+struct twin_stats {
+    double worst;
+};
+
+/* Checks got[r] for r < m->rows (activation x) against the exact dot of
+ * the dequantized row (matvec_dot_ref, within TOL) and against the CPU
+ * twin's twin[r] (within TWIN_TOL); returns the largest error relative to
+ * sum |w x| against the exact dot. */
 static double compare_rows(const char *what, const struct mat *m, const float *x, const float *got,
-                           const float *ref)
+                           const float *twin, struct twin_stats *ts)
 {
     double worst = 0.0;
     int bad = 0;
     for (uint64_t r = 0; r < m->rows; r++) {
+        const uint8_t *row = m->w + r * m->row_bytes;
         double scale = abs_dot(m, r, x) + 1e-30;
-        double err = fabs((double)got[r] - (double)ref[r]) / scale;
-        if (!(err <= TOL) && bad++ < 3)
-            CHECK(err <= TOL, "%s %s %llux%llu row %llu: gpu %.9g cpu %.9g (rel %.3g)", what,
-                  quant_type_name(m->type), (unsigned long long)m->rows,
-                  (unsigned long long)m->n, (unsigned long long)r, got[r], ref[r], err);
+        double exact = matvec_dot_ref(m->type, row, x, m->n);
+        double err = fabs((double)got[r] - exact) / scale;
+        double terr = fabs((double)got[r] - (double)twin[r]) / scale;
+        if (!(err <= TOL && terr <= TWIN_TOL) && bad++ < 3)
+            CHECK(err <= TOL && terr <= TWIN_TOL,
+                  "%s %s %llux%llu row %llu: gpu %.9g exact %.9g cpu twin %.9g (rel %.3g, %.3g)",
+                  what, quant_type_name(m->type), (unsigned long long)m->rows,
+                  (unsigned long long)m->n, (unsigned long long)r, got[r], exact, twin[r], err,
+                  terr);
         if (err > worst || err != err)
             worst = err != err ? INFINITY : err;
+        if (terr > ts->worst || terr != terr)
+            ts->worst = terr != terr ? INFINITY : terr;
     }
     return worst;
 }
@@ -172,7 +192,8 @@ static double compare_rows(const char *what, const struct mat *m, const float *x
 
 /* One matvec of m placed at byte offset off of its allocation (or in mapped
  * pinned host memory); returns the worst relative error. */
-static double run_matvec(const struct mat *m, size_t off, bool mapped, struct rng *r)
+static double run_matvec(const struct mat *m, size_t off, bool mapped, struct rng *r,
+                         struct twin_stats *ts)
 {
     float *x = rand_floats(m->n, r), *ref = xmalloc(m->rows * sizeof(float));
     float *got = xmalloc((m->rows + 8) * sizeof(float));
@@ -195,7 +216,8 @@ static double run_matvec(const struct mat *m, size_t off, bool mapped, struct rn
     CHECK(rc == 0, "cuda_matvec rc %d", rc);
     CU(cudaDeviceSynchronize());
     CU(cudaMemcpy(got, d_y, (m->rows + 8) * sizeof(float), cudaMemcpyDeviceToHost));
-    double worst = compare_rows(mapped ? "matvec (mapped host)" : "matvec", m, x, got, ref);
+    double worst = compare_rows(mapped ? "matvec (mapped host)" : "matvec", m, x, got, ref,
+                                ts);
     for (int i = 0; i < 8; i++)
         CHECK(is_poison(got[m->rows + i]), "matvec wrote past row %llu",
               (unsigned long long)m->rows);
@@ -222,7 +244,7 @@ static uint64_t shape_n(uint32_t type, int which)
     return be == 256 ? k_n[which] : be == 32 ? b32_n[which] : plain_n[which];
 }
 
-static void test_matvec(struct rng *r)
+static void test_matvec(struct rng *r, struct twin_stats *ts)
 {
     static const uint64_t rows[] = {67, 13, 5, 300};
     static const size_t pads[] = {0, 6, 0, 2};
@@ -231,17 +253,17 @@ static void test_matvec(struct rng *r)
         double worst = 0.0;
         for (int s = 0; s < 4; s++) {
             struct mat m = mat_make(types[t], rows[s], shape_n(types[t], s), pads[s], r);
-            double e = run_matvec(&m, offs[s], false, r);
+            double e = run_matvec(&m, offs[s], false, r, ts);
             worst = e > worst ? e : worst;
             free(m.w);
         }
         MEASURE("matvec %-4s max rel error %.3g (4 shapes)", quant_type_name(types[t]), worst);
     }
     struct mat m = mat_make(QUANT_TYPE_Q4_K, 70, 2048, 0, r);
-    double e = run_matvec(&m, 0, true, r);
+    double e = run_matvec(&m, 0, true, r, ts);
     free(m.w);
     struct mat m2 = mat_make(QUANT_TYPE_Q4_0, 33, 96 * 3, 2, r);
-    double e2 = run_matvec(&m2, 2, true, r);
+    double e2 = run_matvec(&m2, 2, true, r, ts);
     free(m2.w);
     MEASURE("matvec from mapped pinned host memory: Q4_K rel error %.3g, Q4_0 (2-byte offset) "
             "%.3g",
@@ -250,7 +272,8 @@ static void test_matvec(struct rng *r)
 
 /* ---- cuda_matmul ------------------------------------------------------------- */
 
-static double run_matmul(const struct mat *m, uint32_t S, size_t ldx, struct rng *r)
+static double run_matmul(const struct mat *m, uint32_t S, size_t ldx, struct rng *r,
+                         struct twin_stats *ts)
 {
     const size_t ldy = m->rows + 5, ny = (S - 1) * ldy + m->rows + 8;
     float *X = rand_floats((S - 1) * ldx + m->n, r);
@@ -269,7 +292,7 @@ static double run_matmul(const struct mat *m, uint32_t S, size_t ldx, struct rng
     for (uint32_t s = 0; s < S; s++) {
         char what[64];
         snprintf(what, sizeof(what), "matmul S=%u s=%u", S, s);
-        double e = compare_rows(what, m, X + s * ldx, got + s * ldy, ref + s * ldy);
+        double e = compare_rows(what, m, X + s * ldx, got + s * ldy, ref + s * ldy, ts);
         worst = e > worst ? e : worst;
         for (size_t i = m->rows; i < (s + 1 < S ? ldy : m->rows + 8); i++)
             CHECK(is_poison(got[s * ldy + i]), "matmul S=%u wrote padding %zu of row %u", S, i, s);
@@ -283,7 +306,7 @@ static double run_matmul(const struct mat *m, uint32_t S, size_t ldx, struct rng
     return worst;
 }
 
-static void test_matmul(struct rng *r)
+static void test_matmul(struct rng *r, struct twin_stats *ts)
 {
     static const uint32_t Ss[] = {1, 3, 17, 64};
     for (size_t t = 0; t < N_TYPES; t++) {
@@ -293,7 +316,7 @@ static void test_matmul(struct rng *r)
             for (size_t i = 0; i < sizeof(Ss) / sizeof(Ss[0]); i++) {
                 /* odd strides make activation rows unaligned for 16-byte loads */
                 size_t ldx = m.n + (i % 2 ? 3 : 4);
-                double e = run_matmul(&m, Ss[i], ldx, r);
+                double e = run_matmul(&m, Ss[i], ldx, r, ts);
                 worst = e > worst ? e : worst;
             }
             free(m.w);
@@ -310,7 +333,7 @@ static void test_matmul(struct rng *r)
 
 /* Experts 2 and 5 are NULL (they run elsewhere), expert 3 sits at a 2-byte
  * offset, expert 6 in mapped pinned host memory. */
-static double run_experts(uint32_t type, uint32_t x_div, struct rng *r)
+static double run_experts(uint32_t type, uint32_t x_div, struct rng *r, struct twin_stats *ts)
 {
     const uint64_t rows = 40, n = shape_n(type, 3);
     const uint32_t n_pairs = N_TOK * TOP_K, n_xrows = n_pairs / x_div;
@@ -358,7 +381,7 @@ static double run_experts(uint32_t type, uint32_t x_div, struct rng *r)
         const float *x = X + (p / x_div) * ldx;
         if (addr[e]) {
             matvec_rows(type, m[e].w, m[e].row_bytes, x, n, ref, 0, rows);
-            double err = compare_rows("experts", &m[e], x, got + p * ldy, ref);
+            double err = compare_rows("experts", &m[e], x, got + p * ldy, ref, ts);
             worst = err > worst ? err : worst;
         }
         for (size_t i = addr[e] ? rows : 0; i < ldy; i++)
@@ -381,10 +404,10 @@ static double run_experts(uint32_t type, uint32_t x_div, struct rng *r)
     return worst;
 }
 
-static void test_experts(struct rng *r)
+static void test_experts(struct rng *r, struct twin_stats *ts)
 {
     for (size_t t = 0; t < N_TYPES; t++) {
-        double e2 = run_experts(types[t], TOP_K, r), e1 = run_experts(types[t], 1, r);
+        double e2 = run_experts(types[t], TOP_K, r, ts), e1 = run_experts(types[t], 1, r, ts);
         MEASURE("experts %-4s max rel error %.3g (x_div %d), %.3g (x_div 1)",
                 quant_type_name(types[t]), e2, TOP_K, e1);
     }
@@ -421,46 +444,81 @@ static int cmp_float(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Random blocks with sane fp16 scales: speed does not depend on values. */
+/* Random blocks with sane fp16 scales (speed does not depend on values). */
 static void fill_random_blocks(uint32_t type, uint8_t *w, size_t bytes, struct rng *r)
 {
     for (size_t i = 0; i + 8 <= bytes; i += 8) {
         uint64_t v = rng_next(r);
         memcpy(w + i, &v, 8);
     }
+    /* where each block keeps its fp16 scales */
+    size_t at[2] = {0, 0}, n_at = 1;
+    if (type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q5_K)
+        at[1] = 2, n_at = 2;
+    if (type == QUANT_TYPE_Q6_K)
+        at[0] = 208;
     size_t bb = quant_block_bytes(type);
-    for (size_t b = 0; b + bb <= bytes; b += bb) {
-        uint16_t d = quant_f32_to_f16(0.001f + 0.01f * fabsf(rng_float(r)));
-        memcpy(w + b, &d, 2);
-    }
+    for (size_t b = 0; b + bb <= bytes; b += bb)
+        for (size_t k = 0; k < n_at; k++) {
+            uint16_t d = quant_f32_to_f16(0.001f + 0.01f * fabsf(rng_float(r)));
+            memcpy(w + b + at[k], &d, 2);
+        }
 }
 
-/* Median seconds per launch of cuda_matvec over `copies` rotating copies. */
-static double time_matvec(uint32_t type, const uint8_t *d_w, size_t stride, int copies,
-                          uint64_t rows, uint64_t n, const float *d_x, float *d_y)
+/* One timed launch: call i of a sequence on stream s. */
+typedef int (*launch_fn)(const void *ctx, int i, cudaStream_t s);
+
+/* Median seconds per launch: `reps` launches captured in a CUDA graph (as
+ * a decode step runs them, without host launch gaps), the graph replayed
+ * 20 times after a warm-up. */
+static double time_graph(launch_fn fn, const void *ctx, int reps)
 {
-    size_t rb = quant_row_size(type, n);
+    cudaStream_t s;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
     cudaEvent_t e0, e1;
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < reps; i++)
+        CHECK(fn(ctx, i, s) == 0, "launch %d failed", i);
+    CU(cudaStreamEndCapture(s, &graph));
+    CU(cudaGraphInstantiate(&exec, graph, 0));
     CU(cudaEventCreate(&e0));
     CU(cudaEventCreate(&e1));
-    const int reps = copies < 8 ? (8 + copies - 1) / copies * copies : copies;
-    for (int i = 0; i < 3 * copies; i++)
-        cuda_matvec(type, d_w + (size_t)(i % copies) * stride, rb, rows, n, d_x, d_y, 0);
     float ms[20];
-    for (int k = 0; k < 20; k++) {
-        CU(cudaEventRecord(e0, 0));
-        for (int i = 0; i < reps; i++)
-            cuda_matvec(type, d_w + (size_t)(i % copies) * stride, rb, rows, n, d_x, d_y, 0);
-        CU(cudaEventRecord(e1, 0));
+    for (int k = -2; k < 20; k++) {
+        CU(cudaEventRecord(e0, s));
+        CU(cudaGraphLaunch(exec, s));
+        CU(cudaEventRecord(e1, s));
         CU(cudaEventSynchronize(e1));
-        CU(cudaEventElapsedTime(&ms[k], e0, e1));
-        ms[k] /= (float)reps;
+        if (k >= 0)
+            CU(cudaEventElapsedTime(&ms[k], e0, e1));
     }
-    CU(cudaGetLastError());
     qsort(ms, 20, sizeof(float), cmp_float);
     CU(cudaEventDestroy(e0));
     CU(cudaEventDestroy(e1));
-    return (ms[9] + ms[10]) * 0.5e-3;
+    CU(cudaGraphExecDestroy(exec));
+    CU(cudaGraphDestroy(graph));
+    CU(cudaStreamDestroy(s));
+    return (ms[9] + ms[10]) * 0.5e-3 / reps;
+}
+
+/* cuda_matvec over rotating copies of one matrix. */
+struct mv_ctx {
+    uint32_t type;
+    const uint8_t *d_w;
+    size_t stride, rb;
+    int copies;
+    uint64_t rows, n;
+    const float *d_x;
+    float *d_y;
+};
+
+static int mv_launch(const void *ctx, int i, cudaStream_t s)
+{
+    const struct mv_ctx *c = ctx;
+    return cuda_matvec(c->type, c->d_w + (size_t)(i % c->copies) * c->stride, c->rb, c->rows,
+                       c->n, c->d_x, c->d_y, s);
 }
 
 static void bench_one(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
@@ -482,17 +540,20 @@ static void bench_one(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
     int rc = cuda_matvec(type, d_w + (copies - 1) * stride, rb, rows, n, d_x, d_y, 0);
     CHECK(rc == 0, "bench matvec rc %d", rc);
     CU(cudaMemcpy(got, d_y, rows * sizeof(float), cudaMemcpyDeviceToHost));
-    struct mat m = {type, rows, n, rb, bytes, h};
+    struct mat m = {type, 1, n, rb, rb, NULL};
+    struct twin_stats ts = {0.0};
     for (int k = 0; k < 66; k++) {
         uint64_t row = k == 0 ? 0 : k == 1 ? rows - 1 : rng_next(r) % rows;
-        float ref;
-        matvec_rows(type, h + row * rb, rb, x, n, &ref, 0, 1);
-        double err = fabs((double)got[row] - ref) / (abs_dot(&m, row, x) + 1e-30);
-        CHECK(err <= TOL, "bench %s %llux%llu row %llu: gpu %.9g cpu %.9g", quant_type_name(type),
-              (unsigned long long)rows, (unsigned long long)n, (unsigned long long)row, got[row],
-              ref);
+        float twin;
+        matvec_rows(type, h + row * rb, rb, x, n, &twin, 0, 1);
+        m.w = h + row * rb;
+        char what[64];
+        snprintf(what, sizeof(what), "bench row %llu", (unsigned long long)row);
+        compare_rows(what, &m, x, &got[row], &twin, &ts);
     }
-    double sec = time_matvec(type, d_w, stride, copies, rows, n, d_x, d_y);
+    struct mv_ctx c = {type, d_w, stride, rb, copies, rows, n, d_x, d_y};
+    double sec = time_graph(mv_launch, &c, copies < 16 ? (16 + copies - 1) / copies * copies
+                                                       : copies);
     MEASURE("decode %-4s %6llu x %-5llu: %7.2f us, %6.0f GB/s (%.0f%% of 4.8 TB/s), %d copies",
             quant_type_name(type), (unsigned long long)rows, (unsigned long long)n, sec * 1e6,
             bytes / sec * 1e-9, bytes / sec / 4.8e12 * 100.0, copies);
@@ -502,6 +563,95 @@ static void bench_one(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
     free(h);
     free(x);
     free(got);
+}
+
+/* cuda_matvec_experts, launch i taking id set i. */
+struct ex_ctx {
+    uint32_t type;
+    const void *const *d_addr;
+    size_t rb;
+    uint64_t rows, n;
+    const int32_t *d_ids;
+    uint32_t x_div;
+    const float *d_X;
+    float *d_Y;
+};
+
+static int ex_launch(const void *ctx, int i, cudaStream_t s)
+{
+    const struct ex_ctx *c = ctx;
+    return cuda_matvec_experts(c->type, c->d_addr, c->rb, c->rows, c->n, c->d_ids + i * 8, 8,
+                               c->d_X, c->n, c->x_div, c->d_Y, c->rows, s);
+}
+
+/* Routed experts of one decode step: 8 pairs over 128 experts of rows x n
+ * (x_div 8: gate/up of one token; 1: down), a fresh expert choice each
+ * launch so the weights come from memory, not L2. */
+static void bench_experts(uint32_t type, uint64_t rows, uint64_t n, uint32_t x_div,
+                          struct rng *r)
+{
+    enum { E = 128, PAIRS = 8, SETS = 32 };
+    const size_t rb = quant_row_size(type, n), bytes = rows * rb;
+    const size_t stride = (bytes + 255) / 256 * 256;
+    uint8_t *h = xmalloc(bytes), *d_w;
+    fill_random_blocks(type, h, bytes, r);
+    CU(cudaMalloc((void **)&d_w, stride * E));
+    CU(cudaMemcpy(d_w, h, bytes, cudaMemcpyHostToDevice));
+    for (int e = 1; e < E; e++)
+        CU(cudaMemcpy(d_w + e * stride, d_w, bytes, cudaMemcpyDeviceToDevice));
+    const void *addr[E];
+    for (int e = 0; e < E; e++)
+        addr[e] = d_w + e * stride;
+    int32_t ids[SETS][PAIRS];
+    for (int k = 0; k < SETS; k++)
+        for (int p = 0; p < PAIRS; p++)
+            ids[k][p] = (int32_t)((k * PAIRS + p) * 37 % E);
+    float *X = rand_floats(PAIRS * n, r), *d_X = dev_floats(X, PAIRS * n), *d_Y;
+    const void **d_addr;
+    int32_t *d_ids;
+    CU(cudaMalloc((void **)&d_addr, sizeof(addr)));
+    CU(cudaMemcpy(d_addr, addr, sizeof(addr), cudaMemcpyHostToDevice));
+    CU(cudaMalloc((void **)&d_ids, sizeof(ids)));
+    CU(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+    CU(cudaMalloc((void **)&d_Y, PAIRS * rows * sizeof(float)));
+    struct ex_ctx c = {type, (const void *const *)d_addr, rb, rows, n, d_ids, x_div, d_X, d_Y};
+    double sec = time_graph(ex_launch, &c, SETS);
+    MEASURE("experts %-4s 8 of 128 x (%llu x %llu), x_div %u: %6.2f us, %5.0f GB/s",
+            quant_type_name(type), (unsigned long long)rows, (unsigned long long)n, x_div,
+            sec * 1e6, PAIRS * bytes / sec * 1e-9);
+    CU(cudaFree(d_w));
+    CU(cudaFree(d_addr));
+    CU(cudaFree(d_ids));
+    CU(cudaFree(d_X));
+    CU(cudaFree(d_Y));
+    free(h);
+    free(X);
+}
+
+/* cuda_matmul of S rows (i == 0), or the S rows one cuda_matvec each
+ * (launch i does row i). */
+struct mm_ctx {
+    const uint8_t *d_w;
+    size_t rb;
+    uint64_t rows, n;
+    uint32_t S;
+    const float *d_X;
+    float *d_Y;
+};
+
+static int mm_launch(const void *ctx, int i, cudaStream_t s)
+{
+    const struct mm_ctx *c = ctx;
+    (void)i;
+    return cuda_matmul(QUANT_TYPE_Q4_0, c->d_w, c->rb, c->rows, c->n, c->d_X, c->n, c->S,
+                       c->d_Y, c->rows, s);
+}
+
+static int mm_naive_launch(const void *ctx, int i, cudaStream_t s)
+{
+    const struct mm_ctx *c = ctx;
+    return cuda_matvec(QUANT_TYPE_Q4_0, c->d_w, c->rb, c->rows, c->n, c->d_X + i * c->n,
+                       c->d_Y + i * c->rows, s);
 }
 
 /* A 64-row matmul against 64 single matvecs on 2048 x 8192 Q4_0. */
@@ -516,32 +666,11 @@ static void bench_matmul(struct rng *r)
     CU(cudaMemcpy(d_w, h, bytes, cudaMemcpyHostToDevice));
     float *X = rand_floats(S * n, r), *d_X = dev_floats(X, S * n), *d_Y;
     CU(cudaMalloc((void **)&d_Y, S * rows * sizeof(float)));
-    cudaEvent_t e0, e1;
-    CU(cudaEventCreate(&e0));
-    CU(cudaEventCreate(&e1));
-    float t_mm[9], t_mv[9];
-    for (int k = 0; k < 9; k++) {
-        CU(cudaEventRecord(e0, 0));
-        cuda_matmul(type, d_w, rb, rows, n, d_X, n, S, d_Y, rows, 0);
-        CU(cudaEventRecord(e1, 0));
-        CU(cudaEventSynchronize(e1));
-        CU(cudaEventElapsedTime(&t_mm[k], e0, e1));
-        CU(cudaEventRecord(e0, 0));
-        for (uint32_t s = 0; s < S; s++)
-            cuda_matvec(type, d_w, rb, rows, n, d_X + s * n, d_Y + s * rows, 0);
-        CU(cudaEventRecord(e1, 0));
-        CU(cudaEventSynchronize(e1));
-        CU(cudaEventElapsedTime(&t_mv[k], e0, e1));
-    }
-    CU(cudaGetLastError());
-    qsort(t_mm, 9, sizeof(float), cmp_float);
-    qsort(t_mv, 9, sizeof(float), cmp_float);
+    struct mm_ctx c = {d_w, rb, rows, n, S, d_X, d_Y};
+    double t_mm = time_graph(mm_launch, &c, 1), t_mv = time_graph(mm_naive_launch, &c, S) * S;
     MEASURE("prefill Q4_0 2048 x 8192, S=64: matmul %.1f us, 64 matvecs %.1f us (%.2fx), "
             "%.2f TFLOP/s",
-            t_mm[4] * 1e3, t_mv[4] * 1e3, t_mv[4] / t_mm[4],
-            2.0 * S * rows * n / (t_mm[4] * 1e-3) * 1e-12);
-    CU(cudaEventDestroy(e0));
-    CU(cudaEventDestroy(e1));
+            t_mm * 1e6, t_mv * 1e6, t_mv / t_mm, 2.0 * S * rows * n / t_mm * 1e-12);
     CU(cudaFree(d_w));
     CU(cudaFree(d_X));
     CU(cudaFree(d_Y));
@@ -563,14 +692,25 @@ int main(void)
     CU(cudaGetDeviceProperties(&prop, 0));
     printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
     struct rng r = {0x9E3779B97F4A7C15ull};
+    struct twin_stats ts = {0.0};
     test_rejects();
-    test_matvec(&r);
-    test_matmul(&r);
-    test_experts(&r);
+    test_matvec(&r, &ts);
+    test_matmul(&r, &ts);
+    test_experts(&r, &ts);
+    MEASURE("largest difference from the CPU twin (matvec_rows, matvec_rows_batch): %.3g of "
+            "sum |w x| (it may round activations to int8; the exact dot is held to %.0e)",
+            ts.worst, TOL);
     static const uint64_t shapes[][2] = {{2048, 8192}, {8192, 2048}, {151936, 2048}};
     for (int t = 0; t < 2; t++)
         for (int s = 0; s < 3; s++)
             bench_one(t ? QUANT_TYPE_Q8_0 : QUANT_TYPE_Q4_0, shapes[s][0], shapes[s][1], &r);
+    for (int t = 0; t < 2; t++)
+        bench_one(t ? QUANT_TYPE_Q6_K : QUANT_TYPE_Q4_K, shapes[t ? 2 : 0][0],
+                  shapes[t ? 2 : 0][1], &r);
+    for (int t = 0; t < 2; t++) {
+        bench_experts(t ? QUANT_TYPE_Q4_K : QUANT_TYPE_Q4_0, 768, 2048, 8, &r);
+        bench_experts(t ? QUANT_TYPE_Q4_K : QUANT_TYPE_Q4_0, 2048, 768, 1, &r);
+    }
     bench_matmul(&r);
     return test_main_result("test_matvec_cuda");
 }
