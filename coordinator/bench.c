@@ -11,13 +11,12 @@
 #include <time.h>
 
 #include "common/log.h"
-#include "kernels/cpu/threadpool.h"
 #include "model/arch.h"
 #include "model/gguf.h"
 #include "coordinator/engine.h"
+#include "coordinator/planner.h"
 #include "model/quant.h"
 
-#define BENCH_MEMBW_BYTES (1ull << 30)
 
 struct bench_job {
     const struct bench_config *cfg;
@@ -39,47 +38,6 @@ static uint32_t bench_rand(struct bench_job *j, uint32_t n)
 {
     j->rng = j->rng * 6364136223846793005ull + 1442695040888963407ull;
     return (uint32_t)((j->rng >> 33) % n);
-}
-
-struct bench_bw {
-    const uint64_t *buf;
-    size_t words_per_task;
-    double sums[256];
-};
-
-static void bench_bw_task(void *ctx, int64_t t, int thread)
-{
-    struct bench_bw *b = ctx;
-    const uint64_t *p = b->buf + (size_t)t * b->words_per_task;
-    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    for (size_t i = 0; i < b->words_per_task; i += 4) {
-        s0 += p[i];
-        s1 += p[i + 1];
-        s2 += p[i + 2];
-        s3 += p[i + 3];
-    }
-    b->sums[thread & 255] += (double)(s0 ^ s1 ^ s2 ^ s3);
-}
-
-/* Host read bandwidth in GB/s: the best of 5 passes over 1 GiB. */
-static double bench_membw(struct threadpool *pool)
-{
-    uint64_t *buf = malloc(BENCH_MEMBW_BYTES);
-    if (!buf)
-        return 0;
-    memset(buf, 1, BENCH_MEMBW_BYTES);
-    struct bench_bw b = {.buf = buf};
-    const int64_t tasks = 64;
-    b.words_per_task = BENCH_MEMBW_BYTES / 8 / tasks;
-    double best = 0;
-    for (int r = 0; r < 5; r++) {
-        double t0 = bench_now();
-        threadpool_run(pool, bench_bw_task, &b, tasks);
-        double gbs = BENCH_MEMBW_BYTES / (bench_now() - t0) / 1e9;
-        best = gbs > best ? gbs : best;
-    }
-    free(buf);
-    return best;
 }
 
 /* Bytes of weights one decoded token reads: every trunk tensor, top-k
@@ -216,10 +174,7 @@ int bench_run(const struct bench_config *cfg)
     if (!rc) {
         bench_stats(pp, cfg->reps, &pp_med, &pp_spr);
         bench_stats(tg, cfg->reps, &tg_med, &tg_spr);
-        struct threadpool_config tc = {.n_threads = cfg->n_threads, .pin = true};
-        struct threadpool *pool = cfg->membw ? threadpool_create(&tc) : NULL;
-        bw = pool ? bench_membw(pool) : 0;
-        threadpool_destroy(pool);
+        bw = cfg->membw ? planner_probe_host_bandwidth(cfg->n_threads) / 1e9 : 0;
         bench_print(&j, pp_med, pp_spr, tg_med, tg_spr, bw);
     }
     free(pp);

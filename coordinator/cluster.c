@@ -335,13 +335,9 @@ static int cl_setup_shm(struct cluster *c)
         c->refs[l] = calloc(E, sizeof(struct expert_ref));
         if (!c->refs[l])
             return -ENOMEM;
-        const bool fused = shm_entry(c->shm, l, SHM_KIND_GATE) == NULL;
-        for (uint32_t e = 0; e < E; e++) {
-            struct expert_ref *r = &c->refs[l][e];
-            r->gate = shm_expert(c->shm, l, fused ? SHM_KIND_GATE_UP : SHM_KIND_GATE, e, NULL, NULL);
-            r->up = fused ? NULL : shm_expert(c->shm, l, SHM_KIND_UP, e, NULL, NULL);
-            r->down = shm_expert(c->shm, l, SHM_KIND_DOWN, e, NULL, NULL);
-        }
+        int rc = expert_exec_shm_refs(c->shm, l, E, c->refs[l]);
+        if (rc)
+            return rc;
     }
     const uint32_t rows = c->cfg.max_batch * m->hp.n_expert_used;
     struct expert_pool_config pc = {.model = m, .refs = (const struct expert_ref *const *)c->refs,

@@ -14,6 +14,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "ipc/shm.h"
 #include "kernels/cpu/matvec.h"
 #include "kernels/cpu/ops.h"
 
@@ -82,6 +83,23 @@ struct expert_ref expert_exec_model_ref(const struct arch_layer *ly, uint32_t e)
     }
     r.down = arch_matrix_expert(&ly->down_exps, e);
     return r;
+}
+
+int expert_exec_shm_refs(const struct shm_segment *seg, uint32_t layer, uint32_t n_expert,
+                         struct expert_ref *out)
+{
+    const bool fused = shm_entry(seg, layer, SHM_KIND_GATE) == NULL;
+    for (uint32_t e = 0; e < n_expert; e++) {
+        struct expert_ref *r = &out[e];
+        r->gate = shm_expert(seg, layer, fused ? SHM_KIND_GATE_UP : SHM_KIND_GATE, e, NULL, NULL);
+        r->up = fused ? NULL : shm_expert(seg, layer, SHM_KIND_UP, e, NULL, NULL);
+        r->down = shm_expert(seg, layer, SHM_KIND_DOWN, e, NULL, NULL);
+        if (!r->gate || !r->down || (!fused && !r->up)) {
+            log_error("shm segment lacks the experts of layer %u", layer);
+            return -EPROTO;
+        }
+    }
+    return 0;
 }
 
 static void expert_task_run(void *ctx, int64_t i, int thread)

@@ -42,6 +42,14 @@ void expert_exec_destroy(struct expert_exec *x);
 /* The reference of expert e of layer ly inside the model's own tensors. */
 struct expert_ref expert_exec_model_ref(const struct arch_layer *ly, uint32_t e);
 
+struct shm_segment;
+
+/* Fills out[0..n_expert) with the references of layer's experts inside the
+ * shared-memory expert segment (borrowed: valid while seg is mapped).
+ * Returns 0, or -EPROTO (logged) when the segment lacks that layer's stacks. */
+int expert_exec_shm_refs(const struct shm_segment *seg, uint32_t layer, uint32_t n_expert,
+                         struct expert_ref *out);
+
 /* Runs n_groups groups: group g is expert experts[g] over counts[g]
  * consecutive rows of X (n_embd floats each), writing as many rows of Y.
  * ly gives the matrix types and row sizes; refs[g] the weights of group g.

@@ -213,17 +213,9 @@ static int worker_build_refs(struct worker *w)
         w->src[l] = calloc(E, sizeof(struct expert_ref));
         if (!w->src[l])
             return -ENOMEM;
-        const bool fused = shm_entry(w->shm, l, SHM_KIND_GATE) == NULL;
-        for (uint32_t e = 0; e < E; e++) {
-            struct expert_ref *r = &w->src[l][e];
-            r->gate = shm_expert(w->shm, l, fused ? SHM_KIND_GATE_UP : SHM_KIND_GATE, e, NULL, NULL);
-            r->up = fused ? NULL : shm_expert(w->shm, l, SHM_KIND_UP, e, NULL, NULL);
-            r->down = shm_expert(w->shm, l, SHM_KIND_DOWN, e, NULL, NULL);
-            if (!r->gate || !r->down) {
-                log_error("shm segment lacks the experts of layer %u", l);
-                return -EPROTO;
-            }
-        }
+        int rc = expert_exec_shm_refs(w->shm, l, E, w->src[l]);
+        if (rc)
+            return rc;
     }
     return 0;
 }
