@@ -5,7 +5,7 @@
 BUILD=${BUILD:-build}
 mkdir -p "$BUILD/tests/logs"
 pass=0; fail=0; failed=""
-for t in "$@" ${SYS_GLOB:-tests/sys_*.sh}; do
+for t in "$@" ${SYS_GLOB:-tests/sys_*.sh tests/test_*.sh}; do
     [ -e "$t" ] || continue
     name=$(basename "$t" .sh)
     log="$BUILD/tests/logs/$name.log"

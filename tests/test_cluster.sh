@@ -224,5 +224,5 @@ $L run -m "$T/tiny.gguf" -p hi --devices cpu --device-mem 1K --resident all >/de
 [ $? -ne 0 ] && grep -q "budget" "$T/err" && ok "too small --device-mem rejected" || fail "device-mem: $(grep error "$T/err" | head -1)"
 check_clean "bad command lines" "$$"
 
-echo "sys_cluster: $fails failure(s)"
+echo "test_cluster: $fails failure(s)"
 [ $fails -eq 0 ]

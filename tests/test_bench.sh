@@ -1,0 +1,37 @@
+#!/bin/sh
+# lamina bench: the markdown table and the --json line, in-process and on two
+# CPU workers, on a gen-model tiny model; and its refusal of bad arguments.
+set -u
+BUILD=${BUILD:-build}
+L=$BUILD/lamina
+T=$(mktemp -d /tmp/lamina-bench-XXXXXX)
+trap 'rm -rf "$T"' EXIT
+fails=0
+fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
+export LAMINA_LOG=warn
+$L gen-model --arch qwen3next --shape tiny --type q8_0 --seed 5 -o "$T/m.gguf" >/dev/null 2>&1 ||
+    fail "gen-model"
+for mode in "--inproc" "--devices cpu,cpu --resident 50%"; do
+    # shellcheck disable=SC2086
+    $L bench -m "$T/m.gguf" -p 32 -n 8 -r 3 --no-membw $mode >"$T/table.txt" 2>"$T/err" ||
+        fail "bench $mode: $(tail -1 "$T/err")"
+    grep -q "| pp32 | " "$T/table.txt" && grep -q "| tg8 | " "$T/table.txt" ||
+        fail "bench $mode: table rows missing"
+    # shellcheck disable=SC2086
+    $L bench -m "$T/m.gguf" -p 32 -n 8 -r 3 --no-membw --json $mode >"$T/json.txt" 2>"$T/err" ||
+        fail "bench --json $mode"
+    tail -1 "$T/json.txt" | python3 -c '
+import json, sys
+d = json.loads(sys.stdin.read())
+assert d["pp"] == 32 and d["tg"] == 8 and d["reps"] == 3, d
+assert d["pp_tps"] > 0 and d["tg_tps"] > 0 and d["pp_spread"] >= 0, d
+assert d["bytes_per_token"] > 0 and d["arch"] == "qwen3next", d
+print("json ok:", d["backend"], round(d["pp_tps"]), "pp tok/s,", round(d["tg_tps"]), "tg tok/s")
+' || fail "bench --json $mode: bad JSON line: $(tail -1 "$T/json.txt")"
+done
+$L bench -m "$T/m.gguf" -p 0 -n 0 >/dev/null 2>"$T/err" && fail "-p 0 -n 0 accepted"
+grep -q "nothing to measure" "$T/err" || fail "no message for -p 0 -n 0"
+$L bench -m "$T/m.gguf" --backend cuda:0 >/dev/null 2>"$T/err" && fail "--backend without --inproc accepted"
+$L bench -m "$T/nope.gguf" -r 1 >/dev/null 2>&1 && fail "missing model accepted"
+echo "test_bench: $fails failure(s)"
+[ $fails -eq 0 ]
