@@ -32,7 +32,7 @@
 #define CLUSTER_READY_TIMEOUT_S 900.0 /* plan -> ready (large models load slowly) */
 #define CLUSTER_DEAD_S 1.5            /* no heartbeat (sent every 0.25 s) for this long: dead */
 #define CLUSTER_POLL_MS 50            /* step loop granularity */
-#define CLUSTER_SHUTDOWN_WAIT_S 2.0   /* SHUTDOWN -> SIGKILL */
+#define CLUSTER_SHUTDOWN_WAIT_S 1.0   /* SHUTDOWN -> SIGKILL */
 
 struct cluster_worker {
     int index;
@@ -671,6 +671,20 @@ static int cl_check_alive(struct cluster *c)
     return c->interrupted ? -EINTR : 0;
 }
 
+/* A worker's connection vanished: wait briefly for its exit to name it. */
+static int cl_wait_exit(struct cluster *c)
+{
+    for (int k = 0; k < 50; k++) {
+        int rc = cl_check_alive(c);
+        if (rc)
+            return rc;
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    log_error("a worker's connection closed during step %llu", (unsigned long long)c->step);
+    return -ECONNRESET;
+}
+
 int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
                  float *logits)
 {
@@ -709,6 +723,8 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
         wire_msg_free(&r);
         if (ev == CL_RESULT)
             return 0;
+        if (ev == CL_FAIL && rc == -EHOSTUNREACH) /* its connection is gone: name how it ended */
+            return cl_wait_exit(c);
         if (ev == CL_FAIL)
             return rc;
     }

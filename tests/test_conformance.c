@@ -30,7 +30,12 @@
 #define CONF_TOL 1e-3
 #define CONF_COND 1e-4        /* own prefill/decode spread that marks a position ill-conditioned */
 #define CONF_COND_FACTOR 10.0 /* bound there: CONF_TOL + factor x own spread */
-#define CONF_Q8_LAYER_TOL 0.05 /* ||q8 - f32|| / ||f32|| (L2 over all positions) of one layer's output */
+/* ||q8 - f32|| / ||f32|| (L2 over all positions) of one layer's output. Q8_0 weights with
+ * activations rounded to int8 per 32 (llama.cpp's CPU scheme; lamina's fast path) land at
+ * 0.01-0.04 on most layers; qwen3next's layer 0 reaches 0.06 from one ill-conditioned position
+ * (59: its DeltaNet output has a small norm, so the gated norm magnifies the rounding;
+ * llama.cpp's exact scheme measures 0.062 there), hence 0.08. */
+#define CONF_Q8_LAYER_TOL 0.08
 
 struct conf_model {
     struct gguf *g;

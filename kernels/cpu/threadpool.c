@@ -35,8 +35,6 @@ struct threadpool {
     int n_threads;                     /* workers + owner */
     struct threadpool_worker *workers; /* n_threads - 1 entries */
     int cpus[THREADPOOL_MAX_CPUS];     /* logical cpu per physical core */
-    cpu_set_t owner_mask;              /* the owner thread's affinity before pinning */
-    bool owner_pinned;                 /* owner_mask must be restored at destroy */
     int n_cpus;                        /* entries of cpus */
     _Atomic uint32_t generation;       /* bumped per job (futex word) */
     _Atomic int64_t next;              /* next task index */
@@ -167,11 +165,9 @@ struct threadpool *threadpool_create(const struct threadpool_config *cfg)
     }
     if (!cfg->pin)
         pool->n_cpus = 0;
-    if (pool->n_cpus > 0 &&
-        pthread_getaffinity_np(pthread_self(), sizeof(pool->owner_mask), &pool->owner_mask) == 0) {
-        pool->owner_pinned = true; /* restored at destroy: the caller's thread is only lent */
-        threadpool_pin(pool, pthread_self(), 0);
-    }
+    /* The owner thread is not pinned: threads it creates later (other pools,
+     * copy threads) would inherit a single CPU. Workers take cores 1..n-1 and
+     * leave the first to the owner. */
     for (int i = 1; i < pool->n_threads; i++) {
         struct threadpool_worker *w = &pool->workers[i - 1];
         w->pool = pool;
@@ -201,8 +197,6 @@ void threadpool_destroy(struct threadpool *pool)
     threadpool_futex(&pool->generation, FUTEX_WAKE_PRIVATE, INT32_MAX);
     for (int i = 1; i < pool->n_threads; i++)
         pthread_join(pool->workers[i - 1].thread, NULL);
-    if (pool->owner_pinned)
-        pthread_setaffinity_np(pthread_self(), sizeof(pool->owner_mask), &pool->owner_mask);
     free(pool->workers);
     free(pool);
 }

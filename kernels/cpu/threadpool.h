@@ -2,8 +2,9 @@
  * threadpool: a fixed set of compute threads, pinned one per physical core,
  * that run parallel-for jobs for the CPU kernels.
  *
- * The owner thread is pinned to the first core while the pool lives and its
- * affinity is restored by threadpool_destroy().
+ * Worker i is pinned to the (i)-th physical core; the owner thread is left
+ * unpinned (threads it creates would inherit its affinity) and the scheduler
+ * keeps it on the first core, which no worker takes.
  * One owner thread (the one that created the pool) submits jobs with
  * threadpool_run(); the call blocks until every task has finished, and the
  * owner thread takes part in the work. Jobs must not submit nested jobs.
