@@ -1,6 +1,6 @@
 #!/bin/sh
-# Installs the Debian packages lamina builds and tests with. Run as root (or
-# through sudo). Safe to run again. The CUDA toolkit is not a Debian package
+# Installs the Debian packages lamina builds and tests with; as root, or
+# through sudo when it is there. Safe to run again. The CUDA toolkit is not a Debian package
 # here: when nvcc is on PATH or in /usr/local/cuda, `make` also builds the
 # CUDA kernels; without it the CPU engine builds and runs alone.
 set -eu
@@ -15,7 +15,10 @@ if [ -z "$missing" ]; then
     exit 0
 fi
 if [ "$(id -u)" -ne 0 ]; then
-    echo "install-deps: need root to install:$missing (try: sudo $0)" >&2
+    if command -v sudo >/dev/null 2>&1; then
+        exec sudo sh "$0" "$@"
+    fi
+    echo "install-deps: need root to install:$missing (run as root)" >&2
     exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
