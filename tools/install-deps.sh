@@ -5,7 +5,7 @@
 # CUDA kernels; without it the CPU engine builds and runs alone.
 set -eu
 PKGS="build-essential pkg-config libpcre2-dev libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
-      python3 python3-numpy python3-matplotlib"
+      python3 python3-numpy python3-matplotlib bc procps util-linux"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
