@@ -1302,6 +1302,8 @@ int detok_push(struct detok *d, int32_t id, const char **out, size_t *out_len)
     }
     if (d->skip_control && t->type[id] == TOKENIZER_TOKEN_TYPE_CONTROL)
         return 0;
+    if (t->type[id] == TOKENIZER_TOKEN_TYPE_UNUSED) /* "[PAD123]" fillers have no text */
+        return 0;
     size_t n;
     const char *s = str_at(&t->tok, id, &n);
     if (detok_reserve(d, n + d->n_pend + 1))

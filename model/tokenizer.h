@@ -105,7 +105,8 @@ struct detok *detok_create(const struct detok_config *cfg);
 void detok_destroy(struct detok *d); /* accepts NULL */
 
 /* Appends token id and sets *out / *out_len to the bytes that are now complete UTF-8 (possibly
- * none). An incomplete sequence at the end is held back for the next push; bytes that can never
+ * none; UNUSED tokens, the converter's "[PAD<id>]" fillers, produce none, as in llama.cpp).
+ * An incomplete sequence at the end is held back for the next push; bytes that can never
  * become valid UTF-8 are replaced by U+FFFD (one per maximal invalid subpart). *out is borrowed
  * until the next call on this detok. Returns 0, -EINVAL for an id outside the vocabulary, or
  * -ENOMEM. */

@@ -452,7 +452,7 @@ static void byte_level(int b, char *s)
 #define TINY_N 262 /* tokens of the tiny vocabulary */
 
 /* Writes the tiny vocabulary: 256 byte tokens (id = byte), 256 "ab", 257 "Ġab", 258 "abc" (no
- * merge builds it), 259 "<|x|>" (control, eos), 260 "e\xCC" and 261 "e\xCC\x81" (e + U+0301
+ * merge builds it; type UNUSED), 259 "<|x|>" (control, eos), 260 "e\xCC" and 261 "e\xCC\x81" (e + U+0301
  * COMBINING ACUTE); merges "a b", "Ġ ab", "e \xCC", "e\xCC \x81" (all in byte-level form). */
 static int write_vocab(const char *path, enum bad_case bc, const char *pre)
 {
@@ -476,6 +476,7 @@ static int write_vocab(const char *path, enum bad_case bc, const char *pre)
     for (int i = 256; i < TINY_N; i++)
         types[i] = TOKENIZER_TOKEN_TYPE_NORMAL;
     types[259] = bc == BAD_TYPE_VALUE ? 9 : TOKENIZER_TOKEN_TYPE_CONTROL;
+    types[258] = TOKENIZER_TOKEN_TYPE_UNUSED; /* like the converter's "[PAD<id>]" fillers */
     for (int i = 0; i < TINY_N; i++)
         ftypes[i] = (float)types[i];
     const char *merges[] = {bc == BAD_MERGE_SEP ? "ab" : "a b", "\xC4\xA0 ab", m_e_cc, m_e_cc_81};
@@ -535,6 +536,15 @@ static void test_tiny(const char *path)
         CHECK(rc == 0 && n == 4 && ids[0] == 256 && ids[1] == 257 && ids[2] == 'c' &&
               ids[3] == 259, "pre %s: tiny encode: rc %d n %zu", pres[i].pre, rc, n);
         free(ids);
+        /* an UNUSED token streams no text; the next token's text still comes */
+        struct detok_config dc = {.tok = t};
+        struct detok *d = detok_create(&dc);
+        const char *o = NULL;
+        size_t ol = 99;
+        CHECK(d && detok_push(d, 258, &o, &ol) == 0 && ol == 0, "UNUSED token gave %zu bytes", ol);
+        CHECK(d && detok_push(d, 256, &o, &ol) == 0 && ol == 2 && !memcmp(o, "ab", 2),
+              "the token after an UNUSED one: %zu bytes", ol);
+        detok_destroy(d);
         /* a combining mark joins the letter's piece only under qwen35 (\p{M} in the class) */
         rc = tokenizer_encode(t, "e\xCC\x81", 3, false, &ids, &n);
         if (pres[i].want == TOKENIZER_PRE_QWEN35)
