@@ -671,6 +671,22 @@ static int cl_check_alive(struct cluster *c)
     return c->interrupted ? -EINTR : 0;
 }
 
+/* The coordinator's timing line of a step: wall time, CPU pool busy time,
+ * and the rest (waiting for workers). */
+static void cl_coordinator_timing(struct cluster *c, uint32_t n, double step_s)
+{
+    const double busy = expert_pool_busy_s(c->pool);
+    const double pool_s = busy - c->pool_busy_prev;
+    c->pool_busy_prev = busy;
+    if (!c->timings)
+        return;
+    fprintf(c->timings,
+            "{\"coordinator\":true,\"step\":%llu,\"seq\":0,\"tokens\":%u,\"ms\":{\"step\":%.3f,"
+            "\"cpu_pool_busy\":%.3f,\"queue_wait\":%.3f}}\n",
+            (unsigned long long)c->step, n, 1e3 * step_s, 1e3 * pool_s,
+            1e3 * (step_s - pool_s));
+}
+
 /* A worker's connection vanished: wait briefly for its exit to name it. */
 static int cl_wait_exit(struct cluster *c)
 {
@@ -707,6 +723,7 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
         return rc;
     }
     const uint32_t want = all_logits ? n : 1;
+    const double t_start = cl_now();
     for (;;) {
         rc = cl_check_alive(c);
         if (rc)
@@ -721,8 +738,10 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
             return rc;
         enum cl_event ev = cl_handle(c, id, id_len, &r, logits, want, &rc);
         wire_msg_free(&r);
-        if (ev == CL_RESULT)
+        if (ev == CL_RESULT) {
+            cl_coordinator_timing(c, n, cl_now() - t_start);
             return 0;
+        }
         if (ev == CL_FAIL && rc == -EHOSTUNREACH) /* its connection is gone: name how it ended */
             return cl_wait_exit(c);
         if (ev == CL_FAIL)
