@@ -45,18 +45,8 @@ static uint32_t bench_rand(struct bench_job *j, uint32_t n)
 static double bench_bytes_per_token(const struct arch_model *m)
 {
     double b = m->output.mat_bytes + m->tok_embd.row_bytes;
-    for (uint32_t l = 0; l < m->hp.n_layer; l++) {
-        const struct arch_layer *ly = &m->layers[l];
-        const struct arch_matrix *ms[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz,
-                                          &ly->win, &ly->wba, &ly->wbeta, &ly->walpha, &ly->wout,
-                                          &ly->router, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
-        for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
-            b += ms[i]->data ? ms[i]->mat_bytes : 0;
-        double per_expert = ly->down_exps.mat_bytes +
-                            (ly->gate_exps.data ? ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes
-                                                : ly->gate_up_exps.mat_bytes);
-        b += per_expert * m->hp.n_expert_used;
-    }
+    for (uint32_t l = 0; l < m->hp.n_layer; l++)
+        b += planner_layer_read_bytes(m, l);
     return b;
 }
 

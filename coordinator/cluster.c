@@ -92,17 +92,7 @@ static double cl_now(void)
 
 static double cl_layer_cost(const struct arch_model *m, uint32_t l)
 {
-    const struct arch_layer *ly = &m->layers[l];
-    const struct arch_matrix *ms[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz,
-                                      &ly->win, &ly->wba, &ly->wbeta, &ly->walpha, &ly->wout,
-                                      &ly->router, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
-    double b = 0;
-    for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
-        b += ms[i]->data ? ms[i]->mat_bytes : 0;
-    double per_expert = ly->down_exps.mat_bytes + (ly->gate_exps.data
-                            ? ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes
-                            : ly->gate_up_exps.mat_bytes);
-    return b + per_expert * m->hp.n_expert_used;
+    return (double)planner_layer_read_bytes(m, l);
 }
 
 /* "auto": contiguous ranges with about equal bytes read per token. */
@@ -176,10 +166,7 @@ static int cl_resident_count(struct cluster *c, int i)
             return (int)E;
         double trunk = 0, one_expert_all_layers = 0;
         for (uint32_t l = c->w[i].l0; l < c->w[i].l1; l++) {
-            const struct arch_layer *ly = &m->layers[l];
-            double pe = (double)(ly->down_exps.mat_bytes + (ly->gate_exps.data
-                            ? ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes
-                            : ly->gate_up_exps.mat_bytes));
+            double pe = (double)planner_expert_bytes(&m->layers[l]);
             trunk += cl_layer_cost(m, l) - pe * m->hp.n_expert_used;
             one_expert_all_layers += pe;
         }

@@ -50,6 +50,13 @@ uint64_t planner_expert_bytes(const struct arch_layer *ly)
     return pl_mat(&ly->gate_up_exps) + pl_mat(&ly->down_exps);
 }
 
+uint64_t planner_layer_read_bytes(const struct arch_model *m, uint32_t l)
+{
+    const struct arch_layer *ly = &m->layers[l];
+    return planner_proj_bytes(ly) + planner_shexp_bytes(ly) +
+           (uint64_t)m->hp.n_expert_used * planner_expert_bytes(ly);
+}
+
 uint64_t planner_kv_bytes(const struct arch_model *m, uint32_t layer, uint32_t n_ctx, bool kv_f16)
 {
     const struct arch_hparams *hp = &m->hp;
@@ -76,9 +83,7 @@ uint64_t planner_scratch_cpu(const struct arch_model *m, uint32_t max_batch)
 /* Bytes one token reads in layer l (the split's cost). */
 static uint64_t pl_layer_cost(const struct arch_model *m, uint32_t l)
 {
-    const struct arch_layer *ly = &m->layers[l];
-    return planner_proj_bytes(ly) + planner_shexp_bytes(ly) +
-           (uint64_t)m->hp.n_expert_used * planner_expert_bytes(ly) + planner_state_bytes(m, l);
+    return planner_layer_read_bytes(m, l) + planner_state_bytes(m, l);
 }
 
 /* "12.5 MiB" into buf. */

@@ -257,6 +257,9 @@ void planner_print_table(const struct planner_plan *p, FILE *out);
 uint64_t planner_proj_bytes(const struct arch_layer *ly);
 uint64_t planner_shexp_bytes(const struct arch_layer *ly);
 uint64_t planner_expert_bytes(const struct arch_layer *ly);
+/* Weight bytes one decoded token reads in layer l: projections, router,
+ * shared expert and top_k routed experts (the layer split's cost model). */
+uint64_t planner_layer_read_bytes(const struct arch_model *m, uint32_t l);
 /* One sequence's KV cache of an attention layer (0 for a recurrent one). */
 uint64_t planner_kv_bytes(const struct arch_model *m, uint32_t layer, uint32_t n_ctx, bool kv_f16);
 /* One sequence's DeltaNet conv and recurrent state of a layer (0 for attention). */

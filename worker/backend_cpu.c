@@ -31,13 +31,6 @@ static bool cpu_is_resident(const struct backend_config *cfg, uint32_t l, uint32
     return !cfg->resident || (cfg->resident[l] && (cfg->resident[l][e / 8] >> (e % 8)) & 1);
 }
 
-static uint64_t cpu_expert_bytes(const struct arch_layer *ly)
-{
-    if (ly->gate_exps.data)
-        return ly->gate_exps.mat_bytes + ly->up_exps.mat_bytes + ly->down_exps.mat_bytes;
-    return ly->gate_up_exps.mat_bytes + ly->down_exps.mat_bytes;
-}
-
 /* Trunk bytes of layer l charged to the device: what the plan placed there. */
 static uint64_t cpu_trunk_bytes(const struct backend_config *cfg, uint32_t l)
 {
@@ -146,7 +139,7 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
         uint32_t held = 0;
         for (uint32_t e = 0; e < m->hp.n_expert; e++)
             held += cpu_is_resident(cfg, l, e);
-        experts += held * cpu_expert_bytes(&m->layers[l]);
+        experts += held * planner_expert_bytes(&m->layers[l]);
         trunk += cpu_trunk_bytes(cfg, l);
     }
     if (cfg->lmhead)
