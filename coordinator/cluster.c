@@ -250,14 +250,20 @@ static int cl_plan(struct cluster *c)
                                 .place = c->cfg.place, .layers = c->cfg.layers,
                                 .n_ctx = c->cfg.n_ctx, .kv_f16 = c->cfg.kv_f16,
                                 .max_batch = c->cfg.max_batch};
-    pc.host_bw = planner_probe_host_bandwidth(0);
     for (int i = 0; i < c->n; i++) {
         pc.devices[i] = (struct planner_device){.name = c->cfg.backends[i],
                                                 .budget = c->cfg.device_mem[i]};
         pc.dense_miss_ratio |= strncmp(c->cfg.backends[i], "cpu", 3) != 0;
     }
+    /* Measured speeds (the host for the CPU pool's threads; every card whose
+     * worker this process starts), or the figures LAMINA_PROBE states
+     * (planner_probe_devices: "off" or "cpu=20,cuda:0=3400:53" for plans
+     * that do not depend on the machine). Nothing else runs yet, and this
+     * process never uses a card itself, as a CUDA probe requires. */
+    int rc = planner_probe_devices(&pc, getenv("LAMINA_PROBE"), c->cfg.pool_threads,
+                                   c->cfg.spawn);
     struct planner_plan *plan = NULL;
-    int rc = planner_build(&pc, &plan);
+    rc = rc ? rc : planner_build(&pc, &plan);
     planner_heat_destroy(heat);
     if (rc)
         return rc;

@@ -14,6 +14,8 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "kernels/cpu/threadpool.h"
+#include "model/quant.h"
+#include "worker/probe.h"
 
 #define PL_MAX_SELS 256              /* "+"-joined selections in one place item */
 #define PL_HEAT_MAX_FILE (64u << 20) /* largest heat file read */
@@ -1574,6 +1576,186 @@ static int pl_parse_bws(const char *list, const char *what, int n_dev, double *o
         *(double *)((char *)out + i * stride) = v * 1e9;
     }
     return 0;
+}
+
+/* ---- device probes ---- */
+
+/* Figures a probe spec states for one name. */
+struct pl_fig {
+    char name[PLANNER_NAME_MAX];
+    double gemv, h2d;        /* bytes/s; h2d 0 when not stated */
+};
+
+/* The matrix type of the probes' GEMV: the model's routed experts'. */
+static uint32_t pl_probe_type(const struct arch_model *m)
+{
+    for (uint32_t l = 0; m && l < m->hp.n_layer; l++) {
+        const struct arch_layer *ly = &m->layers[l];
+        if (ly->gate_exps.data || ly->gate_up_exps.data)
+            return ly->gate_exps.data ? ly->gate_exps.type : ly->gate_up_exps.type;
+    }
+    return QUANT_TYPE_Q4_0;
+}
+
+static bool pl_is_device(const struct planner_config *cfg, const char *name)
+{
+    for (int i = 0; i < cfg->n_devices; i++)
+        if (!strcmp(cfg->devices[i].name, name))
+            return true;
+    return false;
+}
+
+/* One "DEV=G[:H]" token into f. */
+static int pl_parse_fig(const struct planner_config *cfg, const char *spec, char *tok,
+                        struct pl_fig *f)
+{
+    char whole[128];
+    snprintf(whole, sizeof(whole), "%s", tok);
+    char *eq = strrchr(tok, '=');
+    if (!eq || eq == tok || (size_t)(eq - tok) >= PLANNER_NAME_MAX)
+        goto bad;
+    *eq = 0;
+    char *end, *end2 = NULL;
+    f->gemv = strtod(eq + 1, &end) * 1e9;
+    const bool h2d = *end == ':';
+    f->h2d = h2d ? strtod(end + 1, &end2) * 1e9 : 0;
+    if (end == eq + 1 || !(f->gemv > 0) || isinf(f->gemv) || (!h2d && *end) ||
+        (h2d && (end2 == end + 1 || *end2 || !(f->h2d > 0) || isinf(f->h2d))))
+        goto bad;
+    if (!strcmp(tok, "cpu") && h2d) {
+        log_error("probe figures '%s': cpu takes one figure (its GEMV GB/s), not '%s'", spec,
+                  eq + 1);
+        return -EINVAL;
+    }
+    if (strcmp(tok, "cpu") && !pl_is_device(cfg, tok)) {
+        log_error("probe figures '%s': '%s' is not one of the devices", spec, tok);
+        return -EINVAL;
+    }
+    snprintf(f->name, sizeof(f->name), "%s", tok);
+    return 0;
+bad:
+    log_error("probe figures '%s': bad figure '%s' (use DEV=GEMV[:H2D] in GB/s, e.g. "
+              "cuda:0=3400:53)", spec, whole);
+    return -EINVAL;
+}
+
+/* Parses a list of figures into figs; returns their count or a negative errno. */
+static int pl_parse_figs(const struct planner_config *cfg, const char *spec, struct pl_fig *figs)
+{
+    char buf[4096], *tok[PLANNER_MAX_DEVICES + 1];
+    int n = pl_split_list_tokens(spec, buf, sizeof(buf), tok, PLANNER_MAX_DEVICES + 1);
+    if (n < 1) {
+        log_error("probe figures '%s': give auto, off or DEV=GEMV[:H2D],... (GB/s)", spec);
+        return -EINVAL;
+    }
+    for (int i = 0; i < n; i++) {
+        int rc = pl_parse_fig(cfg, spec, tok[i], &figs[i]);
+        if (rc)
+            return rc;
+        for (int j = 0; j < i; j++)
+            if (!strcmp(figs[j].name, figs[i].name)) {
+                log_error("probe figures '%s': %s is named twice", spec, figs[i].name);
+                return -EINVAL;
+            }
+    }
+    return n;
+}
+
+static const struct pl_fig *pl_find_fig(const struct pl_fig *figs, int n, const char *name)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(figs[i].name, name))
+            return &figs[i];
+    return NULL;
+}
+
+/* host_bw: given, stated or probed. */
+static int pl_probe_host(struct planner_config *cfg, const struct pl_fig *f, int threads,
+                         uint32_t type)
+{
+    if (cfg->host_bw > 0) {
+        log_info("[probe] device cpu: gemv %.1f GB/s (given)", cfg->host_bw / 1e9);
+        return 0;
+    }
+    if (f) {
+        cfg->host_bw = f->gemv;
+        log_info("[probe] device cpu: gemv %.1f GB/s (stated)", cfg->host_bw / 1e9);
+        return 0;
+    }
+    struct probe_result r;
+    int rc = probe_cpu(threads, type, &r);
+    if (rc)
+        return rc;
+    cfg->host_bw = r.gemv_bw;
+    log_info("[probe] device cpu: gemv %.1f GB/s (%s, %d threads, %u MiB, %.0f ms)",
+             r.gemv_bw / 1e9, quant_type_name(r.type), r.threads, PROBE_CPU_BYTES >> 20, r.ms);
+    return 0;
+}
+
+/* Device i (the first of its name): stated, given, probed, or defaults. */
+static int pl_probe_one(struct planner_config *cfg, int i, const struct pl_fig *f, bool local,
+                        uint32_t type)
+{
+    struct planner_device *d = &cfg->devices[i];
+    if (f) {
+        d->mem_bw = d->mem_bw > 0 ? d->mem_bw : f->gemv;
+        d->host_path_bw = d->host_path_bw > 0 ? d->host_path_bw : f->h2d;
+        log_info("[probe] device %s: gemv %.1f GB/s, h2d %.1f GB/s (stated)", d->name,
+                 d->mem_bw / 1e9, (d->host_path_bw > 0 ? d->host_path_bw : cfg->host_bw) / 1e9);
+        return 0;
+    }
+    if (d->mem_bw > 0 && d->host_path_bw > 0) {
+        log_info("[probe] device %s: gemv %.1f GB/s, h2d %.1f GB/s (given)", d->name,
+                 d->mem_bw / 1e9, d->host_path_bw / 1e9);
+        return 0;
+    }
+    if (strncmp(d->name, "cuda:", 5) || !local) {
+        log_info("[probe] device %s: not probed (%s): default figures", d->name,
+                 local ? "not cpu or cuda:N" : "its worker runs elsewhere");
+        return 0;
+    }
+    struct probe_result r;
+    int rc = probe_device(d->name, 0, type, &r);
+    if (rc)
+        return rc;
+    d->mem_bw = d->mem_bw > 0 ? d->mem_bw : r.gemv_bw;
+    d->host_path_bw = d->host_path_bw > 0 ? d->host_path_bw : r.h2d_bw;
+    log_info("[probe] device %s: gemv %.1f GB/s, h2d %.1f GB/s (%s, %u MiB; copy %u MiB; "
+             "%.1f of %.1f GiB free; %.0f ms)", d->name, r.gemv_bw / 1e9, r.h2d_bw / 1e9,
+             quant_type_name(r.type), PROBE_GPU_BYTES >> 20, PROBE_COPY_BYTES >> 20,
+             r.mem_free / 1073741824.0, r.mem_total / 1073741824.0, r.ms);
+    return 0;
+}
+
+int planner_probe_devices(struct planner_config *cfg, const char *spec, int threads, bool local)
+{
+    if (spec && !strcmp(spec, "off")) {
+        log_info("[probe] off: default figures (host %.1f GB/s)",
+                 (cfg->host_bw > 0 ? cfg->host_bw : PLANNER_HOST_BW_DEFAULT) / 1e9);
+        return 0;
+    }
+    struct pl_fig figs[PLANNER_MAX_DEVICES + 1];
+    int n = 0;
+    if (spec && *spec && strcmp(spec, "auto"))
+        n = pl_parse_figs(cfg, spec, figs);
+    if (n < 0)
+        return n;
+    const uint32_t type = pl_probe_type(cfg->model);
+    int rc = pl_probe_host(cfg, pl_find_fig(figs, n, "cpu"), threads, type);
+    for (int i = 0; i < cfg->n_devices && !rc; i++) {
+        const char *name = cfg->devices[i].name;
+        int first = 0;
+        while (strcmp(cfg->devices[first].name, name))
+            first++;
+        if (first < i) { /* a second worker on the same device: the same figures */
+            cfg->devices[i].mem_bw = cfg->devices[first].mem_bw;
+            cfg->devices[i].host_path_bw = cfg->devices[first].host_path_bw;
+            continue;
+        }
+        if (strcmp(name, "cpu"))
+            rc = pl_probe_one(cfg, i, pl_find_fig(figs, n, name), local, type);
+    }
+    return rc;
 }
 
 int planner_parse_devices(struct planner_config *cfg, char store[][PLANNER_NAME_MAX],

@@ -292,6 +292,33 @@ void planner_heat_destroy(struct planner_heat *h);
  * physical cores). Returns 0 when the buffer cannot be allocated (logged). */
 double planner_probe_host_bandwidth(int threads);
 
+/* Device speeds for the plan (worker/probe.h): fills cfg->host_bw and each
+ * device's mem_bw and host_path_bw that are still 0 (figures given by the
+ * caller stay), from probes or from stated figures, and logs one "[probe]"
+ * line per distinct device name (info level). cfg->n_devices, the names and
+ * cfg->model (for the GEMV's matrix type: its routed experts' type) must be
+ * set. Spec:
+ *     spec := "auto" | "off" | fig ("," fig)*        (NULL or "": auto)
+ *     fig  := DEV "=" GEMV [":" H2D]                 (GB/s, decimal, > 0)
+ *  - auto: the host is probed (CPU GEMV on `threads` threads, <= 0: one per
+ *    physical core): host_bw, which "cpu" devices also take (their fields
+ *    stay 0 and resolve to host_bw). Every "cuda:N" device is probed once
+ *    when `local` (its worker runs on this host): mem_bw = its GEMV rate,
+ *    host_path_bw = its pinned copy rate; when not local it keeps the
+ *    defaults, and its line says so. Other names keep the defaults.
+ *  - off: nothing is measured or set; every figure is its default, so the
+ *    plan does not depend on the machine (tests).
+ *  - a list states figures: "cpu=G" is host_bw; "DEV=G:H" sets mem_bw = G
+ *    and host_path_bw = H of every device named DEV ("DEV=G": mem_bw only,
+ *    the path keeps its default). What the list does not name is probed as
+ *    with auto.
+ * Returns 0; -EINVAL (logged, naming the token) for a malformed figure or a
+ * name that is neither cpu nor a device of cfg; a probe's error (-ENODEV,
+ * -ENOMEM, -EIO: logged by the probe). Blocks for the probes (about 0.3 s
+ * per device after the CUDA context exists); see worker/probe.h for the
+ * process rules of a CUDA probe. */
+int planner_probe_devices(struct planner_config *cfg, const char *spec, int threads, bool local);
+
 /* Fills cfg->n_devices and cfg->devices from comma lists: names (required,
  * e.g. "cpu,cpu"), budgets ("8G,16G" or one size for all: K/M/G/T, binary),
  * memory and host-path bandwidths in GB/s ("3350,1000" or one for all;

@@ -942,6 +942,92 @@ static void test_parse_devices(void)
           strstr(log_last_error(), "'-3'"), "bad bandwidth");
 }
 
+/* Probe figures (planner_probe_devices): stated figures give the same plan as
+ * figures set directly, a slower card gets fewer layers, given figures stay,
+ * off sets nothing, bad specs are refused naming the token; auto probes the
+ * host and leaves devices it cannot probe here at their defaults. */
+static void test_probe_figures(const struct arch_model *m)
+{
+    struct planner_config direct = base_cfg(m, 64ull << 20);
+    direct.n_devices = 2;
+    direct.devices[0] = (struct planner_device){.name = "g0", .budget = 4ull << 20,
+                                                .mem_bw = 3000e9, .host_path_bw = 50e9};
+    direct.devices[1] = (struct planner_device){.name = "g1", .budget = 3ull << 20,
+                                                .mem_bw = 1000e9, .host_path_bw = 25e9};
+    direct.host_bw = 20e9;
+    struct planner_config stated = direct;
+    stated.host_bw = 0;
+    for (int d = 0; d < 2; d++)
+        stated.devices[d].mem_bw = stated.devices[d].host_path_bw = 0;
+    int rc = planner_probe_devices(&stated, "cpu=20,g0=3000:50,g1=1000:25", 0, true);
+    CHECK(rc == 0 && stated.host_bw == 20e9 && stated.devices[0].mem_bw == 3000e9 &&
+          stated.devices[0].host_path_bw == 50e9 && stated.devices[1].mem_bw == 1000e9 &&
+          stated.devices[1].host_path_bw == 25e9, "stated figures set (rc %d)", rc);
+    struct planner_plan *a = build_ok(&direct, "probe direct");
+    struct planner_plan *b = build_ok(&stated, "probe stated");
+    for (int d = 0; a && b && d < 2; d++)
+        CHECK(a->dev[d].layer_begin == b->dev[d].layer_begin &&
+              a->dev[d].layer_end == b->dev[d].layer_end &&
+              a->dev[d].n_experts == b->dev[d].n_experts && a->dev[d].trunk == b->dev[d].trunk &&
+              a->dev[d].miss_ratio == b->dev[d].miss_ratio, "device %d: same plan", d);
+    if (b) {
+        CHECK(b->dev[0].miss_ratio == 150.0 && b->dev[1].miss_ratio == 50.0,
+              "miss ratios %g %g (gemv / min(h2d, host))", b->dev[0].miss_ratio,
+              b->dev[1].miss_ratio);
+        CHECK(b->dev[1].layer_end - b->dev[1].layer_begin <
+                  b->dev[0].layer_end - b->dev[0].layer_begin,
+              "the slower card has fewer layers (%u-%u, %u-%u)", b->dev[0].layer_begin,
+              b->dev[0].layer_end - 1, b->dev[1].layer_begin, b->dev[1].layer_end - 1);
+        MEASURE("probe figures 3000/50 and 1000/25 GB/s, host 20: layers %u-%u / %u-%u, "
+                "miss ratios %.0f / %.0f, experts %u / %u", b->dev[0].layer_begin,
+                b->dev[0].layer_end - 1, b->dev[1].layer_begin, b->dev[1].layer_end - 1,
+                b->dev[0].miss_ratio, b->dev[1].miss_ratio, b->dev[0].n_experts,
+                b->dev[1].n_experts);
+    }
+    planner_plan_destroy(a);
+    planner_plan_destroy(b);
+
+    struct planner_config c = stated; /* given figures stay; G alone leaves the path */
+    c.devices[1].mem_bw = c.devices[1].host_path_bw = 0;
+    rc = planner_probe_devices(&c, "g0=1:1,g1=700", 0, true);
+    CHECK(rc == 0 && c.devices[0].mem_bw == 3000e9 && c.devices[0].host_path_bw == 50e9 &&
+          c.devices[1].mem_bw == 700e9 && c.devices[1].host_path_bw == 0 && c.host_bw == 20e9,
+          "given figures kept, G alone sets mem_bw only");
+    c = base_cfg(m, 1ull << 20);
+    c.n_devices = 2;
+    c.devices[0].name = c.devices[1].name = "g0";
+    c.host_bw = 0;
+    rc = planner_probe_devices(&c, "off", 0, true);
+    CHECK(rc == 0 && c.host_bw == 0 && c.devices[0].mem_bw == 0, "off sets nothing");
+    rc = planner_probe_devices(&c, "g0=100:10,cpu=5", 0, true);
+    CHECK(rc == 0 && c.devices[1].mem_bw == 100e9 && c.devices[1].host_path_bw == 10e9 &&
+          c.host_bw == 5e9, "a second worker on a device takes its figures");
+    const char *bad[] = {"g9=10", "g0=abc", "g0=10:", "g0=:5", "cpu=10:5", "g0=1,g0=2", ",",
+                         "=5", "g0=10x", "g0=-1", "g0=5:0", "g0"};
+    const char *why[] = {"'g9' is not one of", "'g0=abc'", "'g0=10:'", "'g0=:5'",
+                         "cpu takes one figure", "named twice", "give auto, off", "'=5'",
+                         "'g0=10x'", "'g0=-1'", "'g0=5:0'", "'g0'"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        c.host_bw = 1e9;
+        rc = planner_probe_devices(&c, bad[i], 0, true);
+        CHECK(rc == -EINVAL && strstr(log_last_error(), why[i]), "spec '%s': rc %d, '%s'",
+              bad[i], rc, log_last_error());
+    }
+    c = base_cfg(m, 1ull << 20);
+    c.n_devices = 3;
+    c.devices[1].name = "cuda:3";
+    c.devices[2].name = "g0";
+    c.host_bw = 0;
+    rc = planner_probe_devices(&c, NULL, 1, false);
+    CHECK(rc == 0 && c.host_bw > 1e8 && c.devices[0].mem_bw == 0 && c.devices[1].mem_bw == 0 &&
+          c.devices[2].mem_bw == 0, "auto: host probed (%g B/s), remote card and unknown name "
+          "left at defaults", c.host_bw);
+    MEASURE("probe of the host for the plan (one thread, %s GEMV): %.1f GB/s",
+            quant_type_name(m->layers[0].gate_exps.data ? m->layers[0].gate_exps.type
+                                                        : m->layers[0].gate_up_exps.type),
+            c.host_bw / 1e9);
+}
+
 int main(void)
 {
     log_init("test", -1);
@@ -972,6 +1058,7 @@ int main(void)
     test_qwen3moe(moe.m);
     test_print(small.m, &s);
     test_parse_devices();
+    test_probe_figures(small.m);
     test_80b_sample();
     double bw = planner_probe_host_bandwidth(1);
     CHECK(bw > 1e8, "host bandwidth probe: %g B/s", bw);
