@@ -3,7 +3,8 @@
 #   1. logits byte-identical to --inproc and the same greedy text, for every
 #      conformance fixture and a gen-model tiny model, with 1, 2 and 3 workers
 #      and placements that keep some experts in worker memory and send the
-#      rest to the coordinator's CPU pool;
+#      rest to the coordinator's CPU pool; device probes logged, stated
+#      figures (LAMINA_PROBE) give identical plans;
 #   2. kill -9 of a worker: error naming it within 2 s, non-zero exit, no
 #      process and no /dev/shm segment left;
 #   3. a stopped (hung) worker: reported as not answering, same cleanup;
@@ -89,6 +90,30 @@ for spec in "cpu,cpu 3M,4M auto" "cpu,cpu 3M,4M off" "cpu,cpu 3M,4M lmhead=1,exp
         fail "plan --devices $1 --device-mem $2 --place $3: rc $rc $(grep error "$T/err" | head -1)"
     fi
 done
+
+# 1c. device probes: one [probe] line per device; stated figures (LAMINA_PROBE) give the same
+# plan on every run and machine; on CPU devices (miss ratio 1) measured figures change no decision
+plan_of() { # probe spec, output file: the [place] lines and the workers' plans of a run
+    LAMINA_PROBE=$1 LAMINA_LOG=info $L run $common --devices cpu,cpu --device-mem 3M,4M \
+        --place auto >/dev/null 2>"$2.err"
+    rc=$?
+    grep -o '\[place\].*' "$2.err" >"$2"
+    grep -o 'worker [0-9]: layers.*' "$2.err" >"$2.workers"
+    return $rc
+}
+plan_of auto "$T/plan.auto" && grep -q '\[probe\] device cpu: gemv [0-9.]* GB/s (.*threads' "$T/plan.auto.err" &&
+    ok "probe: $(grep -o '\[probe\].*' "$T/plan.auto.err")" || fail "probe: $(grep error "$T/plan.auto.err" | head -1)"
+plan_of cpu=20 "$T/plan.a" && plan_of cpu=20 "$T/plan.b" && plan_of off "$T/plan.off"
+if [ -s "$T/plan.a" ] && cmp -s "$T/plan.a" "$T/plan.b" && cmp -s "$T/plan.a" "$T/plan.off" &&
+    cmp -s "$T/plan.a.workers" "$T/plan.auto.workers" &&
+    grep -q '\[probe\] device cpu: gemv 20.0 GB/s (stated)' "$T/plan.a.err"; then
+    ok "probe figures stated: identical plans; measured figures: the same decisions"
+else
+    fail "probe figures: plans differ: $(diff "$T/plan.a" "$T/plan.off" | head -2) $(diff "$T/plan.a.workers" "$T/plan.auto.workers" | head -2)"
+fi
+LAMINA_PROBE=cuda:0=10 $L run $common --devices cpu,cpu --device-mem 3M,4M >/dev/null 2>"$T/err"
+[ $? -ne 0 ] && grep -q "'cuda:0' is not one of the devices" "$T/err" &&
+    ok "bad LAMINA_PROBE rejected" || fail "bad LAMINA_PROBE: $(grep error "$T/err" | head -1)"
 
 # A long generation to disturb: tiny model, big context.
 long_run() { # sets cpid (not in a subshell: the test must be able to wait for it)
