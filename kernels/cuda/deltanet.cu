@@ -5,12 +5,15 @@
  * fw_dn_head_task (worker/forward.c). f32 throughout.
  *
  * dn_conv_kernel: causal depthwise conv + SiLU, C channels, S tokens.
- *   u[s][c] = silu(sum_{t<K-1} w[c][t] * st[c][t] + w[c][K-1] * x[s][c]), then
- *   the window st[c] (K-1 floats, oldest first) shifts in x[s][c].
- *   One thread owns one channel: its K taps and K-1 state floats sit in
- *   registers for the whole call and it walks the S tokens in order; a warp
- *   reads 32 consecutive channels of a token row (coalesced). 128 threads a
- *   block, ceil(C / 128) blocks. K <= DN_MAX_K.
+ *   u[s][c] = silu(sum_{t<K} w[c][t] * in(s - (K-1) + t)), in(s) = x[s][c] for
+ *   s >= 0 and the state st[c][s + K - 1] (K-1 floats, oldest first) for s < 0;
+ *   afterwards st[c] holds in(S-K+1 .. S-1).
+ *   Grid (ceil(C / 128), ceil(S / DN_CONV_TOK)): a thread owns one channel and
+ *   DN_CONV_TOK consecutive tokens; it loads its window of DN_MAX_K - 1 +
+ *   DN_CONV_TOK inputs into registers (all loads issued together) and a warp
+ *   reads 32 consecutive channels of a token row (coalesced). Only the threads
+ *   of token tile 0 read and then rewrite the state, so no tile sees a new
+ *   state. K <= DN_MAX_K; zero taps beyond K add exact zeros.
  *
  * dn_heads_kernel<DK>: one block owns one value head h (grid nv) for all S
  * tokens, in order. The head's state, dv rows j of DK floats (key i fastest,
@@ -35,17 +38,60 @@
  * The key head of h is g = tiled ? h % nk : h / (nv / nk).
  * Sums differ in order from the CPU (4 partial sums per row, tree
  * reductions, fused multiply-adds): results agree to rounding, not bitwise.
+ *
+ * Chunked prefill (cuda_deltanet_heads_chunked, S >= DN_CHUNK_MIN_S, dk = dv
+ * in {64, 128}, sm_80 and later): the WY form of deltanet_chunk_head
+ * (transformers' chunk_gated_delta_rule), chunks of DN_CH = 64 tokens, in
+ * three kernels. Per value head h and chunk c (tokens s0 .. s0+n-1; rows
+ * t >= n are zero, which adds exact zeros as the HF padding does), with
+ * q = l2norm(q) / sqrt(dk), k = l2norm(k), beta_t, gdec_t as in the step
+ * kernel, g_t = gdec_0 + .. + gdec_t (in order), gl = g_{n-1}:
+ *   dn_prep_kernel (grid n_chunks x nv, 256 threads, everything that does not
+ *   depend on the state, all chunks in parallel):
+ *     at  = (q k^T) * exp(g_t - g_u) for u <= t, else 0          (64 x 64)
+ *     L   = -(beta_t (k k^T) * exp(g_t - g_u)) for u < t, else 0
+ *     A   = (I - L)^-1 (what the CPU's row-by-row solve builds): the four
+ *           16 x 16 diagonal blocks by forward substitution (a lane per
+ *           column), then block rows i = 1..3: X_ij = X_ii sum_{k=j}^{i-1}
+ *           L_ik X_kj, written over L_ij;
+ *     Wm  = A @ (k * beta * exp(g)), U = A @ (v * beta),
+ *     Qg  = q * exp(g), Kw = k * exp(gl - g), decay = exp(gl)
+ *   into the caller's work buffer (dn_chunk_floats per head and chunk).
+ *   dn_state_kernel (grid dv / 32 x nv, 256 threads): value columns are
+ *   independent in the delta rule, so a block owns 32 columns j0.. of head h
+ *   and walks the chunks in order with its slice of the state (dk x 32,
+ *   key-major) in shared memory:
+ *     vn = U - Wm @ St;  o = Qg @ St + at @ vn  (into y);
+ *     St = St * decay + Kw^T @ vn.
+ *   Warps own 16 x 16 output tiles.
+ *   dn_gnorm_kernel: a warp per (token, head) row of y: the gated RMSNorm in
+ *   place, y = o / sqrt(mean(o^2) + eps) * norm_w * silu(z).
+ * Every 16 x 16 product runs on tensor cores (wmma m16n16k8, inputs rounded to
+ * tf32, f32 accumulators); the solve, norms and scalings are f32. tf32 keeps
+ * 10 mantissa bits, so results match the CPU twin to about 1e-3 relative
+ * (L2), not to f32 rounding. Older GPUs take the token-by-token kernel.
  */
 #include "kernels/cuda/deltanet.h"
 
 #include <errno.h>
 
+#include <mma.h>
+
 extern "C" {
 #include "common/log.h"
+#include "kernels/cpu/deltanet.h"
 }
 
 #define DN_MAX_K 8        /* most conv taps dn_conv_kernel handles */
 #define DN_CONV_THREADS 128
+#define DN_CONV_TOK 16    /* tokens per conv thread */
+#define DN_CH 64          /* tokens per chunk of the chunked prefill */
+#define DN_SLICE 32       /* value columns per block of dn_state_kernel */
+#define DN_CK_THREADS 256 /* threads per block of the chunked kernels */
+#define DN_CHUNK_MIN_S 16 /* fewest tokens that take the chunked path */
+
+static_assert(DN_CH == DELTANET_CHUNK, "the CPU twin's chunk");
+static_assert(DN_CK_THREADS == 32 * 4 * (DN_SLICE / 16), "dn_state_kernel: a warp per o tile");
 
 __device__ __forceinline__ float dn_silu(float x)
 {
@@ -69,41 +115,48 @@ __device__ __forceinline__ float dn_warp_sum(float x)
     return x;
 }
 
+/* One input of the conv window: token s of channel ch (s < 0: the state). */
+__device__ __forceinline__ float dn_conv_in(const float *state, const float *x, uint32_t K,
+                                            uint32_t C, uint32_t ch, int64_t s, uint32_t S)
+{
+    if (s >= (int64_t)S || s < -(int64_t)(K - 1))
+        return 0.0f;
+    return s >= 0 ? x[(size_t)s * C + ch] : state[(size_t)ch * (K - 1) + (size_t)(s + K - 1)];
+}
+
 __global__ void dn_conv_kernel(float *state, const float *w, uint32_t K, const float *x,
                                float *u, uint32_t C, uint32_t S)
 {
+    constexpr int W = DN_MAX_K - 1 + DN_CONV_TOK; /* window: tokens s0 - DN_MAX_K + 1 .. */
     const uint32_t ch = blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t s0 = (int64_t)blockIdx.y * DN_CONV_TOK;
     if (ch >= C)
         return;
-    float st[DN_MAX_K - 1], wt[DN_MAX_K];
+    float wr[DN_MAX_K], win[W];
+    /* wr[d]: the tap of the input d tokens back */
 #pragma unroll
-    for (uint32_t t = 0; t < DN_MAX_K; t++)
-        wt[t] = t < K ? w[(size_t)ch * K + t] : 0.0f;
+    for (uint32_t d = 0; d < DN_MAX_K; d++)
+        wr[d] = d < K ? w[(size_t)ch * K + K - 1 - d] : 0.0f;
 #pragma unroll
-    for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
-        st[t] = t + 1 < K ? state[(size_t)ch * (K - 1) + t] : 0.0f;
-    for (uint32_t s = 0; s < S; s++) {
-        const float xs = x[(size_t)s * C + ch];
+    for (int i = 0; i < W; i++)
+        win[i] = dn_conv_in(state, x, K, C, ch, s0 - (DN_MAX_K - 1) + i, S);
+#pragma unroll
+    for (int tt = 0; tt < DN_CONV_TOK; tt++) {
+        /* oldest tap first, as the CPU sums */
         float acc = 0.0f;
 #pragma unroll
-        for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
-            if (t + 1 < K)
-                acc += wt[t] * st[t];
-        /* the last tap multiplies the new input: wt[K - 1] without dynamic indexing */
-        float wl = 0.0f;
-#pragma unroll
-        for (uint32_t t = 0; t < DN_MAX_K; t++)
-            wl = t + 1 == K ? wt[t] : wl;
-        acc += wl * xs;
-#pragma unroll
-        for (uint32_t t = 0; t + 1 < DN_MAX_K; t++) {
-            if (t + 2 < K)
-                st[t] = st[t + 1];
-            else if (t + 2 == K)
-                st[t] = xs;
-        }
-        u[(size_t)s * C + ch] = dn_silu(acc);
+        for (int d = DN_MAX_K - 1; d >= 0; d--)
+            acc += wr[d] * win[tt + DN_MAX_K - 1 - d];
+        if (s0 + tt < (int64_t)S)
+            u[(size_t)(s0 + tt) * C + ch] = dn_silu(acc);
     }
+    if (blockIdx.y != 0 || K < 2)
+        return;
+    /* the new state: inputs S-K+1 .. S-1, read before any is written */
+    float st[DN_MAX_K - 1];
+#pragma unroll
+    for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
+        st[t] = t + 1 < K ? dn_conv_in(state, x, K, C, ch, (int64_t)S - (K - 1) + t, S) : 0.0f;
 #pragma unroll
     for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
         if (t + 1 < K)
@@ -247,6 +300,397 @@ __global__ void __launch_bounds__(512) dn_heads_kernel(const struct dn_heads_arg
         srow[sub + 4 * m] = st[m];
 }
 
+/* Arguments of the chunked kernels, passed by value. */
+struct dn_chunk_args {
+    float *state;
+    const float *u, *b, *alpha, *a, *dt, *z, *norm_w;
+    float *y;
+    float *work;                   /* dn_chunk_floats per (head, chunk), head-major */
+    uint32_t nk, nv, S, n_chunks;
+    bool tiled;
+    float eps;
+};
+
+/* Floats of one (head, chunk) record in the work buffer: Qg, Kw, Wm (DN_CH x
+ * dk each), U (DN_CH x dv), at (DN_CH x DN_CH), decay (8, for alignment). */
+__host__ __device__ constexpr size_t dn_chunk_floats(uint32_t dk, uint32_t dv)
+{
+    return (size_t)DN_CH * (3 * dk + dv + DN_CH) + 8;
+}
+
+/* Shared memory of dn_prep_kernel: q/v rows, k rows, the 64 x 64 matrix, the
+ * solve's temporaries, and g, exp(g), beta. */
+__host__ __device__ constexpr size_t dn_prep_smem_floats(uint32_t dk, uint32_t dv)
+{
+    return (size_t)DN_CH * ((dk > dv ? dk : dv) + 4) + (size_t)DN_CH * (dk + 4) +
+           (size_t)DN_CH * (DN_CH + 4) + 3 * 256 + 3 * DN_CH;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DN_HAVE_TF32 1
+
+using namespace nvcuda;
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> dn_fa_row;
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> dn_fa_col;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> dn_fb_row;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> dn_fb_col;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 8, float> dn_fc;
+
+template <typename F>
+__device__ __forceinline__ void dn_to_tf32(F &f)
+{
+#pragma unroll
+    for (int i = 0; i < f.num_elements; i++)
+        f.x[i] = wmma::__float_to_tf32(f.x[i]);
+}
+
+/* c += A (16 x 8*n8) @ B (8*n8 x 16). Step s reads the A tile at a + s*a_step
+ * (leading dimension lda) and the B tile at b + s*b_step; the fragment types
+ * say whether each is row- or column-major. Pointers 32-byte aligned, leading
+ * dimensions multiples of 4 floats (wmma's rules); global or shared memory. */
+template <typename FA, typename FB>
+__device__ __forceinline__ void dn_mma(dn_fc &c, const float *a, unsigned lda, size_t a_step,
+                                       const float *b, unsigned ldb, size_t b_step, int n8)
+{
+#pragma unroll 8
+    for (int s = 0; s < n8; s++) {
+        FA fa;
+        FB fb;
+        wmma::load_matrix_sync(fa, a + s * a_step, lda);
+        wmma::load_matrix_sync(fb, b + s * b_step, ldb);
+        dn_to_tf32(fa);
+        dn_to_tf32(fb);
+        wmma::mma_sync(c, fa, fb, c);
+    }
+}
+
+/* Asks for the n floats at x in this SM's L1 (a 128-byte line per thread and
+ * step): dn_state_kernel's next chunk record, read as wmma fragments. */
+__device__ __forceinline__ void dn_prefetch_l1(const float *x, size_t n)
+{
+    for (size_t i = (size_t)threadIdx.x * 32; i < n; i += (size_t)blockDim.x * 32)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(x + i));
+}
+
+/* Dynamic shared memory of dn_prep_kernel. */
+__device__ __forceinline__ float *dn_dyn_smem()
+{
+    extern __shared__ __align__(128) float dn_smem[];
+    return dn_smem;
+}
+
+/* Per token of the chunk (threads 0..63): beta, g (the in-order prefix sum of
+ * gdec, as the CPU sums) and exp(g); rows past n get beta 0 and g = g_{n-1}. */
+__device__ __forceinline__ void dn_prep_scalars(const struct dn_chunk_args &p, uint32_t h,
+                                                uint32_t s0, uint32_t n, float *g, float *eg,
+                                                float *beta)
+{
+    const uint32_t t = threadIdx.x;
+    if (t < DN_CH) {
+        float bb = 0.0f, gd = 0.0f;
+        if (t < n) {
+            const size_t i = (size_t)(s0 + t) * p.nv + h;
+            bb = dn_sigmoid(p.b[i]);
+            gd = p.a[h] * dn_softplus(p.alpha[i] + p.dt[h]);
+        }
+        beta[t] = bb;
+        g[t] = gd;
+    }
+    __syncthreads();
+    if (t == 0) {
+        float acc = 0.0f;
+        for (int i = 0; i < DN_CH; i++) {
+            acc += g[i];
+            g[i] = acc;
+        }
+    }
+    __syncthreads();
+    if (t < DN_CH)
+        eg[t] = expf(g[t]);
+}
+
+/* Normalised q (times 1/sqrt(DK)) and k of the chunk's tokens into qs and ks
+ * (zero rows past n); Qg = qs * exp(g) and Kw = k * exp(gl - g) to the work
+ * record. A warp per token. */
+template <int DK, int DV>
+__device__ __forceinline__ void dn_prep_qk(const struct dn_chunk_args &p, uint32_t gk,
+                                           uint32_t s0, uint32_t n, const float *g, float *qs,
+                                           unsigned ql, float *ks, unsigned kl, float *Qg,
+                                           float *Kw)
+{
+    constexpr int M = DK / 32;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float qscale = (float)(1.0 / sqrt((double)DK)), gl = g[n - 1];
+    const size_t kd = (size_t)p.nk * DK, ud = 2 * kd + (size_t)p.nv * DV;
+    for (uint32_t t = warp; t < DN_CH; t += DN_CK_THREADS / 32) {
+        float qv[M], kv[M];
+        float sq = 0.0f, sk = 0.0f;
+        const float *us = p.u + (size_t)(s0 + t) * ud + (size_t)gk * DK;
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            qv[m] = t < n ? us[lane + 32 * m] : 0.0f;
+            kv[m] = t < n ? us[kd + lane + 32 * m] : 0.0f;
+            sq += qv[m] * qv[m];
+            sk += kv[m] * kv[m];
+        }
+        sq = 1.0f / sqrtf(dn_warp_sum(sq) + p.eps);
+        sk = 1.0f / sqrtf(dn_warp_sum(sk) + p.eps);
+        const float e = expf(g[t]), w = expf(gl - g[t]);
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            const uint32_t i = lane + 32 * m;
+            const float q = qv[m] * sq * qscale, k = kv[m] * sk;
+            qs[t * ql + i] = q;
+            ks[t * kl + i] = k;
+            Qg[t * DK + i] = q * e;
+            Kw[t * DK + i] = k * w;
+        }
+    }
+}
+
+/* c (64 x 64 in shared memory, leading dimension DN_CH + 4) = x @ y^T on the
+ * tiles at or below the diagonal; x and y are DN_CH rows of DK floats. */
+template <int DK>
+__device__ __forceinline__ void dn_prep_gram(const float *x, unsigned xl, const float *y,
+                                             unsigned yl, float *c)
+{
+    constexpr unsigned CL = DN_CH + 4;
+    const uint32_t warp = threadIdx.x / 32;
+    for (uint32_t tile = warp; tile < 16; tile += DN_CK_THREADS / 32) {
+        const uint32_t r = tile / 4, cc = tile % 4;
+        if (cc > r)
+            continue;
+        dn_fc acc;
+        wmma::fill_fragment(acc, 0.0f);
+        dn_mma<dn_fa_row, dn_fb_col>(acc, x + 16 * r * xl, xl, 8, y + 16 * cc * yl, yl, 8,
+                                     DK / 8);
+        wmma::store_matrix_sync(c + 16 * r * CL + 16 * cc, acc, CL, wmma::mem_row_major);
+    }
+}
+
+/* la = (I - L)^-1 in place (L strictly lower, zero elsewhere; the result is
+ * unit lower triangular). pt: 3 blocks of 16 x 16 floats. */
+__device__ __forceinline__ void dn_prep_solve(float *la, float *pt)
+{
+    constexpr unsigned AL = DN_CH + 4;
+    const uint32_t t = threadIdx.x, warp = t / 32, lane = t % 32;
+    if (warp < 2) {
+        /* diagonal block blk: lane owns column u, forward substitution
+         * x_t = sum_{m<t} L_tm x_m with x_u = 1 and x_m = 0 for m < u */
+        const uint32_t blk = warp * 2 + lane / 16, u = lane % 16;
+        float *lb = la + 16 * blk * AL + 16 * blk;
+        float x[16];
+#pragma unroll
+        for (uint32_t r = 0; r < 16; r++) {
+            float acc = 0.0f;
+#pragma unroll
+            for (uint32_t m = 0; m < r; m++)
+                acc += lb[r * AL + m] * x[m];
+            x[r] = r < u ? 0.0f : (r == u ? 1.0f : acc);
+        }
+        __syncwarp();
+#pragma unroll
+        for (uint32_t r = 0; r < 16; r++)
+            lb[r * AL + u] = x[r];
+    }
+    __syncthreads();
+    const uint32_t r = t / 16, c = t % 16;
+    for (uint32_t i = 1; i < 4; i++) {
+        /* P_j = sum_{k=j}^{i-1} L_ik X_kj for j < i (L_ik is still L) */
+        const float *li = la + (16 * i + r) * AL;
+        for (uint32_t j = 0; j < i; j++) {
+            float acc = 0.0f;
+            for (uint32_t m = 16 * j; m < 16 * i; m++)
+                acc += li[m] * la[m * AL + 16 * j + c];
+            pt[j * 256 + r * 16 + c] = acc;
+        }
+        __syncthreads();
+        /* X_ij = X_ii P_j over L_ij */
+        for (uint32_t j = 0; j < i; j++) {
+            float acc = 0.0f;
+            for (uint32_t m = 0; m <= r; m++)
+                acc += li[16 * i + m] * pt[j * 256 + m * 16 + c];
+            la[(16 * i + r) * AL + 16 * j + c] = acc;
+        }
+        __syncthreads();
+    }
+}
+
+/* out (DN_CH x D, global, leading dimension D) = A @ x with A the unit lower
+ * triangular matrix in la and x DN_CH rows of D floats (leading dimension xl):
+ * the tiles of block row r only sum k < 16 (r + 1). */
+template <int D>
+__device__ __forceinline__ void dn_prep_lower_mul(const float *la, const float *x, unsigned xl,
+                                                  float *out)
+{
+    constexpr unsigned AL = DN_CH + 4;
+    const uint32_t warp = threadIdx.x / 32;
+    for (uint32_t tile = warp; tile < 4 * (D / 16); tile += DN_CK_THREADS / 32) {
+        const uint32_t r = tile / (D / 16), cc = tile % (D / 16);
+        dn_fc acc;
+        wmma::fill_fragment(acc, 0.0f);
+        dn_mma<dn_fa_row, dn_fb_row>(acc, la + 16 * r * AL, AL, 8, x + 16 * cc, xl, 8 * xl,
+                                     2 * (r + 1));
+        wmma::store_matrix_sync(out + 16 * r * D + 16 * cc, acc, D, wmma::mem_row_major);
+    }
+}
+#endif
+
+/* Everything of one chunk of one value head that does not depend on the
+ * state (see the top of the file); grid (n_chunks, nv), DN_CK_THREADS threads,
+ * dn_prep_smem_floats(DK, DV) floats of dynamic shared memory. */
+template <int DK, int DV>
+__global__ void __launch_bounds__(DN_CK_THREADS) dn_prep_kernel(const struct dn_chunk_args p)
+{
+#ifdef DN_HAVE_TF32
+    constexpr unsigned RL = (DK > DV ? DK : DV) + 4, KL = DK + 4, AL = DN_CH + 4;
+    const uint32_t c = blockIdx.x, h = blockIdx.y, t = threadIdx.x, s0 = c * DN_CH;
+    const uint32_t n = p.S - s0 < DN_CH ? p.S - s0 : DN_CH;
+    const uint32_t gk = p.tiled ? h % p.nk : h / (p.nv / p.nk);
+    float *qs = dn_dyn_smem();     /* DN_CH x RL: q * scale, later v * beta */
+    float *ks = qs + DN_CH * RL;   /* DN_CH x KL: k, later k * beta * exp(g) */
+    float *la = ks + DN_CH * KL;   /* DN_CH x AL: q k^T, then L, then A */
+    float *pt = la + DN_CH * AL;   /* 3 x 16 x 16: the solve's block products */
+    float *g = pt + 3 * 256, *eg = g + DN_CH, *beta = eg + DN_CH;
+    float *rec = p.work + ((size_t)h * p.n_chunks + c) * dn_chunk_floats(DK, DV);
+    float *Qg = rec, *Kw = Qg + DN_CH * DK, *Wm = Kw + DN_CH * DK, *U = Wm + DN_CH * DK;
+    float *at = U + DN_CH * DV, *decay = at + DN_CH * DN_CH;
+    dn_prep_scalars(p, h, s0, n, g, eg, beta);
+    dn_prep_qk<DK, DV>(p, gk, s0, n, g, qs, RL, ks, KL, Qg, Kw);
+    __syncthreads();
+    dn_prep_gram<DK>(qs, RL, ks, KL, la);
+    __syncthreads();
+    for (uint32_t e = t; e < DN_CH * DN_CH; e += DN_CK_THREADS) {
+        const uint32_t r = e / DN_CH, u = e % DN_CH;
+        at[e] = u <= r ? la[r * AL + u] * expf(g[r] - g[u]) : 0.0f;
+    }
+    __syncthreads();
+    dn_prep_gram<DK>(ks, KL, ks, KL, la);
+    __syncthreads();
+    for (uint32_t e = t; e < DN_CH * DN_CH; e += DN_CK_THREADS) {
+        const uint32_t r = e / DN_CH, u = e % DN_CH;
+        la[r * AL + u] = u < r ? -((la[r * AL + u] * beta[r]) * expf(g[r] - g[u])) : 0.0f;
+    }
+    for (uint32_t e = t; e < DN_CH * DK; e += DN_CK_THREADS) {
+        const uint32_t r = e / DK, i = e % DK;
+        ks[r * KL + i] = ks[r * KL + i] * beta[r] * eg[r];
+    }
+    const size_t kd = (size_t)p.nk * DK, vd = (size_t)p.nv * DV;
+    for (uint32_t e = t; e < DN_CH * DV; e += DN_CK_THREADS) {
+        const uint32_t r = e / DV, j = e % DV;
+        const float v = r < n ? p.u[(size_t)(s0 + r) * (2 * kd + vd) + 2 * kd + (size_t)h * DV + j]
+                              : 0.0f;
+        qs[r * RL + j] = v * beta[r];
+    }
+    __syncthreads();
+    dn_prep_solve(la, pt);
+    dn_prep_lower_mul<DK>(la, ks, KL, Wm);
+    dn_prep_lower_mul<DV>(la, qs, RL, U);
+    if (t == 0)
+        decay[0] = expf(g[n - 1]);
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#endif
+}
+
+/* The state pass: a block owns DN_SLICE value columns of head h (grid
+ * (DV / DN_SLICE, nv), DN_CK_THREADS threads) and walks the chunks in order;
+ * raw outputs o go to y (normalised afterwards by dn_gnorm_kernel). */
+template <int DK, int DV>
+__global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn_chunk_args p)
+{
+#ifdef DN_HAVE_TF32
+    constexpr unsigned SL = DN_SLICE + 4;
+    __shared__ __align__(128) float ss[DK * SL];     /* St[i][jj]: key-major state slice */
+    __shared__ __align__(128) float vn[DN_CH * SL];  /* v_new of the chunk */
+    __shared__ __align__(128) float os[DN_CH * SL];  /* o of the chunk, before the copy out */
+    const uint32_t h = blockIdx.y, j0 = blockIdx.x * DN_SLICE, t = threadIdx.x;
+    const uint32_t warp = t / 32, r = warp / 2, cc = warp % 2;
+    const size_t vd = (size_t)p.nv * DV;
+    float *st = p.state + ((size_t)h * DV + j0) * DK;
+    dn_prefetch_l1(p.work + (size_t)h * p.n_chunks * dn_chunk_floats(DK, DV),
+                   dn_chunk_floats(DK, DV));
+    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
+        ss[(e % DK) * SL + e / DK] = st[e];
+    __syncthreads();
+    for (uint32_t c = 0; c < p.n_chunks; c++) {
+        const float *rec = p.work + ((size_t)h * p.n_chunks + c) * dn_chunk_floats(DK, DV);
+        if (c + 1 < p.n_chunks)
+            dn_prefetch_l1(rec + dn_chunk_floats(DK, DV), dn_chunk_floats(DK, DV));
+        const float *Qg = rec, *Kw = Qg + DN_CH * DK, *Wm = Kw + DN_CH * DK;
+        const float *U = Wm + DN_CH * DK, *at = U + DN_CH * DV, *decay = at + DN_CH * DN_CH;
+        const uint32_t s0 = c * DN_CH;
+        /* warp (r, cc): vn tile = U - Wm @ St */
+        dn_fc acc, uf;
+        wmma::fill_fragment(acc, 0.0f);
+        dn_mma<dn_fa_row, dn_fb_row>(acc, Wm + 16 * r * DK, DK, 8, ss + 16 * cc, SL, 8 * SL,
+                                     DK / 8);
+        wmma::load_matrix_sync(uf, U + 16 * r * DV + j0 + 16 * cc, DV, wmma::mem_row_major);
+#pragma unroll
+        for (int i = 0; i < uf.num_elements; i++)
+            uf.x[i] -= acc.x[i];
+        wmma::store_matrix_sync(vn + 16 * r * SL + 16 * cc, uf, SL, wmma::mem_row_major);
+        __syncthreads();
+        /* o tile = Qg @ St + at @ vn (at is lower triangular) */
+        wmma::fill_fragment(acc, 0.0f);
+        dn_mma<dn_fa_row, dn_fb_row>(acc, Qg + 16 * r * DK, DK, 8, ss + 16 * cc, SL, 8 * SL,
+                                     DK / 8);
+        dn_mma<dn_fa_row, dn_fb_row>(acc, at + 16 * r * DN_CH, DN_CH, 8, vn + 16 * cc, SL,
+                                     8 * SL, 2 * (r + 1));
+        wmma::store_matrix_sync(os + 16 * r * SL + 16 * cc, acc, SL, wmma::mem_row_major);
+        __syncthreads();
+        for (uint32_t e = t; e < DN_CH * DN_SLICE; e += DN_CK_THREADS) {
+            const uint32_t row = e / DN_SLICE, jj = e % DN_SLICE;
+            if (s0 + row < p.S)
+                p.y[(size_t)(s0 + row) * vd + (size_t)h * DV + j0 + jj] = os[row * SL + jj];
+        }
+        /* St = St * decay + Kw^T @ vn, each warp on its own tiles */
+        const float dec = decay[0];
+        for (uint32_t tile = warp; tile < 2 * (DK / 16); tile += DN_CK_THREADS / 32) {
+            const uint32_t ri = tile / 2, ci = tile % 2;
+            float *sp = ss + 16 * ri * SL + 16 * ci;
+            wmma::load_matrix_sync(acc, sp, SL, wmma::mem_row_major);
+#pragma unroll
+            for (int i = 0; i < acc.num_elements; i++)
+                acc.x[i] *= dec;
+            dn_mma<dn_fa_col, dn_fb_row>(acc, Kw + 16 * ri, DK, 8 * DK, vn + 16 * ci, SL,
+                                         8 * SL, DN_CH / 8);
+            wmma::store_matrix_sync(sp, acc, SL, wmma::mem_row_major);
+        }
+        __syncthreads();
+    }
+    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
+        st[e] = ss[(e % DK) * SL + e / DK];
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#endif
+}
+
+/* The gated RMSNorm of the chunked path, in place on y: a warp per (token,
+ * head) row of DV floats. */
+template <int DV>
+__global__ void __launch_bounds__(DN_CK_THREADS) dn_gnorm_kernel(const struct dn_chunk_args p)
+{
+    constexpr int M = DV / 32;
+    const uint32_t lane = threadIdx.x % 32;
+    const size_t row = (size_t)blockIdx.x * (DN_CK_THREADS / 32) + threadIdx.x / 32;
+    if (row >= (size_t)p.S * p.nv)
+        return;
+    const size_t off = row * DV; /* rows (s, h) are consecutive: y[s][h * DV ..] */
+    float o[M], ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        o[m] = p.y[off + lane + 32 * m];
+        ss += o[m] * o[m];
+    }
+    const float scale = 1.0f / sqrtf(dn_warp_sum(ss) / (float)DV + p.eps);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        const uint32_t j = lane + 32 * m;
+        p.y[off + j] = o[m] * scale * p.norm_w[j] * dn_silu(p.z[off + j]);
+    }
+}
+
 static int dn_check_launch(const char *what)
 {
     cudaError_t e = cudaGetLastError();
@@ -259,17 +703,29 @@ static int dn_check_launch(const char *what)
 extern "C" int cuda_deltanet_conv(float *d_state, const float *d_w, uint32_t K, const float *d_x,
                                   float *d_u, uint32_t C, uint32_t S, cudaStream_t stream)
 {
+    const uint32_t tiles = (uint32_t)(((uint64_t)S + DN_CONV_TOK - 1) / DN_CONV_TOK);
     if (K == 0 || K > DN_MAX_K || C == 0 || (K > 1 && !d_state) || !d_w ||
-        (S && (!d_x || !d_u))) {
-        log_error("cuda_deltanet_conv: bad arguments (K %u, max %d; C %u; S %u)", K, DN_MAX_K, C,
-                  S);
+        (S && (!d_x || !d_u)) || tiles > 65535) {
+        log_error("cuda_deltanet_conv: bad arguments (K %u, max %d; C %u; S %u, max %d)", K,
+                  DN_MAX_K, C, S, 65535 * DN_CONV_TOK);
         return -EINVAL;
     }
     if (S == 0)
         return 0;
-    const uint32_t blocks = (C + DN_CONV_THREADS - 1) / DN_CONV_THREADS;
-    dn_conv_kernel<<<blocks, DN_CONV_THREADS, 0, stream>>>(d_state, d_w, K, d_x, d_u, C, S);
+    const dim3 grid((C + DN_CONV_THREADS - 1) / DN_CONV_THREADS, tiles);
+    dn_conv_kernel<<<grid, DN_CONV_THREADS, 0, stream>>>(d_state, d_w, K, d_x, d_u, C, S);
     return dn_check_launch("cuda_deltanet_conv");
+}
+
+static bool dn_heads_args_ok(const float *d_state, const float *d_u, const float *d_b,
+                             const float *d_alpha, const float *d_a, const float *d_dt,
+                             const float *d_z, const float *d_norm_w, const float *d_y,
+                             uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv, uint32_t S)
+{
+    const bool dk_ok = dk == 16 || dk == 32 || dk == 64 || dk == 128;
+    return dk_ok && dv >= 16 && dv <= 128 && dv % 16 == 0 && nk && nv && nv % nk == 0 &&
+           nv <= 65535 && d_state && ((uintptr_t)d_state & 15) == 0 && d_a && d_dt && d_norm_w &&
+           (!S || (d_u && d_b && d_alpha && d_z && d_y));
 }
 
 extern "C" int cuda_deltanet_heads(float *d_state, const float *d_u, const float *d_b,
@@ -278,10 +734,8 @@ extern "C" int cuda_deltanet_heads(float *d_state, const float *d_u, const float
                                    uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv, bool tiled,
                                    uint32_t S, float eps, cudaStream_t stream)
 {
-    const bool dk_ok = dk == 16 || dk == 32 || dk == 64 || dk == 128;
-    if (!dk_ok || dv < 16 || dv > 128 || dv % 16 || nk == 0 || nv == 0 || nv % nk ||
-        nv > 65535 || !d_state || ((uintptr_t)d_state & 15) || !d_a || !d_dt || !d_norm_w ||
-        (S && (!d_u || !d_b || !d_alpha || !d_z || !d_y))) {
+    if (!dn_heads_args_ok(d_state, d_u, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y, nk, nv, dk,
+                          dv, S)) {
         log_error("cuda_deltanet_heads: bad arguments (dk %u: 16, 32, 64 or 128; dv %u: a multiple "
                   "of 16 up to 128; nk %u, nv %u: nv a multiple of nk; state 16-byte aligned)",
                   dk, dv, nk, nv);
@@ -307,4 +761,93 @@ extern "C" int cuda_deltanet_heads(float *d_state, const float *d_u, const float
         break;
     }
     return dn_check_launch("cuda_deltanet_heads");
+}
+
+static bool dn_chunk_dims_ok(uint32_t dk, uint32_t dv)
+{
+    return dk == dv && (dk == 64 || dk == 128);
+}
+
+extern "C" size_t cuda_deltanet_work_bytes(uint32_t nv, uint32_t dk, uint32_t dv, uint32_t S)
+{
+    if (S < DN_CHUNK_MIN_S || !dn_chunk_dims_ok(dk, dv))
+        return 0;
+    const size_t n_chunks = ((size_t)S + DN_CH - 1) / DN_CH;
+    return (size_t)nv * n_chunks * dn_chunk_floats(dk, dv) * sizeof(float);
+}
+
+/* *ok: whether the current device runs the chunked kernels (tensor cores of
+ * sm_80 or later, smem bytes of shared memory per block). */
+static int dn_chunk_device(size_t smem, bool *ok)
+{
+    int dev = 0, major = 0, optin = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) {
+        log_error("cuda_deltanet_heads_chunked: device query failed: %s", cudaGetErrorString(e));
+        return -EIO;
+    }
+    *ok = major >= 8 && (size_t)optin >= smem;
+    return 0;
+}
+
+template <int D>
+static int dn_chunk_launch(const struct dn_chunk_args &p, cudaStream_t stream)
+{
+    const size_t smem = dn_prep_smem_floats(D, D) * sizeof(float);
+    cudaError_t e = cudaFuncSetAttribute(dn_prep_kernel<D, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) {
+        log_error("cuda_deltanet_heads_chunked: %zu bytes of shared memory refused: %s", smem,
+                  cudaGetErrorString(e));
+        return -EIO;
+    }
+    dn_prep_kernel<D, D><<<dim3(p.n_chunks, p.nv), DN_CK_THREADS, smem, stream>>>(p);
+    int rc = dn_check_launch("cuda_deltanet_heads_chunked (prep)");
+    if (rc)
+        return rc;
+    dn_state_kernel<D, D><<<dim3(D / DN_SLICE, p.nv), DN_CK_THREADS, 0, stream>>>(p);
+    rc = dn_check_launch("cuda_deltanet_heads_chunked (state)");
+    if (rc)
+        return rc;
+    const size_t rows = (size_t)p.S * p.nv, per_block = DN_CK_THREADS / 32;
+    dn_gnorm_kernel<D><<<(unsigned)((rows + per_block - 1) / per_block), DN_CK_THREADS, 0,
+                         stream>>>(p);
+    return dn_check_launch("cuda_deltanet_heads_chunked (norm)");
+}
+
+extern "C" int cuda_deltanet_heads_chunked(float *d_state, const float *d_u, const float *d_b,
+                                           const float *d_alpha, const float *d_a,
+                                           const float *d_dt, const float *d_z,
+                                           const float *d_norm_w, float *d_y, uint32_t nk,
+                                           uint32_t nv, uint32_t dk, uint32_t dv, bool tiled,
+                                           uint32_t S, float eps, void *d_work, size_t work_bytes,
+                                           cudaStream_t stream)
+{
+    const size_t need = cuda_deltanet_work_bytes(nv, dk, dv, S);
+    if (need == 0)
+        return cuda_deltanet_heads(d_state, d_u, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y, nk,
+                                   nv, dk, dv, tiled, S, eps, stream);
+    if (!dn_heads_args_ok(d_state, d_u, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y, nk, nv, dk,
+                          dv, S) ||
+        !d_work || work_bytes < need || ((uintptr_t)d_work & 31)) {
+        log_error("cuda_deltanet_heads_chunked: bad arguments (dk %u, dv %u, nk %u, nv %u, S %u; "
+                  "work %zu bytes, need %zu, 32-byte aligned)",
+                  dk, dv, nk, nv, S, work_bytes, need);
+        return -EINVAL;
+    }
+    bool dev_ok = false;
+    int rc = dn_chunk_device(dn_prep_smem_floats(dk, dv) * sizeof(float), &dev_ok);
+    if (rc)
+        return rc;
+    if (!dev_ok)
+        return cuda_deltanet_heads(d_state, d_u, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y, nk,
+                                   nv, dk, dv, tiled, S, eps, stream);
+    const struct dn_chunk_args p = {d_state, d_u, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y,
+                                    (float *)d_work, nk, nv, S, (S + DN_CH - 1) / DN_CH, tiled,
+                                    eps};
+    return dk == 64 ? dn_chunk_launch<64>(p, stream) : dn_chunk_launch<128>(p, stream);
 }

@@ -20,14 +20,14 @@ extern "C" {
 #endif
 
 /* Causal conv + SiLU of S tokens over C channels (deltanet_conv_channel for
- * each channel): x rows of C floats, u rows of C floats. */
+ * each channel): x rows of C floats, u rows of C floats; K <= 8 taps,
+ * S < 2^20. */
 int cuda_deltanet_conv(float *d_state, const float *d_w, uint32_t K, const float *d_x, float *d_u,
                        uint32_t C, uint32_t S, cudaStream_t stream);
 
-/* Per-layer head step for S tokens, tokens in order (decode S = 1; prefill
- * runs the same recurrence token by token, or a chunked form: results must
- * match the CPU twin within tolerance). For value head h (< nv) with key head
- * g = tiled ? h % nk : h / (nv / nk), token s:
+/* Per-layer head step for S tokens, in order, token by token (decode S = 1;
+ * prefills should use cuda_deltanet_heads_chunked below). For value head h
+ * (< nv) with key head g = tiled ? h % nk : h / (nv / nk), token s:
  *   q = l2norm(u[s][g*dk ..]) / sqrt(dk), k = l2norm(u[s][nk*dk + g*dk ..]),
  *   v = u[s][2*nk*dk + h*dv ..], beta = sigmoid(b[s*nv+h]),
  *   gdec = a[h] * softplus(alpha[s*nv+h] + dt[h]),
@@ -38,6 +38,29 @@ int cuda_deltanet_heads(float *d_state, const float *d_u, const float *d_b, cons
                         const float *d_a, const float *d_dt, const float *d_z,
                         const float *d_norm_w, float *d_y, uint32_t nk, uint32_t nv, uint32_t dk,
                         uint32_t dv, bool tiled, uint32_t S, float eps, cudaStream_t stream);
+
+/* Bytes of work memory cuda_deltanet_heads_chunked needs for nv value heads
+ * of dk x dv and S tokens: 0 when those S tokens take the token-by-token
+ * kernel (S < 16, or dk != dv, or dk not 64 or 128), else about
+ * nv * ceil(S / 64) * 147 KiB at dk = dv = 128 (37.7 MB for nv 32, S 512). */
+size_t cuda_deltanet_work_bytes(uint32_t nv, uint32_t dk, uint32_t dv, uint32_t S);
+
+/* cuda_deltanet_heads with the same arguments and results, for prefills: S
+ * tokens in the chunked form of deltanet_chunk_head (chunks of 64 tokens,
+ * products on tensor cores in tf32 with f32 accumulation: outputs and state
+ * match the CPU twin to about 1e-3 relative L2, not to f32 rounding) when
+ * cuda_deltanet_work_bytes(nv, dk, dv, S) > 0 and the device is sm_80 or
+ * later; otherwise exactly cuda_deltanet_heads (d_work unused, may be NULL).
+ * d_work: work_bytes >= cuda_deltanet_work_bytes(nv, dk, dv, S) bytes of
+ * device memory, 32-byte aligned, borrowed until the work on `stream` ends
+ * (contents clobbered; no state lives there). The state keeps the layout
+ * above, so decode steps continue from it. -EINVAL for bad shapes or a short
+ * or misaligned work buffer, -EIO for a failed device query or launch. */
+int cuda_deltanet_heads_chunked(float *d_state, const float *d_u, const float *d_b,
+                                const float *d_alpha, const float *d_a, const float *d_dt,
+                                const float *d_z, const float *d_norm_w, float *d_y, uint32_t nk,
+                                uint32_t nv, uint32_t dk, uint32_t dv, bool tiled, uint32_t S,
+                                float eps, void *d_work, size_t work_bytes, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

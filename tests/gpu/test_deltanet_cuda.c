@@ -1,18 +1,28 @@
 /*
  * test_deltanet_cuda: the CUDA gated DeltaNet kernels (kernels/cuda/deltanet.h)
  * against their CPU twins on fresh random data.
- *   - cuda_deltanet_heads for dk = dv = 16, 64, 128; nk/nv = 2/4 and 16/32;
- *     grouped and tiled key heads; S = 1 and 64 tokens per call; the state
- *     carried over three calls from a random start. Compared with the CPU
- *     glue of fw_dn_head_task run token by token (ops_l2norm, the 1/sqrt(dk)
+ *   - cuda_deltanet_heads (token by token) for dk = dv = 16, 64, 128; nk/nv =
+ *     2/4 and 16/32; grouped and tiled key heads; S = 1 and 64 tokens per call;
+ *     the state carried over three calls from a random start. Compared with the
+ *     CPU glue of fw_dn_head_task run token by token (ops_l2norm, the 1/sqrt(dk)
  *     scale, deltanet_head_step, deltanet_gated_norm): outputs and final state
  *     within TDC_TOL_STEP; and with the chunked CPU prefill form
  *     (deltanet_chunk_head) within TDC_TOL_CHUNK.
- *   - cuda_deltanet_conv for the same channel counts, K = 4, S = 1 and 64,
- *     state carried: against deltanet_conv_channel within TDC_TOL_CONV.
- *   - bad shapes are refused with -EINVAL.
+ *   - cuda_deltanet_heads_chunked at the 80b shape (nk/nv 16/32, dk = dv = 128,
+ *     grouped), the qwen35moe shape (the same, tiled) and a small one (2/4, 64):
+ *     a prefill of S = 1, 63, 64, 65, 512, 1000 tokens from a random state, then
+ *     TDC_DECODE decode steps (S = 1) carrying the state, with the work buffer
+ *     and the outputs poisoned before every call. The reference is the CPU
+ *     forward's choice (deltanet_chunk_head for S > 1, deltanet_head_step for
+ *     S = 1); outputs and state after every call within TDC_TOL_REL relative
+ *     L2 (tf32 tensor-core products), or within TDC_TOL_STEP max abs when no
+ *     call took the chunked path.
+ *   - cuda_deltanet_conv for the same channel counts, K = 4, S = 1, 3, 64, 512,
+ *     1000, state carried: against deltanet_conv_channel within TDC_TOL_CONV.
+ *   - bad shapes and short or misaligned work buffers are refused with -EINVAL.
  * Output buffers are poisoned with NaN bit patterns before every launch.
- * Timings (median of 20 after warm-up, CUDA events) for the largest shape.
+ * Timings (median of 20 after warm-up, CUDA events) at the 80b shape: the
+ * token-by-token and chunked heads for S = 16 .. 512, and the conv.
  * Needs a CUDA device: exits 1 with a message when there is none.
  */
 #include <errno.h>
@@ -36,6 +46,8 @@
 #define TDC_TOL_CONV 1e-5  /* max |gpu - cpu| of the conv outputs and state */
 #define TDC_CALLS 3        /* calls per case, state carried */
 #define TDC_K 4            /* conv taps */
+#define TDC_TOL_REL 2e-3   /* relative L2 |gpu - cpu| / |cpu| of the chunked path */
+#define TDC_DECODE 3       /* decode steps after each chunked-path prefill */
 
 struct tdc_rng {
     uint64_t s;
@@ -54,6 +66,18 @@ static void tdc_fill(struct tdc_rng *r, float *x, size_t n, float lo, float hi)
 {
     for (size_t i = 0; i < n; i++)
         x[i] = tdc_uniform(r, lo, hi);
+}
+
+/* |a - b| / |b| in the L2 norm; infinity when a holds a NaN. */
+static double tdc_rel(const float *a, const float *b, size_t n)
+{
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = (double)a[i] - b[i];
+        num += e * e;
+        den += (double)b[i] * b[i];
+    }
+    return isnan(num) ? INFINITY : sqrt(num / (den > 0.0 ? den : 1.0));
 }
 
 static double tdc_maxdiff(const float *a, const float *b, size_t n)
@@ -90,16 +114,18 @@ struct tdc_bufs {
     float *d_u, *d_b, *d_alpha, *d_z, *d_a, *d_dt, *d_nw, *d_st, *d_y;
 };
 
-/* The CPU glue of fw_dn_head_task, one token at a time (the decode path). */
-static void tdc_cpu_step(const struct tdc_case *c, struct tdc_bufs *t, float *q, float *k, float *o)
+/* The CPU glue of fw_dn_head_task, one token at a time (the decode path),
+ * over the first S tokens of t's inputs: st_all (all heads) and y. */
+static void tdc_cpu_step(const struct tdc_case *c, const struct tdc_bufs *t, uint32_t S,
+                         float *st_all, float *y, float *q, float *k, float *o)
 {
     const uint32_t dk = c->dk, dv = c->dv, nv = c->nv;
     const size_t kd = (size_t)c->nk * dk;
     const float qscale = 1.0f / sqrtf((float)dk), eps = 1e-6f;
     for (uint32_t h = 0; h < nv; h++) {
         const uint32_t g = c->tiled ? h % c->nk : h / (nv / c->nk);
-        float *state = t->st_step + (size_t)h * dk * dv;
-        for (uint32_t s = 0; s < c->S; s++) {
+        float *state = st_all + (size_t)h * dk * dv;
+        for (uint32_t s = 0; s < S; s++) {
             const float *us = t->u + s * t->ud;
             memcpy(q, us + (size_t)g * dk, dk * sizeof(float));
             memcpy(k, us + kd + (size_t)g * dk, dk * sizeof(float));
@@ -110,17 +136,18 @@ static void tdc_cpu_step(const struct tdc_case *c, struct tdc_bufs *t, float *q,
             const float beta = ops_sigmoid(t->b[(size_t)s * nv + h]);
             const float gd = t->a[h] * ops_softplus(t->alpha[(size_t)s * nv + h] + t->dt[h]);
             deltanet_head_step(state, q, k, us + 2 * kd + (size_t)h * dv, beta, gd, dk, dv, o);
-            deltanet_gated_norm(t->y_step + s * t->vd + (size_t)h * dv, o,
+            deltanet_gated_norm(y + s * t->vd + (size_t)h * dv, o,
                                 t->z + s * t->vd + (size_t)h * dv, t->nw, dv, eps);
         }
     }
 }
 
 /* The same through the chunked prefill form (the CPU forward for S > 1). */
-static void tdc_cpu_chunk(const struct tdc_case *c, struct tdc_bufs *t, float *qn, float *kn,
-                          float *bb, float *gg, float *oo, float *cs)
+static void tdc_cpu_chunk(const struct tdc_case *c, const struct tdc_bufs *t, uint32_t S,
+                          float *st_all, float *y, float *qn, float *kn, float *bb, float *gg,
+                          float *oo, float *cs)
 {
-    const uint32_t dk = c->dk, dv = c->dv, nv = c->nv, S = c->S;
+    const uint32_t dk = c->dk, dv = c->dv, nv = c->nv;
     const size_t kd = (size_t)c->nk * dk;
     const float eps = 1e-6f;
     for (uint32_t h = 0; h < nv; h++) {
@@ -134,10 +161,10 @@ static void tdc_cpu_chunk(const struct tdc_case *c, struct tdc_bufs *t, float *q
             bb[s] = ops_sigmoid(t->b[(size_t)s * nv + h]);
             gg[s] = t->a[h] * ops_softplus(t->alpha[(size_t)s * nv + h] + t->dt[h]);
         }
-        deltanet_chunk_head(t->st_chunk + (size_t)h * dk * dv, qn, dk, kn, dk,
+        deltanet_chunk_head(st_all + (size_t)h * dk * dv, qn, dk, kn, dk,
                             t->u + 2 * kd + (size_t)h * dv, t->ud, bb, gg, S, dk, dv, oo, dv, cs);
         for (uint32_t s = 0; s < S; s++)
-            deltanet_gated_norm(t->y_chunk + s * t->vd + (size_t)h * dv, oo + (size_t)s * dv,
+            deltanet_gated_norm(y + s * t->vd + (size_t)h * dv, oo + (size_t)s * dv,
                                 t->z + s * t->vd + (size_t)h * dv, t->nw, dv, eps);
     }
 }
@@ -180,15 +207,30 @@ static bool tdc_upload(float *d, const float *h, size_t n)
 }
 
 /* Fresh inputs of one call into the host and device buffers. */
-static bool tdc_new_inputs(const struct tdc_case *c, struct tdc_bufs *t, struct tdc_rng *r)
+static bool tdc_new_inputs(const struct tdc_case *c, struct tdc_bufs *t, struct tdc_rng *r,
+                           size_t S)
 {
-    const size_t S = c->S, nv = c->nv;
+    const size_t nv = c->nv;
     tdc_fill(r, t->u, S * t->ud, -1.0f, 1.0f);
     tdc_fill(r, t->b, S * nv, -3.0f, 3.0f);
     tdc_fill(r, t->alpha, S * nv, -4.0f, 2.0f);
     tdc_fill(r, t->z, S * t->vd, -2.0f, 2.0f);
     return tdc_upload(t->d_u, t->u, S * t->ud) && tdc_upload(t->d_b, t->b, S * nv) &&
            tdc_upload(t->d_alpha, t->alpha, S * nv) && tdc_upload(t->d_z, t->z, S * t->vd);
+}
+
+/* A random start: state (both CPU copies and the device), a, dt, norm_w. */
+static bool tdc_start(const struct tdc_case *c, struct tdc_bufs *t, struct tdc_rng *r)
+{
+    tdc_fill(r, t->st_step, t->st_n, -0.5f, 0.5f);
+    memcpy(t->st_chunk, t->st_step, t->st_n * sizeof(float));
+    for (uint32_t h = 0; h < c->nv; h++) {
+        t->a[h] = -expf(tdc_uniform(r, -1.0f, 1.0f));
+        t->dt[h] = tdc_uniform(r, -1.0f, 1.0f);
+    }
+    tdc_fill(r, t->nw, c->dv, 0.5f, 1.5f);
+    return tdc_upload(t->d_st, t->st_step, t->st_n) && tdc_upload(t->d_a, t->a, c->nv) &&
+           tdc_upload(t->d_dt, t->dt, c->nv) && tdc_upload(t->d_nw, t->nw, c->dv);
 }
 
 static int tdc_heads(const struct tdc_case *c, struct tdc_bufs *t, cudaStream_t st)
@@ -207,19 +249,11 @@ static void tdc_case_run(const struct tdc_case *c, uint64_t seed)
                         sizeof(float));
     if (!scr || !tdc_alloc(c, &t))
         goto out;
-    tdc_fill(&r, t.st_step, t.st_n, -0.5f, 0.5f);
-    memcpy(t.st_chunk, t.st_step, t.st_n * sizeof(float));
-    for (uint32_t h = 0; h < c->nv; h++) {
-        t.a[h] = -expf(tdc_uniform(&r, -1.0f, 1.0f));
-        t.dt[h] = tdc_uniform(&r, -1.0f, 1.0f);
-    }
-    tdc_fill(&r, t.nw, dv, 0.5f, 1.5f);
-    if (!tdc_upload(t.d_st, t.st_step, t.st_n) || !tdc_upload(t.d_a, t.a, c->nv) ||
-        !tdc_upload(t.d_dt, t.dt, c->nv) || !tdc_upload(t.d_nw, t.nw, dv))
+    if (!tdc_start(c, &t, &r))
         goto out;
     double ey = 0, es = 0, ecy = 0, ecs = 0;
     for (int call = 0; call < TDC_CALLS; call++) {
-        if (!tdc_new_inputs(c, &t, &r) ||
+        if (!tdc_new_inputs(c, &t, &r, S) ||
             !tdc_ok(cudaMemset(t.d_y, 0xff, (size_t)S * t.vd * sizeof(float)), "poison"))
             goto out;
         int rc = tdc_heads(c, &t, 0);
@@ -231,10 +265,10 @@ static void tdc_case_run(const struct tdc_case *c, uint64_t seed)
                     "download state"))
             goto out;
         float *q = scr, *k = q + 128, *o = k + 128;
-        tdc_cpu_step(c, &t, q, k, o);
+        tdc_cpu_step(c, &t, S, t.st_step, t.y_step, q, k, o);
         float *qn = scr, *kn = qn + (size_t)S * dk, *bb = kn + (size_t)S * dk, *gg = bb + S;
         float *oo = gg + S, *cs = oo + (size_t)S * dv;
-        tdc_cpu_chunk(c, &t, qn, kn, bb, gg, oo, cs);
+        tdc_cpu_chunk(c, &t, S, t.st_chunk, t.y_chunk, qn, kn, bb, gg, oo, cs);
         ey = fmax(ey, tdc_maxdiff(t.y_gpu, t.y_step, (size_t)S * t.vd));
         es = fmax(es, tdc_maxdiff(t.st_gpu, t.st_step, t.st_n));
         ecy = fmax(ecy, tdc_maxdiff(t.y_gpu, t.y_chunk, (size_t)S * t.vd));
@@ -249,6 +283,89 @@ static void tdc_case_run(const struct tdc_case *c, uint64_t seed)
           "%.3g state %.3g > %.0e", dk, c->nv, S, ecy, ecs, TDC_TOL_CHUNK);
 out:
     free(scr);
+    tdc_free(&t);
+}
+
+/* The chunked launcher on d_work (work_bytes) for the first S tokens. */
+static int tdc_heads_chunked(const struct tdc_case *c, struct tdc_bufs *t, uint32_t S,
+                             void *d_work, size_t work_bytes)
+{
+    return cuda_deltanet_heads_chunked(t->d_st, t->d_u, t->d_b, t->d_alpha, t->d_a, t->d_dt,
+                                       t->d_z, t->d_nw, t->d_y, c->nk, c->nv, c->dk, c->dv,
+                                       c->tiled, S, 1e-6f, d_work, work_bytes, 0);
+}
+
+/* Worst errors of the chunked-path case over its calls. */
+struct tdc_errs {
+    double ry, rs;     /* relative L2 of y and state against the CPU forward's choice */
+    double ay, as;     /* max abs of the same */
+    double pre_step;   /* relative L2 of the prefill's y against the CPU step form */
+};
+
+/* One call of S tokens through the chunked launcher (work and y poisoned),
+ * the CPU forward's choice on t->st_chunk, errors into e. */
+static bool tdc_chunk_call(const struct tdc_case *c, struct tdc_bufs *t, struct tdc_rng *r,
+                           uint32_t S, void *d_work, size_t work_bytes, float *scr,
+                           struct tdc_errs *e)
+{
+    const uint32_t dk = c->dk, dv = c->dv;
+    const size_t ny = (size_t)S * t->vd;
+    if (!tdc_new_inputs(c, t, r, S) || !tdc_ok(cudaMemset(t->d_y, 0xff, ny * 4), "poison y") ||
+        (d_work && !tdc_ok(cudaMemset(d_work, 0xff, work_bytes), "poison work")))
+        return false;
+    const int rc = tdc_heads_chunked(c, t, S, d_work, work_bytes);
+    CHECK(rc == 0, "cuda_deltanet_heads_chunked returned %d", rc);
+    if (rc || !tdc_ok(cudaDeviceSynchronize(), "chunked heads") ||
+        !tdc_ok(cudaMemcpy(t->y_gpu, t->d_y, ny * 4, cudaMemcpyDeviceToHost), "download y") ||
+        !tdc_ok(cudaMemcpy(t->st_gpu, t->d_st, t->st_n * 4, cudaMemcpyDeviceToHost), "download"))
+        return false;
+    if (S == 1) {
+        tdc_cpu_step(c, t, S, t->st_chunk, t->y_chunk, scr, scr + 128, scr + 256);
+    } else {
+        float *qn = scr, *kn = qn + (size_t)S * dk, *bb = kn + (size_t)S * dk, *gg = bb + S;
+        float *oo = gg + S, *cs = oo + (size_t)S * dv;
+        memcpy(t->st_step, t->st_chunk, t->st_n * sizeof(float));
+        tdc_cpu_chunk(c, t, S, t->st_chunk, t->y_chunk, qn, kn, bb, gg, oo, cs);
+        tdc_cpu_step(c, t, S, t->st_step, t->y_step, scr, scr + 128, scr + 256);
+        e->pre_step = fmax(e->pre_step, tdc_rel(t->y_gpu, t->y_step, ny));
+    }
+    e->ry = fmax(e->ry, tdc_rel(t->y_gpu, t->y_chunk, ny));
+    e->rs = fmax(e->rs, tdc_rel(t->st_gpu, t->st_chunk, t->st_n));
+    e->ay = fmax(e->ay, tdc_maxdiff(t->y_gpu, t->y_chunk, ny));
+    e->as = fmax(e->as, tdc_maxdiff(t->st_gpu, t->st_chunk, t->st_n));
+    return true;
+}
+
+/* A prefill of c->S tokens through cuda_deltanet_heads_chunked from a random
+ * state, then TDC_DECODE decode steps carrying the state. */
+static void tdc_chunk_run(const struct tdc_case *c, uint64_t seed)
+{
+    struct tdc_bufs t = {0};
+    struct tdc_rng r = {seed};
+    struct tdc_errs e = {0};
+    const uint32_t dk = c->dk, dv = c->dv, S = c->S;
+    const size_t work_bytes = cuda_deltanet_work_bytes(c->nv, dk, dv, S);
+    void *d_work = NULL;
+    float *scr = malloc(((size_t)S * (2 * dk + dv + 2) + deltanet_chunk_scratch(dk, dv) + 3 * 128) *
+                        sizeof(float));
+    bool ok = scr && tdc_alloc(c, &t) &&
+              (!work_bytes || tdc_ok(cudaMalloc(&d_work, work_bytes), "cudaMalloc work")) &&
+              tdc_start(c, &t, &r);
+    ok = ok && tdc_chunk_call(c, &t, &r, S, d_work, work_bytes, scr, &e);
+    for (int i = 0; i < TDC_DECODE && ok; i++)
+        ok = tdc_chunk_call(c, &t, &r, 1, d_work, work_bytes, scr, &e);
+    CHECK(ok, "chunked case dk %u nv %u S %u did not run", dk, c->nv, S);
+    MEASURE("chunked heads dk=dv=%u nk/nv=%u/%u %s prefill S=%u (%s) + %d decode steps: rel L2 "
+            "y %.3g state %.3g, max abs y %.3g state %.3g; prefill y vs cpu step form rel %.3g",
+            dk, c->nk, c->nv, c->tiled ? "tiled" : "grouped", S,
+            work_bytes ? "chunked" : "token by token", TDC_DECODE, e.ry, e.rs, e.ay, e.as,
+            e.pre_step);
+    CHECK(e.ry <= TDC_TOL_REL && e.rs <= TDC_TOL_REL, "chunked dk %u nv %u S %u: rel L2 y %.3g "
+          "state %.3g > %.0e", dk, c->nv, S, e.ry, e.rs, TDC_TOL_REL);
+    CHECK(work_bytes || (e.ay <= TDC_TOL_STEP && e.as <= TDC_TOL_STEP), "token-by-token dk %u "
+          "nv %u S %u: max abs y %.3g state %.3g > %.0e", dk, c->nv, S, e.ay, e.as, TDC_TOL_STEP);
+    free(scr);
+    cudaFree(d_work);
     tdc_free(&t);
 }
 
@@ -282,20 +399,27 @@ static double tdc_time(int (*fn)(void *), void *ctx)
 struct tdc_timed {
     const struct tdc_case *c;
     struct tdc_bufs *t;
+    void *d_work;      /* NULL: the token-by-token launcher */
+    size_t work_bytes;
 };
 
 static int tdc_timed_heads(void *ctx)
 {
     struct tdc_timed *x = ctx;
-    return tdc_heads(x->c, x->t, 0);
+    if (!x->d_work)
+        return tdc_heads(x->c, x->t, 0);
+    return tdc_heads_chunked(x->c, x->t, x->c->S, x->d_work, x->work_bytes);
 }
 
+/* Both launchers at the 80b shape (nk/nv 16/32, dk = dv = 128) for S tokens. */
 static void tdc_heads_timing(uint32_t S)
 {
     const struct tdc_case c = {128, 128, 16, 32, false, S};
     struct tdc_bufs t = {0};
     struct tdc_rng r = {99};
-    if (!tdc_alloc(&c, &t) || !tdc_new_inputs(&c, &t, &r))
+    struct tdc_timed x = {&c, &t, NULL, cuda_deltanet_work_bytes(c.nv, c.dk, c.dv, S)};
+    if (!tdc_alloc(&c, &t) || !tdc_new_inputs(&c, &t, &r, S) ||
+        (x.work_bytes && !tdc_ok(cudaMalloc(&x.d_work, x.work_bytes), "cudaMalloc work")))
         goto out;
     tdc_fill(&r, t.a, c.nv, -1.0f, -0.5f);
     tdc_fill(&r, t.dt, c.nv, -1.0f, 1.0f);
@@ -304,14 +428,18 @@ static void tdc_heads_timing(uint32_t S)
         !tdc_upload(t.d_nw, t.nw, c.dv) ||
         !tdc_ok(cudaMemset(t.d_st, 0, t.st_n * sizeof(float)), "memset"))
         goto out;
-    struct tdc_timed x = {&c, &t};
-    double ms = tdc_time(tdc_timed_heads, &x);
+    void *d_work = x.d_work;
+    x.d_work = NULL;
+    const double ms_tok = tdc_time(tdc_timed_heads, &x);
+    x.d_work = d_work;
+    const double ms_chunk = d_work ? tdc_time(tdc_timed_heads, &x) : ms_tok;
     CHECK(tdc_ok(cudaDeviceSynchronize(), "timed heads"), "timed heads");
-    const double bytes = 2.0 * t.st_n * 4 + (double)S * (t.ud + 2 * t.vd + 2 * c.nv) * 4;
-    MEASURE("heads dk=dv=128 nv=32 S=%u: %.1f us per call, %.2f us per token, %.0f GB/s "
-            "(state read + written once, inputs, outputs)", S, ms * 1e3, ms * 1e3 / S,
-            bytes / (ms * 1e-3) / 1e9);
+    MEASURE("heads dk=dv=128 nk/nv=16/32 S=%u: token by token %.1f us per call (%.2f us per "
+            "token); chunked %.1f us per call (%.3f us per token, %.1fx; work %.1f MB)", S,
+            ms_tok * 1e3, ms_tok * 1e3 / S, ms_chunk * 1e3, ms_chunk * 1e3 / S, ms_tok / ms_chunk,
+            x.work_bytes / 1e6);
 out:
+    cudaFree(x.d_work);
     tdc_free(&t);
 }
 
@@ -354,7 +482,7 @@ static void tdc_conv_run(uint32_t C, uint32_t S, uint64_t seed)
             TDC_CALLS, eu, es);
     CHECK(ok && eu <= TDC_TOL_CONV && es <= TDC_TOL_CONV, "conv C %u S %u: diff u %.3g state %.3g",
           C, S, eu, es);
-    if (ok && C >= 8192 && S == 1) {
+    if (ok && C >= 8192 && (S == 1 || S == 512)) {
         cudaEvent_t e0, e1;
         float ms = 0;
         cudaEventCreate(&e0);
@@ -367,7 +495,8 @@ static void tdc_conv_run(uint32_t C, uint32_t S, uint64_t seed)
         cudaEventRecord(e1, 0);
         cudaEventSynchronize(e1);
         cudaEventElapsedTime(&ms, e0, e1);
-        MEASURE("conv C=%u S=1: %.2f us per call (mean of 20 after warm-up)", C, ms * 1e3 / 20);
+        MEASURE("conv C=%u S=%u: %.2f us per call (mean of 20 after warm-up)", C, S,
+                ms * 1e3 / 20);
         cudaEventDestroy(e0);
         cudaEventDestroy(e1);
     }
@@ -388,6 +517,17 @@ static void tdc_bad_args(void)
     int r6 = cuda_deltanet_conv(d, d, 4, d, d, 0, 1, 0);
     CHECK(r1 == -EINVAL && r2 == -EINVAL && r3 == -EINVAL && r4 == -EINVAL && r5 == -EINVAL &&
           r6 == -EINVAL, "bad shapes refused: %d %d %d %d %d %d", r1, r2, r3, r4, r5, r6);
+    const size_t need = cuda_deltanet_work_bytes(4, 64, 64, 64);
+    int r7 = cuda_deltanet_heads_chunked(d, d, d, d, d, d, d, d, d, 2, 4, 64, 64, false, 64, 1e-6f,
+                                         d, need - 4, 0);
+    int r8 = cuda_deltanet_heads_chunked(d, d, d, d, d, d, d, d, d, 2, 4, 64, 64, false, 64, 1e-6f,
+                                         d + 1, need, 0);
+    int r9 = cuda_deltanet_heads_chunked(d, d, d, d, d, d, d, d, d, 2, 4, 64, 64, false, 64, 1e-6f,
+                                         NULL, need, 0);
+    CHECK(need > 0 && r7 == -EINVAL && r8 == -EINVAL && r9 == -EINVAL,
+          "short, misaligned or missing work refused: need %zu, %d %d %d", need, r7, r8, r9);
+    CHECK(cuda_deltanet_work_bytes(4, 64, 64, 1) == 0 &&
+          cuda_deltanet_work_bytes(4, 16, 16, 512) == 0, "decode and small heads need no work");
     cudaFree(d);
 }
 
@@ -411,12 +551,28 @@ int main(void)
                                                tiled != 0, lens[l]};
                     tdc_case_run(&c, seed++);
                 }
+    const struct tdc_case chunk_shapes[] = {
+        {128, 128, 16, 32, false, 0}, /* qwen3next 80b-a3b */
+        {128, 128, 16, 32, true, 0},  /* qwen35moe: tiled key heads */
+        {64, 64, 2, 4, false, 0},
+    };
+    const uint32_t prefills[] = {1, 63, 64, 65, 512, 1000};
+    for (size_t i = 0; i < 3; i++)
+        for (size_t l = 0; l < sizeof(prefills) / sizeof(prefills[0]); l++) {
+            struct tdc_case c = chunk_shapes[i];
+            c.S = prefills[l];
+            tdc_chunk_run(&c, seed++);
+        }
+    const uint32_t conv_lens[] = {1, 3, 64, 512, 1000};
     for (size_t d = 0; d < 3; d++)
         for (size_t hh = 0; hh < 2; hh++)
-            for (size_t l = 0; l < 2; l++)
-                tdc_conv_run(2 * heads[hh][0] * dims[d] + heads[hh][1] * dims[d], lens[l], seed++);
+            for (size_t l = 0; l < sizeof(conv_lens) / sizeof(conv_lens[0]); l++)
+                tdc_conv_run(2 * heads[hh][0] * dims[d] + heads[hh][1] * dims[d], conv_lens[l],
+                             seed++);
     tdc_bad_args();
     tdc_heads_timing(1);
-    tdc_heads_timing(64);
+    const uint32_t timed[] = {16, 32, 64, 128, 512};
+    for (size_t i = 0; i < sizeof(timed) / sizeof(timed[0]); i++)
+        tdc_heads_timing(timed[i]);
     return test_main_result("test_deltanet_cuda");
 }
