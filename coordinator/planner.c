@@ -1727,6 +1727,44 @@ static int pl_probe_one(struct planner_config *cfg, int i, const struct pl_fig *
     return 0;
 }
 
+static bool pl_probe_close(const struct planner_device *a, const struct planner_device *b)
+{
+    const double s = PLANNER_PROBE_SAME;
+    return fabs(a->mem_bw - b->mem_bw) <= s * fmax(a->mem_bw, b->mem_bw) &&
+           fabs(a->host_path_bw - b->host_path_bw) <= s * fmax(a->host_path_bw, b->host_path_bw);
+}
+
+/* Probed cards whose figures are within PLANNER_PROBE_SAME of the first of
+ * a group take the group's mean, so that probe noise does not move a layer
+ * between equal cards from one start to the next. */
+static void pl_probe_snap(struct planner_config *cfg, const bool *probed)
+{
+    bool grouped[PLANNER_MAX_DEVICES] = {0};
+    for (int i = 0; i < cfg->n_devices; i++) {
+        if (!probed[i] || grouped[i])
+            continue;
+        bool in[PLANNER_MAX_DEVICES] = {0};
+        double gemv = 0, h2d = 0;
+        int n = 0;
+        for (int j = i; j < cfg->n_devices; j++)
+            if (probed[j] && !grouped[j] && pl_probe_close(&cfg->devices[i], &cfg->devices[j])) {
+                in[j] = grouped[j] = true;
+                gemv += cfg->devices[j].mem_bw;
+                h2d += cfg->devices[j].host_path_bw;
+                n++;
+            }
+        for (int j = i; j < cfg->n_devices && n > 1; j++) {
+            if (!in[j])
+                continue;
+            cfg->devices[j].mem_bw = gemv / n;
+            cfg->devices[j].host_path_bw = h2d / n;
+            log_info("[probe] device %s: gemv %.1f GB/s, h2d %.1f GB/s (the mean of %d cards "
+                     "within %.0f%%)", cfg->devices[j].name, gemv / n / 1e9, h2d / n / 1e9, n,
+                     100 * PLANNER_PROBE_SAME);
+        }
+    }
+}
+
 int planner_probe_devices(struct planner_config *cfg, const char *spec, int threads, bool local)
 {
     if (spec && !strcmp(spec, "off")) {
@@ -1742,20 +1780,27 @@ int planner_probe_devices(struct planner_config *cfg, const char *spec, int thre
         return n;
     const uint32_t type = pl_probe_type(cfg->model);
     int rc = pl_probe_host(cfg, pl_find_fig(figs, n, "cpu"), threads, type);
+    bool probed[PLANNER_MAX_DEVICES] = {0};
+    int first[PLANNER_MAX_DEVICES];
     for (int i = 0; i < cfg->n_devices && !rc; i++) {
-        const char *name = cfg->devices[i].name;
-        int first = 0;
-        while (strcmp(cfg->devices[first].name, name))
-            first++;
-        if (first < i) { /* a second worker on the same device: the same figures */
-            cfg->devices[i].mem_bw = cfg->devices[first].mem_bw;
-            cfg->devices[i].host_path_bw = cfg->devices[first].host_path_bw;
+        struct planner_device *d = &cfg->devices[i];
+        for (first[i] = 0; strcmp(cfg->devices[first[i]].name, d->name);)
+            first[i]++;
+        if (first[i] < i || !strcmp(d->name, "cpu"))
             continue;
-        }
-        if (strcmp(name, "cpu"))
-            rc = pl_probe_one(cfg, i, pl_find_fig(figs, n, name), local, type);
+        const struct pl_fig *f = pl_find_fig(figs, n, d->name);
+        const bool zero = d->mem_bw == 0 && d->host_path_bw == 0;
+        rc = pl_probe_one(cfg, i, f, local, type);
+        probed[i] = !rc && !f && zero && d->mem_bw > 0;
     }
-    return rc;
+    if (rc)
+        return rc;
+    pl_probe_snap(cfg, probed);
+    for (int i = 0; i < cfg->n_devices; i++) { /* more workers on one device: its figures */
+        cfg->devices[i].mem_bw = cfg->devices[first[i]].mem_bw;
+        cfg->devices[i].host_path_bw = cfg->devices[first[i]].host_path_bw;
+    }
+    return 0;
 }
 
 int planner_parse_devices(struct planner_config *cfg, char store[][PLANNER_NAME_MAX],

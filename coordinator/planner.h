@@ -95,6 +95,7 @@
 #define PLANNER_BATCH_DEFAULT 256       /* tokens per step when max_batch is 0 */
 #define PLANNER_PROBE_BYTES (256u << 20) /* buffer the host bandwidth probe reads */
 #define PLANNER_NO_LAYER UINT32_MAX     /* layer of pieces that belong to no layer */
+#define PLANNER_PROBE_SAME 0.05         /* probed cards this close (share) take their mean */
 
 enum planner_kind {
     PLANNER_KIND_LMHEAD = 0,  /* output projection */
@@ -305,7 +306,9 @@ double planner_probe_host_bandwidth(int threads);
  *    stay 0 and resolve to host_bw). Every "cuda:N" device is probed once
  *    when `local` (its worker runs on this host): mem_bw = its GEMV rate,
  *    host_path_bw = its pinned copy rate; when not local it keeps the
- *    defaults, and its line says so. Other names keep the defaults.
+ *    defaults, and its line says so. Other names keep the defaults. Probed
+ *    cards whose two figures are both within PLANNER_PROBE_SAME of each
+ *    other take their means (equal cards get equal layers on every start).
  *  - off: nothing is measured or set; every figure is its default, so the
  *    plan does not depend on the machine (tests).
  *  - a list states figures: "cpu=G" is host_bw; "DEV=G:H" sets mem_bw = G

@@ -111,6 +111,12 @@ if [ -s "$T/plan.a" ] && cmp -s "$T/plan.a" "$T/plan.b" && cmp -s "$T/plan.a" "$
 else
     fail "probe figures: plans differ: $(diff "$T/plan.a" "$T/plan.off" | head -2) $(diff "$T/plan.a.workers" "$T/plan.auto.workers" | head -2)"
 fi
+fig=$($W --probe cpu 2>"$T/err" | grep -o 'LAMINA_PROBE figure: cpu=[0-9.]*$' | cut -d' ' -f3)
+if [ -n "$fig" ] && plan_of "$fig" "$T/plan.w" && cmp -s "$T/plan.a.workers" "$T/plan.w.workers"; then
+    ok "lamina-worker --probe cpu: $fig, usable as LAMINA_PROBE"
+else
+    fail "lamina-worker --probe cpu: '$fig' $(tail -1 "$T/err")"
+fi
 LAMINA_PROBE=cuda:0=10 $L run $common --devices cpu,cpu --device-mem 3M,4M >/dev/null 2>"$T/err"
 [ $? -ne 0 ] && grep -q "'cuda:0' is not one of the devices" "$T/err" &&
     ok "bad LAMINA_PROBE rejected" || fail "bad LAMINA_PROBE: $(grep error "$T/err" | head -1)"

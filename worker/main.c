@@ -8,6 +8,12 @@
  * it does not hold go to the coordinator's CPU pool, one request per layer.
  *
  *   lamina-worker --connect ENDPOINT --index N [--server-key Z85]
+ *   lamina-worker --probe DEVICE
+ *
+ * --probe measures a device (worker/probe.h: cpu or cuda:N, a Q4_0 GEMV)
+ * and prints one line with the figures in the form LAMINA_PROBE states them
+ * (cuda:0=3400.0:53.0), for a coordinator whose workers run on other hosts
+ * and so cannot probe their cards itself.
  *
  * Threads: the main thread owns the coordinator, input and output sockets
  * and all compute; a watchdog thread owns a second coordinator socket and
@@ -35,7 +41,9 @@
 #include "ipc/wire.h"
 #include "model/arch.h"
 #include "model/gguf.h"
+#include "model/quant.h"
 #include "worker/backend.h"
+#include "worker/probe.h"
 
 #define WORKER_HEARTBEAT_MS 250     /* watchdog heartbeat period */
 #define WORKER_PLAN_TIMEOUT_MS 30000 /* hello -> load plan */
@@ -46,6 +54,7 @@ struct worker_args {
     const char *connect;     /* coordinator endpoint */
     int index;               /* worker index */
     const char *server_key;  /* CURVE server public key (Z85), for tcp:// */
+    const char *probe;       /* --probe DEVICE: measure it, print, exit */
 };
 
 struct worker {
@@ -565,12 +574,17 @@ static int worker_parse(int argc, char **argv, struct worker_args *a)
             a->index = atoi(v), i++;
         else if (!strcmp(argv[i], "--server-key") && v)
             a->server_key = v, i++;
+        else if (!strcmp(argv[i], "--probe") && v)
+            a->probe = v, i++;
         else {
             fprintf(stderr, "usage: lamina-worker --connect ENDPOINT --index N "
-                            "[--server-key Z85]\n(unknown or incomplete option %s)\n", argv[i]);
+                            "[--server-key Z85] | --probe DEVICE\n(unknown or incomplete option "
+                            "%s)\n", argv[i]);
             return -EINVAL;
         }
     }
+    if (a->probe)
+        return 0;
     if (!a->connect || a->index < 0 || a->index > 1023) {
         fprintf(stderr, "lamina-worker: --connect ENDPOINT and --index 0..1023 are required\n");
         return -EINVAL;
@@ -608,11 +622,32 @@ static void worker_cleanup(struct worker *w)
         zmq_ctx_term(w->zctx);
 }
 
+/* --probe DEVICE: one line of figures on stdout. */
+static int worker_probe(const char *device)
+{
+    log_init("worker", -1);
+    struct probe_result r;
+    int rc = probe_device(device, 0, QUANT_TYPE_Q4_0, &r);
+    if (rc)
+        return 1;
+    char h2d[48] = "", fig[24] = "";
+    if (r.h2d_bw > 0) {
+        snprintf(h2d, sizeof(h2d), ", h2d %.1f GB/s", r.h2d_bw / 1e9);
+        snprintf(fig, sizeof(fig), ":%.1f", r.h2d_bw / 1e9);
+    }
+    printf("[probe] device %s: gemv %.1f GB/s%s (%s, %.0f ms); LAMINA_PROBE figure: %s=%.1f%s\n",
+           device, r.gemv_bw / 1e9, h2d, quant_type_name(r.type), r.ms, device, r.gemv_bw / 1e9,
+           fig);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static struct worker w;
     if (worker_parse(argc, argv, &w.args))
         return 2;
+    if (w.args.probe)
+        return worker_probe(w.args.probe);
     log_init("worker", w.args.index);
     signal(SIGPIPE, SIG_IGN);
     w.zctx = zmq_ctx_new();
