@@ -63,7 +63,9 @@
  *   key-major) in shared memory:
  *     vn = U - Wm @ St;  o = Qg @ St + at @ vn  (into y);
  *     St = St * decay + Kw^T @ vn.
- *   Warps own 16 x 16 output tiles.
+ *   Warps own 16 x 16 output tiles; the record's matrices are read as wmma
+ *   fragments straight from global memory, each part of the next chunk's
+ *   record prefetched into L1 once this chunk's step that reads it is done.
  *   dn_gnorm_kernel: a warp per (token, head) row of y: the gated RMSNorm in
  *   place, y = o / sqrt(mean(o^2) + eps) * norm_w * silu(z).
  * Every 16 x 16 product runs on tensor cores (wmma m16n16k8, inputs rounded to
@@ -365,11 +367,22 @@ __device__ __forceinline__ void dn_mma(dn_fc &c, const float *a, unsigned lda, s
 }
 
 /* Asks for the n floats at x in this SM's L1 (a 128-byte line per thread and
- * step): dn_state_kernel's next chunk record, read as wmma fragments. */
+ * step): parts of dn_state_kernel's next chunk record, read as wmma fragments,
+ * fetched as the current chunk's copies stop being needed. */
 __device__ __forceinline__ void dn_prefetch_l1(const float *x, size_t n)
 {
     for (size_t i = (size_t)threadIdx.x * 32; i < n; i += (size_t)blockDim.x * 32)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x + i));
+}
+
+/* The same for DN_CH rows of DN_SLICE floats, row stride ld (both ends of a
+ * row: it may straddle two lines). */
+__device__ __forceinline__ void dn_prefetch_l1_rows(const float *x, size_t ld)
+{
+    if (threadIdx.x < DN_CH) {
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(x + threadIdx.x * ld));
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(x + threadIdx.x * ld + DN_SLICE - 1));
+    }
 }
 
 /* Dynamic shared memory of dn_prep_kernel. */
@@ -608,18 +621,20 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn
     const uint32_t warp = t / 32, r = warp / 2, cc = warp % 2;
     const size_t vd = (size_t)p.nv * DV;
     float *st = p.state + ((size_t)h * DV + j0) * DK;
-    dn_prefetch_l1(p.work + (size_t)h * p.n_chunks * dn_chunk_floats(DK, DV),
-                   dn_chunk_floats(DK, DV));
+    const float *rec0 = p.work + (size_t)h * p.n_chunks * dn_chunk_floats(DK, DV);
+    dn_prefetch_l1(rec0, 3 * DN_CH * DK);
+    dn_prefetch_l1_rows(rec0 + 3 * DN_CH * DK + j0, DV);
+    dn_prefetch_l1(rec0 + 3 * DN_CH * DK + DN_CH * DV, DN_CH * DN_CH);
     for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
         ss[(e % DK) * SL + e / DK] = st[e];
     __syncthreads();
     for (uint32_t c = 0; c < p.n_chunks; c++) {
         const float *rec = p.work + ((size_t)h * p.n_chunks + c) * dn_chunk_floats(DK, DV);
-        if (c + 1 < p.n_chunks)
-            dn_prefetch_l1(rec + dn_chunk_floats(DK, DV), dn_chunk_floats(DK, DV));
         const float *Qg = rec, *Kw = Qg + DN_CH * DK, *Wm = Kw + DN_CH * DK;
         const float *U = Wm + DN_CH * DK, *at = U + DN_CH * DV, *decay = at + DN_CH * DN_CH;
         const uint32_t s0 = c * DN_CH;
+        /* the next record's part of each step once this chunk's step is done */
+        const size_t next = c + 1 < p.n_chunks ? dn_chunk_floats(DK, DV) : 0;
         /* warp (r, cc): vn tile = U - Wm @ St */
         dn_fc acc, uf;
         wmma::fill_fragment(acc, 0.0f);
@@ -631,6 +646,10 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn
             uf.x[i] -= acc.x[i];
         wmma::store_matrix_sync(vn + 16 * r * SL + 16 * cc, uf, SL, wmma::mem_row_major);
         __syncthreads();
+        if (next) {
+            dn_prefetch_l1(Wm + next, DN_CH * DK);
+            dn_prefetch_l1_rows(U + next + j0, DV);
+        }
         /* o tile = Qg @ St + at @ vn (at is lower triangular) */
         wmma::fill_fragment(acc, 0.0f);
         dn_mma<dn_fa_row, dn_fb_row>(acc, Qg + 16 * r * DK, DK, 8, ss + 16 * cc, SL, 8 * SL,
@@ -639,6 +658,10 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn
                                      8 * SL, 2 * (r + 1));
         wmma::store_matrix_sync(os + 16 * r * SL + 16 * cc, acc, SL, wmma::mem_row_major);
         __syncthreads();
+        if (next) {
+            dn_prefetch_l1(Qg + next, DN_CH * DK);
+            dn_prefetch_l1(at + next, DN_CH * DN_CH);
+        }
         for (uint32_t e = t; e < DN_CH * DN_SLICE; e += DN_CK_THREADS) {
             const uint32_t row = e / DN_SLICE, jj = e % DN_SLICE;
             if (s0 + row < p.S)
@@ -658,6 +681,8 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn
             wmma::store_matrix_sync(sp, acc, SL, wmma::mem_row_major);
         }
         __syncthreads();
+        if (next)
+            dn_prefetch_l1(Kw + next, DN_CH * DK);
     }
     for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
         st[e] = ss[(e % DK) * SL + e / DK];
