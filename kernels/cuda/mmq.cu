@@ -1,0 +1,860 @@
+/*
+ * cuda mmq: GGUF weight rows times int8-rounded activations on int8 tensor
+ * cores, for prefill (see mmq.h; matvec.cu is the f32 path it falls back
+ * to).
+ *
+ * Maths: activations are cut into blocks of 32; block b of row s becomes
+ * q in [-127, 127] with scale dx = amax/127 (q = round(x/dx), halves to
+ * even) and sx = dx * sum(q). A weight block of 32 is w = dw * v + mw with
+ * v a small integer: Q4_0 v = nibble - 8, dw = d, mw = 0; Q8_0 v = q,
+ * dw = d; Q4_K/Q5_K sub-block j: v = 4/5-bit level, dw = d * sc_j,
+ * mw = -dmin * m_j. So a block adds dw * dx * sum(v q) + mw * sx, with
+ * sum(v q) an exact int32 from mma.sync m16n8k32 s8.s8.s32 (|sum| < 2^22,
+ * turned into f32 exactly by a magic-number add instead of a slow I2F)
+ * and the rest in f32.
+ *
+ * Work layout (d_work): xq, rows of n int8 (rounded activations); xds,
+ * rows of n/32 float2 (dx, sx). Experts put in front: tiles (int4:
+ * expert, first index into sorted, pairs) for at most n_pairs tiles,
+ * sorted (pair indices grouped by expert), and the number of tiles used.
+ *
+ * Shapes and ownership (mmq_kernel): a block of 4 warps owns a tile of
+ * kBM = 64 weight rows x BN = 16*NT activation columns (NT = 1, 2, 4);
+ * warp (wm, wn) owns rows 32*wm.. (two m16 tiles) and columns 8*NT*wn..
+ * (NT n8 tiles), so 2*NT accumulators of 4 floats per lane. The row is
+ * walked in stages of 256 elements: the 64 weight rows (as stored: 144,
+ * 272 or 176 bytes each), the BN int8 activation rows (256 bytes each,
+ * padded to 272 so the B fragment reads are conflict-free) and their
+ * scales are staged with cp.async into one of two buffers while the other
+ * is multiplied. Lanes decode their A fragments straight from the staged
+ * blocks (rows g and g+8 of an m tile, k = 4t..4t+3 and 16+4t..16+4t+3:
+ * for Q4_0 the low and high nibbles of the same 4 bytes). Weights not
+ * 16-byte aligned (rare; decided per block for experts) are staged with
+ * 2-byte loads instead. Columns past the tile's count repeat its last
+ * column and are not stored.
+ *
+ * Experts: group_kernel (one block of 1024 threads) counts the pairs per
+ * expert in shared memory, scans the counts and the tiles per expert
+ * (ceil(count/BN)), scatters the pair indices into sorted and writes one
+ * descriptor per tile; the multiply's grid has an upper bound of tiles
+ * (min(n_pairs, n_pairs/BN + n_expert)) and blocks past the count exit.
+ * The order of pairs inside an expert depends on atomics, but each output
+ * depends only on its own weight row and activation row, so results do
+ * not.
+ */
+#include "kernels/cuda/mmq.h"
+
+#include <errno.h>
+
+#include <cuda_fp16.h>
+
+extern "C" {
+#include "common/log.h"
+#include "model/quant.h"
+}
+
+namespace {
+
+constexpr int kThreads = 128;              /* 4 warps: 2 along weight rows x 2 along columns */
+constexpr int kBM = 64;                    /* weight rows per tile */
+constexpr int kStep = 256;                 /* elements per pipeline stage */
+constexpr int kBlocks = kStep / 32;        /* activation blocks per stage */
+constexpr int kXRow = kStep + 16;          /* staged bytes per activation row */
+constexpr int kQuantWarps = 8;             /* warps per block of the rounding kernel */
+constexpr int kGroupThreads = 1024;        /* threads of the grouping kernel */
+constexpr uint32_t kMaxExperts = 8192;     /* grouping counts live in shared memory */
+constexpr uint64_t kMaxN = 1ull << 28;     /* longest row */
+constexpr unsigned kMaxGridY = 65535u;     /* grid y limit: weight row tiles */
+constexpr int kMagicI = 0x4B400000;        /* bits of 1.5 * 2^23 */
+constexpr float kMagicF = 12582912.0f;     /* 1.5 * 2^23 */
+
+/* ---- device helpers ---------------------------------------------------- */
+
+__device__ __forceinline__ uint32_t ld32(const uint8_t *p)
+{
+    return *reinterpret_cast<const uint32_t *>(p);
+}
+
+__device__ __forceinline__ float f16(uint32_t h)
+{
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+
+/* Bytes 0..15 each minus 8, as int8. */
+__device__ __forceinline__ uint32_t sub8(uint32_t v)
+{
+    return (v + 0x78787878u) ^ 0x80808080u;
+}
+
+/* Exact float of an int32 below 2^22 in magnitude. */
+__device__ __forceinline__ float i2f(int c)
+{
+    return __int_as_float(c + kMagicI) - kMagicF;
+}
+
+__device__ __forceinline__ void cp16(void *dst, const void *src)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+#endif
+}
+
+__device__ __forceinline__ void cp8(void *dst, const void *src)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
+#endif
+}
+
+__device__ __forceinline__ void cp_commit()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+/* Waits until at most one group of this thread's copies is in flight. */
+__device__ __forceinline__ void cp_wait_one()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 1;\n" ::);
+#endif
+}
+
+/* d = A (16x32, rows g and g+8 in a0/a2 and a1/a3) times B (32x8). */
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+#else
+    d[0] = d[1] = d[2] = d[3] = 0;
+#endif
+}
+
+/* ---- the types ------------------------------------------------------------
+ * Each type: SB bytes per row per stage (256 elements), EE/EB its block;
+ * MIN: blocks have an offset term mw; Head: what a lane reads once per
+ * row and stage; decode(r, h, kb, t, lo, hi, dw, mw): lane t's 8 values
+ * of block kb (0..7) of the staged row r (k = 4t.. in lo, 16+4t.. in hi,
+ * int8 each), its scale and offset. kb is a constant after unrolling, so
+ * the parity tests fold away. */
+
+struct TQ4_0 {
+    static constexpr int EE = 32, EB = 18, SB = 144;
+    static constexpr bool MIN = false;
+    struct Head {};
+    __device__ static void head(const uint8_t *, int, Head &) {}
+    __device__ static void decode(const uint8_t *r, const Head &, int kb, int t, uint32_t &lo,
+                                  uint32_t &hi, float &dw, float &mw)
+    {
+        const uint8_t *b = r + 18 * kb;
+        /* qs start 2 bytes into the block: 4-byte aligned for odd blocks */
+        const uint32_t v = kb % 2 ? ld32(b + 2 + 4 * t)
+                                  : __byte_perm(ld32(b + 4 * t), ld32(b + 4 * t + 4), 0x5432);
+        lo = sub8(v & 0x0F0F0F0Fu);
+        hi = sub8((v >> 4) & 0x0F0F0F0Fu);
+        dw = f16(*reinterpret_cast<const uint16_t *>(b));
+        mw = 0.0f;
+    }
+};
+
+struct TQ8_0 {
+    static constexpr int EE = 32, EB = 34, SB = 272;
+    static constexpr bool MIN = false;
+    struct Head {};
+    __device__ static void head(const uint8_t *, int, Head &) {}
+    __device__ static void decode(const uint8_t *r, const Head &, int kb, int t, uint32_t &lo,
+                                  uint32_t &hi, float &dw, float &mw)
+    {
+        const uint8_t *b = r + 34 * kb;
+        if (kb % 2) {
+            lo = ld32(b + 2 + 4 * t);
+            hi = ld32(b + 18 + 4 * t);
+        } else {
+            lo = __byte_perm(ld32(b + 4 * t), ld32(b + 4 * t + 4), 0x5432);
+            hi = __byte_perm(ld32(b + 16 + 4 * t), ld32(b + 20 + 4 * t), 0x5432);
+        }
+        dw = f16(*reinterpret_cast<const uint16_t *>(b));
+        mw = 0.0f;
+    }
+};
+
+/* get_scale_min_k4 (model-spec 2.3) of sub-block j from the 12 scale
+ * bytes as little-endian words s0, s1, s2. */
+__device__ __forceinline__ void scale_min_k4(uint32_t s0, uint32_t s1, uint32_t s2, int j,
+                                             uint32_t *sc, uint32_t *m)
+{
+    const uint32_t sh = (j & 3) * 8, b0 = s0 >> sh, b1 = s1 >> sh, b2 = s2 >> sh;
+    if (j < 4) {
+        *sc = b0 & 63u;
+        *m = b1 & 63u;
+    } else {
+        *sc = (b2 & 0x0Fu) | ((b0 >> 2) & 0x30u);
+        *m = ((b2 >> 4) & 0x0Fu) | ((b1 >> 2) & 0x30u);
+    }
+}
+
+/* Q4_K {d, dmin, scales[12], qs[128]}: sub-block j = 2c + h is nibble h
+ * of qs[32c + l]. */
+struct TQ4_K {
+    static constexpr int EE = 256, EB = 144, SB = 144;
+    static constexpr bool MIN = true;
+    struct Head {
+        float d, dmin;
+        uint32_t s0, s1, s2;
+    };
+    __device__ static void head(const uint8_t *r, int, Head &h)
+    {
+        const uint32_t dd = ld32(r);
+        h.d = f16(dd & 0xFFFFu);
+        h.dmin = f16(dd >> 16);
+        h.s0 = ld32(r + 4);
+        h.s1 = ld32(r + 8);
+        h.s2 = ld32(r + 12);
+    }
+    __device__ static void decode(const uint8_t *r, const Head &h, int kb, int t, uint32_t &lo,
+                                  uint32_t &hi, float &dw, float &mw)
+    {
+        const uint8_t *q = r + 16 + 32 * (kb >> 1) + 4 * t;
+        const int sh = 4 * (kb & 1);
+        lo = (ld32(q) >> sh) & 0x0F0F0F0Fu;
+        hi = (ld32(q + 16) >> sh) & 0x0F0F0F0Fu;
+        uint32_t sc, m;
+        scale_min_k4(h.s0, h.s1, h.s2, kb, &sc, &m);
+        dw = h.d * static_cast<float>(sc);
+        mw = -h.dmin * static_cast<float>(m);
+    }
+};
+
+/* Q5_K {d, dmin, scales[12], qh[32], qs[128]}: as Q4_K plus bit j of
+ * qh[l] as the fifth bit of element l of sub-block j. */
+struct TQ5_K {
+    static constexpr int EE = 256, EB = 176, SB = 176;
+    static constexpr bool MIN = true;
+    struct Head {
+        float d, dmin;
+        uint32_t s0, s1, s2, h0, h1;
+    };
+    __device__ static void head(const uint8_t *r, int t, Head &h)
+    {
+        const uint32_t dd = ld32(r);
+        h.d = f16(dd & 0xFFFFu);
+        h.dmin = f16(dd >> 16);
+        h.s0 = ld32(r + 4);
+        h.s1 = ld32(r + 8);
+        h.s2 = ld32(r + 12);
+        h.h0 = ld32(r + 16 + 4 * t);
+        h.h1 = ld32(r + 32 + 4 * t);
+    }
+    __device__ static void decode(const uint8_t *r, const Head &h, int kb, int t, uint32_t &lo,
+                                  uint32_t &hi, float &dw, float &mw)
+    {
+        const uint8_t *q = r + 48 + 32 * (kb >> 1) + 4 * t;
+        const int sh = 4 * (kb & 1);
+        lo = ((ld32(q) >> sh) & 0x0F0F0F0Fu) | (((h.h0 >> kb) & 0x01010101u) << 4);
+        hi = ((ld32(q + 16) >> sh) & 0x0F0F0F0Fu) | (((h.h1 >> kb) & 0x01010101u) << 4);
+        uint32_t sc, m;
+        scale_min_k4(h.s0, h.s1, h.s2, kb, &sc, &m);
+        dw = h.d * static_cast<float>(sc);
+        mw = -h.dmin * static_cast<float>(m);
+    }
+};
+
+/* ---- rounding the activations ------------------------------------------------ */
+
+/* One warp per 256 elements of a row: lane l rounds elements 8l..8l+7
+ * (4 lanes per block of 32). */
+__global__ void __launch_bounds__(kQuantWarps * 32)
+    quantize_kernel(const float *x, size_t ldx, uint64_t n, uint64_t rows, int8_t *xq,
+                    float2 *xds)
+{
+    const int lane = threadIdx.x & 31;
+    const uint64_t nch = n / kStep;
+    const uint64_t wid = static_cast<uint64_t>(blockIdx.x) * kQuantWarps + (threadIdx.x >> 5);
+    if (wid >= rows * nch)
+        return;
+    const uint64_t row = wid / nch, ch = wid - row * nch;
+    const float *src = x + row * ldx + ch * kStep + lane * 8;
+    float v[8], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        v[i] = __ldg(src + i);
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    uint32_t packed[2] = {0, 0};
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int q = __float2int_rn(v[i] * id);
+        sum += q;
+        packed[i / 4] |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * (i % 4));
+    }
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    *reinterpret_cast<uint2 *>(xq + row * n + ch * kStep + lane * 8) =
+        make_uint2(packed[0], packed[1]);
+    if ((lane & 3) == 0)
+        xds[row * (n / 32) + ch * kBlocks + lane / 4] = make_float2(d, d * static_cast<float>(sum));
+}
+
+/* ---- grouping pairs by expert -------------------------------------------------- */
+
+__device__ __forceinline__ bool pair_valid(const int32_t *ids, const void *const *addr,
+                                           uint32_t n_expert, uint32_t p, int *e)
+{
+    *e = ids[p];
+    return *e >= 0 && static_cast<uint32_t>(*e) < n_expert && addr[*e] != nullptr;
+}
+
+__global__ void __launch_bounds__(kGroupThreads)
+    group_kernel(const int32_t *ids, const void *const *addr, uint32_t n_pairs,
+                 uint32_t n_expert, int bn, int4 *tiles, int32_t *sorted, int32_t *n_tiles)
+{
+    extern __shared__ int gsm[]; /* cnt, off (then end), toff: n_expert each */
+    __shared__ int2 wsum[kGroupThreads / 32];
+    int *cnt = gsm, *off = gsm + n_expert, *toff = off + n_expert;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (uint32_t e = tid; e < n_expert; e += kGroupThreads)
+        cnt[e] = 0;
+    __syncthreads();
+    for (uint32_t p = tid; p < n_pairs; p += kGroupThreads) {
+        int e;
+        if (pair_valid(ids, addr, n_expert, p, &e))
+            atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    /* exclusive scan of pairs and tiles, each thread a run of experts */
+    const uint32_t per = (n_expert + kGroupThreads - 1) / kGroupThreads;
+    const uint32_t e0 = min(tid * per, n_expert), e1 = min(e0 + per, n_expert);
+    int sp = 0, st = 0;
+    for (uint32_t e = e0; e < e1; e++) {
+        sp += cnt[e];
+        st += (cnt[e] + bn - 1) / bn;
+    }
+    int ip = sp, it = st;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int a = __shfl_up_sync(0xFFFFFFFFu, ip, o), b = __shfl_up_sync(0xFFFFFFFFu, it, o);
+        if (lane >= o)
+            ip += a, it += b;
+    }
+    if (lane == 31)
+        wsum[warp] = make_int2(ip, it);
+    __syncthreads();
+    if (warp == 0) {
+        int2 v = wsum[lane];
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xFFFFFFFFu, v.x, o);
+            const int b = __shfl_up_sync(0xFFFFFFFFu, v.y, o);
+            if (lane >= o)
+                v.x += a, v.y += b;
+        }
+        wsum[lane] = v;
+    }
+    __syncthreads();
+    int bp = ip - sp + (warp ? wsum[warp - 1].x : 0), bt = it - st + (warp ? wsum[warp - 1].y : 0);
+    for (uint32_t e = e0; e < e1; e++) {
+        off[e] = bp;
+        toff[e] = bt;
+        bp += cnt[e];
+        bt += (cnt[e] + bn - 1) / bn;
+    }
+    if (tid == 0)
+        *n_tiles = wsum[kGroupThreads / 32 - 1].y;
+    __syncthreads();
+    for (uint32_t p = tid; p < n_pairs; p += kGroupThreads) {
+        int e;
+        if (pair_valid(ids, addr, n_expert, p, &e))
+            sorted[atomicAdd(&off[e], 1)] = static_cast<int32_t>(p);
+    }
+    __syncthreads();
+    for (uint32_t e = e0; e < e1; e++) {
+        const int c = cnt[e], start = off[e] - c;
+        for (int j = 0; j * bn < c; j++)
+            tiles[toff[e] + j] = make_int4(static_cast<int>(e), start + j * bn,
+                                           min(bn, c - j * bn), 0);
+    }
+}
+
+/* ---- the multiply ------------------------------------------------------------ */
+
+struct Args {
+    const uint8_t *w;          /* dense: weights */
+    const void *const *addr;   /* experts: weights of each expert */
+    const int4 *tiles;         /* experts: (expert, first index into sorted, pairs) */
+    const int32_t *sorted;     /* experts: pair indices grouped by expert */
+    const int32_t *n_tiles;    /* experts: tiles in use */
+    const int8_t *xq;          /* rounded activations: rows of n */
+    const float2 *xds;         /* (dx, sx) per block: rows of n/32 */
+    float *y;
+    size_t row_bytes, ldy;
+    uint64_t n_rows, n;
+    uint32_t S;                /* dense: activation rows */
+    uint32_t x_div;            /* experts: pairs per activation row */
+    bool aligned;              /* dense: weights staged with cp.async */
+};
+
+template <class T, int NT>
+struct Tile {
+    static constexpr int BN = 16 * NT;
+    static constexpr int W = kBM * T::SB, X = BN * kXRow, D = kBlocks * BN * 8;
+    static constexpr int STAGE = W + X + D;
+    static constexpr int SMEM = 2 * STAGE;
+};
+
+/* Stage s of the tile into buffer sm: weight rows (clamped to the
+ * matrix), activation rows cols[] and their scales. */
+template <class T, int NT>
+__device__ __forceinline__ void issue(uint8_t *sm, const Args &a, const uint8_t *w, bool aligned,
+                                      uint64_t row0, const int *cols, uint32_t s, int tid)
+{
+    using TL = Tile<T, NT>;
+    uint8_t *sw = sm, *sx = sm + TL::W;
+    float2 *sd = reinterpret_cast<float2 *>(sm + TL::W + TL::X);
+    const uint8_t *ws = w + static_cast<size_t>(s) * T::SB;
+    if (aligned) {
+        constexpr int WC = T::SB / 16;
+        for (int i = tid; i < kBM * WC; i += kThreads) {
+            const int r = i / WC, c = i - r * WC;
+            const uint64_t row = min(row0 + r, a.n_rows - 1);
+            cp16(sw + r * T::SB + c * 16, ws + row * a.row_bytes + c * 16);
+        }
+    } else {
+        constexpr int WC = T::SB / 2;
+        for (int i = tid; i < kBM * WC; i += kThreads) {
+            const int r = i / WC, c = i - r * WC;
+            const uint64_t row = min(row0 + r, a.n_rows - 1);
+            *reinterpret_cast<uint16_t *>(sw + r * T::SB + c * 2) =
+                *reinterpret_cast<const uint16_t *>(ws + row * a.row_bytes + c * 2);
+        }
+    }
+    for (int i = tid; i < TL::BN * (kStep / 16); i += kThreads) {
+        const int c = i >> 4, k = i & 15;
+        cp16(sx + c * kXRow + k * 16,
+             a.xq + static_cast<size_t>(cols[c]) * a.n + static_cast<size_t>(s) * kStep + k * 16);
+    }
+    for (int i = tid; i < TL::BN * kBlocks; i += kThreads) {
+        const int c = i >> 3, kb = i & 7;
+        cp8(sd + kb * TL::BN + c,
+            a.xds + static_cast<size_t>(cols[c]) * (a.n / 32) + static_cast<size_t>(s) * kBlocks +
+                kb);
+    }
+}
+
+/* The warp's 2 x NT mma tiles over one staged step of 256 elements. */
+template <class T, int NT>
+__device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int lane,
+                                        float (&acc)[2][NT][4])
+{
+    using TL = Tile<T, NT>;
+    const int g = lane >> 2, t = lane & 3;
+    const uint8_t *sx = sm + TL::W;
+    const float2 *sd = reinterpret_cast<const float2 *>(sm + TL::W + TL::X);
+    const uint8_t *ra[2][2];
+    typename T::Head hd[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            ra[mt][h] = sm + (wm * 32 + mt * 16 + h * 8 + g) * T::SB;
+            T::head(ra[mt][h], t, hd[mt][h]);
+        }
+#pragma unroll
+    for (int kb = 0; kb < kBlocks; kb++) {
+        uint32_t A[2][4];
+        float dw[2][2], mw[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                T::decode(ra[mt][h], hd[mt][h], kb, t, A[mt][h], A[mt][2 + h], dw[mt][h],
+                          mw[mt][h]);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int c = wn * 8 * NT + nt * 8;
+            const uint8_t *xb = sx + (c + g) * kXRow + kb * 32 + 4 * t;
+            const uint32_t b0 = ld32(xb), b1 = ld32(xb + 16);
+            /* (dx, sx) of columns c + 2t and c + 2t + 1 */
+            const float4 ds = *reinterpret_cast<const float4 *>(sd + kb * TL::BN + c + 2 * t);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                int ci[4];
+                mma_s8(ci, A[mt], b0, b1);
+                float *o = acc[mt][nt];
+                o[0] = fmaf(i2f(ci[0]), dw[mt][0] * ds.x, o[0]);
+                o[1] = fmaf(i2f(ci[1]), dw[mt][0] * ds.z, o[1]);
+                o[2] = fmaf(i2f(ci[2]), dw[mt][1] * ds.x, o[2]);
+                o[3] = fmaf(i2f(ci[3]), dw[mt][1] * ds.z, o[3]);
+                if (T::MIN) {
+                    o[0] = fmaf(mw[mt][0], ds.y, o[0]);
+                    o[1] = fmaf(mw[mt][0], ds.w, o[1]);
+                    o[2] = fmaf(mw[mt][1], ds.y, o[2]);
+                    o[3] = fmaf(mw[mt][1], ds.w, o[3]);
+                }
+            }
+        }
+    }
+}
+
+/* EXPERTS: blockIdx.x is a tile of the grouping; else a run of BN
+ * activation rows. blockIdx.y: 64 weight rows. */
+template <class T, int NT, bool EXPERTS>
+__global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using TL = Tile<T, NT>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int cols[TL::BN], outs[TL::BN];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 1, wn = warp >> 1;
+    const uint64_t row0 = static_cast<uint64_t>(blockIdx.y) * kBM;
+    const uint8_t *w;
+    int n_cols;
+    bool aligned;
+    if (EXPERTS) {
+        if (static_cast<int>(blockIdx.x) >= *a.n_tiles)
+            return;
+        const int4 tile = a.tiles[blockIdx.x];
+        w = static_cast<const uint8_t *>(a.addr[tile.x]);
+        n_cols = tile.z;
+        if (tid < TL::BN) {
+            const int p = a.sorted[tile.y + min(tid, n_cols - 1)];
+            cols[tid] = static_cast<int>(static_cast<uint32_t>(p) / a.x_div);
+            outs[tid] = p;
+        }
+        aligned = ((reinterpret_cast<uintptr_t>(w) | a.row_bytes) & 15) == 0;
+    } else {
+        w = a.w;
+        const uint32_t s0 = blockIdx.x * TL::BN;
+        n_cols = static_cast<int>(min(static_cast<uint32_t>(TL::BN), a.S - s0));
+        if (tid < TL::BN)
+            cols[tid] = outs[tid] = static_cast<int>(s0 + min(tid, n_cols - 1));
+        aligned = a.aligned;
+    }
+    __syncthreads();
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                acc[mt][nt][i] = 0.0f;
+    const uint32_t nst = static_cast<uint32_t>(a.n / kStep);
+    issue<T, NT>(smem, a, w, aligned, row0, cols, 0, tid);
+    cp_commit();
+    for (uint32_t s = 0; s < nst; s++) {
+        if (s + 1 < nst)
+            issue<T, NT>(smem + ((s + 1) & 1) * TL::STAGE, a, w, aligned, row0, cols, s + 1, tid);
+        cp_commit();
+        cp_wait_one();
+        __syncthreads();
+        compute<T, NT>(smem + (s & 1) * TL::STAGE, wm, wn, lane, acc);
+        __syncthreads();
+    }
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint64_t row = row0 + wm * 32 + mt * 16 + g + (i & 2) * 4;
+                const int col = wn * 8 * NT + nt * 8 + 2 * t + (i & 1);
+                if (row < a.n_rows && col < n_cols)
+                    a.y[static_cast<size_t>(outs[col]) * a.ldy + row] = acc[mt][nt][i];
+            }
+#else
+    (void)a;
+#endif
+}
+
+/* ---- launchers --------------------------------------------------------------- */
+
+/* Elements and bytes per block of a handled type, else false. */
+bool block_shape(uint32_t type, uint32_t *ee, uint32_t *eb)
+{
+    switch (type) {
+    case QUANT_TYPE_Q4_0: *ee = TQ4_0::EE, *eb = TQ4_0::EB; return true;
+    case QUANT_TYPE_Q8_0: *ee = TQ8_0::EE, *eb = TQ8_0::EB; return true;
+    case QUANT_TYPE_Q4_K: *ee = TQ4_K::EE, *eb = TQ4_K::EB; return true;
+    case QUANT_TYPE_Q5_K: *ee = TQ5_K::EE, *eb = TQ5_K::EB; return true;
+    default: return false;
+    }
+}
+
+/* 0 on sm_80 and later (with the SM count), -ENOTSUP before, -EIO when
+ * the device cannot be asked. */
+int device_check(const char *what, int *n_sm)
+{
+    int dev, major;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(n_sm, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) {
+        log_error("%s: device query failed: %s", what, cudaGetErrorString(err));
+        return -EIO;
+    }
+    return major >= 8 ? 0 : -ENOTSUP;
+}
+
+/* -ENOTSUP (not logged: the caller falls back) for what the kernels do not
+ * handle, -EINVAL (logged) for weights that cannot be valid, else 0. */
+int check_weights(const char *what, uint32_t type, size_t row_bytes, uint64_t n, int *n_sm)
+{
+    uint32_t ee, eb;
+    if (!block_shape(type, &ee, &eb) || n % kStep || n == 0)
+        return -ENOTSUP;
+    if (n > kMaxN || row_bytes < n / ee * eb || row_bytes & 1) {
+        log_error("%s: %llu elements of type %u do not fit rows of %zu bytes", what,
+                  (unsigned long long)n, type, row_bytes);
+        return -EINVAL;
+    }
+    return device_check(what, n_sm);
+}
+
+int launch_check(const char *what)
+{
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+        log_error("%s: launch failed: %s", what, cudaGetErrorString(err));
+        return -EIO;
+    }
+    return 0;
+}
+
+/* Rounds `rows` activation rows into xq/xds. */
+int quantize(const char *what, const float *d_X, size_t ldx, uint64_t n, uint64_t rows,
+             int8_t *xq, float2 *xds, cudaStream_t stream)
+{
+    const uint64_t warps = rows * (n / kStep);
+    const uint64_t blocks = (warps + kQuantWarps - 1) / kQuantWarps;
+    if (blocks > 0x7FFFFFFFull) {
+        log_error("%s: %llu activation rows of %llu are too many", what, (unsigned long long)rows,
+                  (unsigned long long)n);
+        return -EINVAL;
+    }
+    quantize_kernel<<<static_cast<unsigned>(blocks), kQuantWarps * 32, 0, stream>>>(
+        d_X, ldx, n, rows, xq, xds);
+    return launch_check(what);
+}
+
+template <class T, int NT, bool EXPERTS>
+int launch_mm(const char *what, const Args &a, unsigned grid_x, cudaStream_t stream)
+{
+    constexpr int smem = Tile<T, NT>::SMEM;
+    auto kernel = mmq_kernel<T, NT, EXPERTS>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           smem);
+    if (err != cudaSuccess) {
+        log_error("%s: %d bytes of shared memory refused: %s", what, smem,
+                  cudaGetErrorString(err));
+        return -EIO;
+    }
+    const dim3 grid(grid_x, static_cast<unsigned>((a.n_rows + kBM - 1) / kBM));
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    return launch_check(what);
+}
+
+template <class T, bool EXPERTS>
+int launch_nt(const char *what, int nt, const Args &a, uint64_t cols, cudaStream_t stream)
+{
+    const uint64_t bn = 16ull * nt;
+    const uint64_t gx = EXPERTS ? cols : (cols + bn - 1) / bn;
+    if (gx > 0x7FFFFFFFull) {
+        log_error("%s: %llu column tiles are too many", what, (unsigned long long)gx);
+        return -EINVAL;
+    }
+    switch (nt) {
+    case 4: return launch_mm<T, 4, EXPERTS>(what, a, static_cast<unsigned>(gx), stream);
+    case 2: return launch_mm<T, 2, EXPERTS>(what, a, static_cast<unsigned>(gx), stream);
+    default: return launch_mm<T, 1, EXPERTS>(what, a, static_cast<unsigned>(gx), stream);
+    }
+}
+
+template <bool EXPERTS>
+int launch(const char *what, uint32_t type, int nt, const Args &a, uint64_t cols,
+           cudaStream_t stream)
+{
+    switch (type) {
+    case QUANT_TYPE_Q4_0: return launch_nt<TQ4_0, EXPERTS>(what, nt, a, cols, stream);
+    case QUANT_TYPE_Q8_0: return launch_nt<TQ8_0, EXPERTS>(what, nt, a, cols, stream);
+    case QUANT_TYPE_Q4_K: return launch_nt<TQ4_K, EXPERTS>(what, nt, a, cols, stream);
+    case QUANT_TYPE_Q5_K: return launch_nt<TQ5_K, EXPERTS>(what, nt, a, cols, stream);
+    default: return -ENOTSUP;
+    }
+}
+
+size_t align16(size_t v)
+{
+    return (v + 15) & ~static_cast<size_t>(15);
+}
+
+/* Bytes of the rounded activations of `rows` rows. */
+size_t act_bytes(uint64_t n, uint64_t rows)
+{
+    return align16(rows * n) + rows * (n / 32) * sizeof(float2);
+}
+
+/* Bytes of the grouping in front of the experts' activations. */
+size_t group_bytes(uint32_t n_pairs)
+{
+    return static_cast<size_t>(n_pairs) * sizeof(int4) + align16(n_pairs * sizeof(int32_t)) + 16;
+}
+
+} /* namespace */
+
+extern "C" bool cuda_mmq_supports(uint32_t type)
+{
+    uint32_t ee, eb;
+    return block_shape(type, &ee, &eb);
+}
+
+extern "C" size_t cuda_mmq_work_bytes(uint64_t n, uint32_t S)
+{
+    return act_bytes(n, S);
+}
+
+extern "C" int cuda_mmq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                        uint64_t n, const float *d_X, size_t ldx, uint32_t S, float *d_Y,
+                        size_t ldy, void *d_work, cudaStream_t stream)
+{
+    const char *what = "cuda mmq";
+    int n_sm = 0;
+    int rc = check_weights(what, type, row_bytes, n, &n_sm);
+    if (rc)
+        return rc;
+    if (n_rows == 0 || S == 0)
+        return 0;
+    if (!d_w || !d_X || !d_Y || !d_work || ldx < n || ldy < n_rows ||
+        reinterpret_cast<uintptr_t>(d_w) & 1 ||
+        (reinterpret_cast<uintptr_t>(d_X) | reinterpret_cast<uintptr_t>(d_Y)) & 3 ||
+        reinterpret_cast<uintptr_t>(d_work) & 15) {
+        log_error("%s: bad buffers (w %p x %p ldx %zu y %p ldy %zu work %p for %llu x %llu)",
+                  what, d_w, static_cast<const void *>(d_X), ldx, static_cast<void *>(d_Y), ldy,
+                  d_work, (unsigned long long)n_rows, (unsigned long long)n);
+        return -EINVAL;
+    }
+    if ((n_rows + kBM - 1) / kBM > kMaxGridY) {
+        log_error("%s: %llu rows are too many", what, (unsigned long long)n_rows);
+        return -EINVAL;
+    }
+    int8_t *xq = static_cast<int8_t *>(d_work);
+    float2 *xds = reinterpret_cast<float2 *>(xq + align16(static_cast<size_t>(S) * n));
+    rc = quantize(what, d_X, ldx, n, S, xq, xds, stream);
+    if (rc)
+        return rc;
+    Args a = {};
+    a.w = static_cast<const uint8_t *>(d_w);
+    a.xq = xq;
+    a.xds = xds;
+    a.y = d_Y;
+    a.row_bytes = row_bytes;
+    a.ldy = ldy;
+    a.n_rows = n_rows;
+    a.n = n;
+    a.S = S;
+    a.x_div = 1;
+    a.aligned = ((reinterpret_cast<uintptr_t>(d_w) | row_bytes) & 15) == 0;
+    /* the widest tiles that still give every SM a block */
+    const uint64_t row_tiles = (n_rows + kBM - 1) / kBM;
+    int nt = 4;
+    while (nt > 1 && (S <= 8u * nt || row_tiles * ((S + 16u * nt - 1) / (16u * nt)) <
+                                          static_cast<uint64_t>(n_sm)))
+        nt /= 2;
+    return launch<false>(what, type, nt, a, S, stream);
+}
+
+extern "C" size_t cuda_mmq_experts_work_bytes(uint64_t n, uint32_t n_pairs, uint32_t n_expert)
+{
+    (void)n_expert;
+    return group_bytes(n_pairs) + act_bytes(n, n_pairs);
+}
+
+extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32_t n_expert,
+                                size_t row_bytes, uint64_t n_rows, uint64_t n,
+                                const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
+                                size_t ldx, uint32_t x_div, float *d_Y, size_t ldy, void *d_work,
+                                size_t work_bytes, cudaStream_t stream)
+{
+    const char *what = "cuda mmq_experts";
+    int n_sm = 0;
+    int rc = check_weights(what, type, row_bytes, n, &n_sm);
+    if (rc)
+        return rc;
+    if (n_rows == 0 || n_pairs == 0)
+        return 0;
+    if (!d_addr || !d_ids || !d_X || !d_Y || !d_work || x_div == 0 || ldx < n || ldy < n_rows ||
+        n_expert == 0 || n_expert > kMaxExperts || n_pairs > 0x7FFFFFFFu ||
+        work_bytes < cuda_mmq_experts_work_bytes(n, n_pairs, n_expert) ||
+        (reinterpret_cast<uintptr_t>(d_X) | reinterpret_cast<uintptr_t>(d_Y)) & 3 ||
+        reinterpret_cast<uintptr_t>(d_work) & 15) {
+        log_error("%s: bad arguments (addr %p of %u experts, ids %p, x %p ldx %zu x_div %u, "
+                  "y %p ldy %zu, work %p of %zu bytes for %u pairs of %llu x %llu)",
+                  what, static_cast<const void *>(d_addr), n_expert,
+                  static_cast<const void *>(d_ids), static_cast<const void *>(d_X), ldx, x_div,
+                  static_cast<void *>(d_Y), ldy, d_work, work_bytes, n_pairs,
+                  (unsigned long long)n_rows, (unsigned long long)n);
+        return -EINVAL;
+    }
+    if ((n_rows + kBM - 1) / kBM > kMaxGridY) {
+        log_error("%s: %llu rows are too many", what, (unsigned long long)n_rows);
+        return -EINVAL;
+    }
+    uint8_t *base = static_cast<uint8_t *>(d_work);
+    int4 *tiles = reinterpret_cast<int4 *>(base);
+    int32_t *sorted = reinterpret_cast<int32_t *>(base + static_cast<size_t>(n_pairs) * 16);
+    int32_t *n_tiles = reinterpret_cast<int32_t *>(
+        reinterpret_cast<uint8_t *>(sorted) + align16(n_pairs * sizeof(int32_t)));
+    const uint64_t x_rows = (n_pairs - 1) / x_div + 1;
+    int8_t *xq = reinterpret_cast<int8_t *>(base + group_bytes(n_pairs));
+    float2 *xds = reinterpret_cast<float2 *>(xq + align16(x_rows * n));
+    /* tile width from the mean pairs per expert (memory-bound: fewer
+     * re-reads of an expert's weights beat idle columns) */
+    const uint32_t mean = n_pairs / n_expert;
+    const int nt = mean >= 24 ? 4 : mean >= 12 ? 2 : 1;
+    const uint32_t bn = 16u * nt;
+    const size_t gsmem = 3ull * n_expert * sizeof(int);
+    cudaError_t err = cudaFuncSetAttribute(group_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(gsmem));
+    if (err != cudaSuccess) {
+        log_error("%s: %zu bytes of shared memory for %u experts refused: %s", what, gsmem,
+                  n_expert, cudaGetErrorString(err));
+        return -EIO;
+    }
+    group_kernel<<<1, kGroupThreads, gsmem, stream>>>(d_ids, d_addr, n_pairs, n_expert,
+                                                      static_cast<int>(bn), tiles, sorted,
+                                                      n_tiles);
+    rc = launch_check(what);
+    if (rc)
+        return rc;
+    rc = quantize(what, d_X, ldx, n, x_rows, xq, xds, stream);
+    if (rc)
+        return rc;
+    Args a = {};
+    a.addr = d_addr;
+    a.tiles = tiles;
+    a.sorted = sorted;
+    a.n_tiles = n_tiles;
+    a.xq = xq;
+    a.xds = xds;
+    a.y = d_Y;
+    a.row_bytes = row_bytes;
+    a.ldy = ldy;
+    a.n_rows = n_rows;
+    a.n = n;
+    a.x_div = x_div;
+    const uint64_t bound = (n_pairs + bn - 1) / bn + n_expert;
+    return launch<true>(what, type, nt, a, bound < n_pairs ? bound : n_pairs, stream);
+}
