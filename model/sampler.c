@@ -375,39 +375,57 @@ static void pass_top_k(const struct sampler *s, const float *l, int32_t n, size_
 /* ---------------------------------------------------------------------------------------- */
 /* Filters on c[0 .. n)                                                                      */
 
-/* Keeps the best-ranked tokens whose softmax mass (before temperature) first reaches top_p,
- * as llama.cpp's cumulative scan over the sorted list does; returns their count. Sorted input
- * is scanned; otherwise a quickselect on mass finds the set in expected O(n), leaving
- * c[0 .. count) in no particular order. */
-static size_t filter_top_p(struct sampler_cand *c, size_t n, bool sorted, float max, float top_p)
+/* True when the running mass acc has reached goal (strict: passed it). */
+static inline bool mass_reaches(double acc, double goal, bool strict)
 {
-    double total = 0;
-    for (size_t i = 0; i < n; i++)
-        total += c[i].w = expf(c[i].logit - max);
-    double goal = (double)top_p * total, acc = 0; /* acc: mass of c[0 .. lo) */
+    return strict ? acc > goal : acc >= goal;
+}
+
+/* The length of the shortest best-ranked prefix of c[0 .. n) whose weights (c[i].w) reach goal
+ * (strict: pass it), as a cumulative scan in rank order finds it; c[count - 1] is the last token
+ * of that prefix. In-order input is scanned as it lies (its order is the rank order, or the order
+ * the caller wants scanned); otherwise a quickselect on mass finds the prefix in expected O(n),
+ * leaving c[0 .. count - 1) in no particular order. Rounding that keeps the sum short of the
+ * goal keeps the whole remaining range. */
+static size_t mass_prefix(struct sampler_cand *c, size_t n, bool in_order, double goal,
+                          bool strict)
+{
+    double acc = 0; /* mass of c[0 .. lo) */
     size_t lo = 0, hi = n;
-    for (int budget = 64; !sorted && hi - lo > SMALL_RANGE && budget > 0; budget--) {
+    for (int budget = 64; !in_order && hi - lo > SMALL_RANGE && budget > 0; budget--) {
         size_t p = partition(c, lo, hi);
         double better = 0;
         for (size_t i = lo; i < p; i++)
             better += c[i].w;
-        if (acc + better >= goal) {
+        if (mass_reaches(acc + better, goal, strict)) {
             hi = p;
-        } else if (acc + better + c[p].w >= goal) {
+        } else if (mass_reaches(acc + better + c[p].w, goal, strict)) {
             return p + 1;
         } else {
             acc += better + c[p].w;
             lo = p + 1;
         }
     }
-    if (!sorted)
+    if (!in_order)
         qsort(c + lo, hi - lo, sizeof(*c), cmp_cand);
     for (size_t i = lo; i < hi; i++) {
         acc += c[i].w;
-        if (acc >= goal)
+        if (mass_reaches(acc, goal, strict))
             return i + 1;
     }
-    return hi; /* rounding kept the sum short of the goal: keep the whole range */
+    return hi;
+}
+
+/* Keeps the best-ranked tokens whose softmax mass (before temperature) first reaches top_p,
+ * as llama.cpp's cumulative scan over the sorted list does; returns their count (see
+ * mass_prefix: sorted input is scanned, otherwise c[0 .. count) is left in no particular
+ * order). */
+static size_t filter_top_p(struct sampler_cand *c, size_t n, bool sorted, float max, float top_p)
+{
+    double total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += c[i].w = expf(c[i].logit - max);
+    return mass_prefix(c, n, sorted, (double)top_p * total, false);
 }
 
 /* Keeps the tokens whose probability is at least min_p times the largest, that is
@@ -425,24 +443,20 @@ static size_t filter_min_p(struct sampler_cand *c, size_t n, bool sorted, float 
     return k;
 }
 
-/* Draws from softmax(logit / temperature) over c[0 .. n); overwrites the logits with the
- * unnormalized weights. */
-static int32_t draw(struct sampler *s, struct sampler_cand *c, size_t n, float max)
+/* Draws from softmax(logit / temperature) over c[0 .. n) by the inverse CDF at u (in [0, 1)):
+ * the first token whose cumulative weight passes u * total, the cumulation running in the
+ * order c lies in when in_order, else in rank order. Overwrites the weights. */
+static int32_t draw(const struct sampler *s, struct sampler_cand *c, size_t n, bool in_order,
+                    float max, double u)
 {
     float inv_t = 1.0f / s->cfg.temperature;
     double total = 0;
     for (size_t i = 0; i < n; i++)
-        total += c[i].logit = expf((c[i].logit - max) * inv_t);
-    double u = rng_uniform(s->rng) * total, cum = 0;
-    for (size_t i = 0; i < n; i++) {
-        cum += c[i].logit;
-        if (u < cum)
-            return c[i].id;
-    }
-    for (size_t i = n; i-- > 0;) /* u fell in the rounding slack: the last token with weight */
-        if (c[i].logit > 0)
-            return c[i].id;
-    return c[0].id;
+        total += c[i].w = expf((c[i].logit - max) * inv_t);
+    size_t k = mass_prefix(c, n, in_order, u * total, true);
+    while (k > 1 && c[k - 1].w == 0) /* u fell in the rounding slack: the last token with weight */
+        k--;
+    return c[k - 1].id;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -469,11 +483,13 @@ int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab)
     float max;
     if (s->cfg.temperature == 0)
         return pass_argmax(s, logits, n_vocab, &max);
+    double u = rng_uniform(s->rng); /* before the logits can matter: one draw per call */
     if (grow_cand(s, (size_t)n_vocab))
         return -ENOMEM;
     struct sampler_cand *c = s->cand;
     size_t n = (size_t)n_vocab;
     bool sorted = s->cfg.top_k > 0 && (size_t)s->cfg.top_k < n;
+    bool top_p = s->cfg.top_p > 0 && s->cfg.top_p < 1;
     if (sorted) {
         pass_top_k(s, logits, n_vocab, (size_t)s->cfg.top_k, c);
         n = (size_t)s->cfg.top_k;
@@ -486,9 +502,23 @@ int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab)
     }
     if (!isfinite(max))
         return pass_argmax(s, logits, n_vocab, &max); /* nothing finite to draw from */
-    if (s->cfg.top_p > 0 && s->cfg.top_p < 1)
+    if (top_p)
         n = filter_top_p(c, n, sorted, max, s->cfg.top_p);
     if (s->cfg.min_p > 0)
         n = filter_min_p(c, n, sorted, max, s->cfg.min_p);
-    return draw(s, c, n, max);
+    /* top_p's quickselect leaves no order worth keeping: then the draw runs in rank order, as
+     * after top_k; otherwise c is in id order and the draw cumulates in id order */
+    return draw(s, c, n, sorted || !top_p, max, u);
+}
+
+double sampler_next_uniform(struct sampler *s)
+{
+    return s->cfg.temperature > 0 ? rng_uniform(s->rng) : 0;
+}
+
+size_t sampler_window(const struct sampler *s, int32_t *ids, size_t cap)
+{
+    for (size_t i = 0; i < s->n_hist && i < cap; i++)
+        ids[i] = s->hist[i];
+    return s->n_hist;
 }

@@ -8,6 +8,11 @@
  * of the penalized logits, ties to the lowest id (the filters never remove the arg-max, so they
  * do not matter then). NaN logits count as -inf.
  *
+ * Sampling draws one PRNG number u in [0, 1) per call (before looking at the logits) and picks by
+ * the inverse CDF: the first token whose cumulative weight passes u * total, cumulating in rank
+ * order when top_k or top_p is active and in id order otherwise. The GPU twin
+ * (kernels/cuda/sample.h) takes u from sampler_next_uniform() and picks the same way.
+ *
  * Ranking is a strict total order (higher logit first, lower id first on ties) and the PRNG is
  * xoshiro256** seeded through splitmix64, so one seed gives one sequence on every machine (up to
  * the libm's expf). Nothing sorts the whole vocabulary: top_k keeps a heap of k (O(n log k)),
@@ -19,6 +24,7 @@
 #ifndef MODEL_SAMPLER_H
 #define MODEL_SAMPLER_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define SAMPLER_DEFAULT_LAST_N 64 /* penalty window when penalty_last_n is 0, tokens */
@@ -58,6 +64,15 @@ int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab);
  * are ignored by that call. Returns 0, or -ENOMEM (logged) when an unbounded history
  * (penalty_last_n -1) cannot grow. */
 int sampler_accept(struct sampler *s, int32_t id);
+
+/* For a twin that samples elsewhere (the GPU): consumes and returns the PRNG number in [0, 1)
+ * that sampler_sample() would draw now, or 0 without consuming one when greedy. */
+double sampler_next_uniform(struct sampler *s);
+
+/* Copies the ids the penalties look back over (the window of accepted ids, in no particular
+ * order, repeats kept) into ids[0 .. cap) and returns how many the window holds (when more than
+ * cap, only cap were copied). */
+size_t sampler_window(const struct sampler *s, int32_t *ids, size_t cap);
 
 /* Clears the history and reseeds the PRNG: the sampler behaves as just created. */
 void sampler_reset(struct sampler *s);
