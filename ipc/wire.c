@@ -220,6 +220,8 @@ static bool wire_check_load_plan(const struct wire_load_plan *p, struct wire_ver
                          p->max_batch);
     if (p->is_last && p->next_endpoint && p->next_endpoint[0])
         return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan is_last with a next_endpoint");
+    if (p->is_last && p->has_nccl_next)
+        return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan is_last with an nccl_next_id");
     if (p->n_residency && !p->residency)
         return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan residency array missing");
     for (size_t i = 0; i < p->n_residency; i++) {
@@ -286,7 +288,13 @@ static bool wire_msg_check(const struct wire_msg *m, struct wire_verdict *v)
     case WIRE_TYPE_LOAD_PLAN:
         return wire_check_load_plan(&m->load_plan, v);
     case WIRE_TYPE_STEP:
-        return wire_check_rows(m, m->step.n_tokens, m->step.n_embd, "step", v);
+        if (!m->step.via_nccl)
+            return wire_check_rows(m, m->step.n_tokens, m->step.n_embd, "step", v);
+        if (m->tensor_bytes || m->step.n_tokens == 0 || m->step.n_embd == 0)
+            return wire_fail(v, WIRE_REJECT_SHAPE, "step via nccl of %u x %u rows with a "
+                             "%zu-byte tensor frame (rows and width >= 1, no frame)",
+                             m->step.n_tokens, m->step.n_embd, m->tensor_bytes);
+        return true;
     case WIRE_TYPE_EXPERT_REQUEST:
         return wire_check_expert_request(m, v);
     case WIRE_TYPE_EXPERT_REPLY:
@@ -374,6 +382,10 @@ static void wire_build_load_plan(Lamina__LoadPlan *q, const struct wire_load_pla
     if (p->has_next_key)
         q->next_server_key = (ProtobufCBinaryData){WIRE_KEY_BYTES, (uint8_t *)p->next_server_key};
     q->lmhead = p->lmhead;
+    if (p->has_nccl_prev)
+        q->nccl_prev_id = (ProtobufCBinaryData){WIRE_NCCL_ID_BYTES, (uint8_t *)p->nccl_prev_id};
+    if (p->has_nccl_next)
+        q->nccl_next_id = (ProtobufCBinaryData){WIRE_NCCL_ID_BYTES, (uint8_t *)p->nccl_next_id};
 }
 
 /* Fills u from m for every type but LoadPlan. */
@@ -404,6 +416,7 @@ static void wire_build(union wire_pb *u, const struct wire_msg *m)
         u->step.step = m->step.step;
         u->step.all_logits = m->step.all_logits;
         u->step.n_embd = m->step.n_embd;
+        u->step.via_nccl = m->step.via_nccl;
         break;
     case WIRE_TYPE_EXPERT_REQUEST:
         lamina__expert_request__init(&u->expert_request);
@@ -575,9 +588,15 @@ static void wire_fill_load_plan(struct wire_load_plan *p, const Lamina__LoadPlan
         .n_vocab = q->n_vocab,
         .has_next_key = q->next_server_key.len == WIRE_KEY_BYTES,
         .lmhead = q->lmhead,
+        .has_nccl_prev = q->nccl_prev_id.len == WIRE_NCCL_ID_BYTES,
+        .has_nccl_next = q->nccl_next_id.len == WIRE_NCCL_ID_BYTES,
     };
     if (p->has_next_key)
         memcpy(p->next_server_key, q->next_server_key.data, WIRE_KEY_BYTES);
+    if (p->has_nccl_prev)
+        memcpy(p->nccl_prev_id, q->nccl_prev_id.data, WIRE_NCCL_ID_BYTES);
+    if (p->has_nccl_next)
+        memcpy(p->nccl_next_id, q->nccl_next_id.data, WIRE_NCCL_ID_BYTES);
 }
 
 /* Copies the unpacked inner message pm into m's union; strings and arrays go to a. */
@@ -603,8 +622,8 @@ static void wire_fill(struct wire_msg *m, const ProtobufCMessage *pm, struct wir
     }
     case WIRE_TYPE_STEP: {
         const Lamina__Step *q = (const Lamina__Step *)pm;
-        m->step = (struct wire_step){q->seq_id,       q->pos,           q->n_tokens, q->step,
-                                     q->all_logits != 0, q->n_embd};
+        m->step = (struct wire_step){q->seq_id,       q->pos,    q->n_tokens,      q->step,
+                                     q->all_logits != 0, q->n_embd, q->via_nccl != 0};
         break;
     }
     case WIRE_TYPE_EXPERT_REQUEST: {
@@ -665,7 +684,8 @@ static const ProtobufCMessageDescriptor *wire_descriptor(enum wire_type type)
 }
 
 /* What must hold before an unpacked message can be copied into our structs: one count for
- * experts and counts, CURVE keys of 0 or WIRE_KEY_BYTES bytes. */
+ * experts and counts, CURVE keys of 0 or WIRE_KEY_BYTES bytes, NCCL ids of 0 or
+ * WIRE_NCCL_ID_BYTES bytes. */
 static bool wire_pb_is_copyable(enum wire_type type, const ProtobufCMessage *pm,
                                 struct wire_verdict *v)
 {
@@ -683,6 +703,14 @@ static bool wire_pb_is_copyable(enum wire_type type, const ProtobufCMessage *pm,
     if (key != 0 && key != WIRE_KEY_BYTES)
         return wire_fail(v, WIRE_REJECT_FIELDS, "%s CURVE key of %zu bytes (0 or %d)",
                          wire_msg_type_name(type), key, WIRE_KEY_BYTES);
+    if (type == WIRE_TYPE_LOAD_PLAN) {
+        const Lamina__LoadPlan *q = (const Lamina__LoadPlan *)pm;
+        const size_t ids[2] = {q->nccl_prev_id.len, q->nccl_next_id.len};
+        for (int i = 0; i < 2; i++)
+            if (ids[i] != 0 && ids[i] != WIRE_NCCL_ID_BYTES)
+                return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan nccl_%s_id of %zu bytes "
+                                 "(0 or %d)", i ? "next" : "prev", ids[i], WIRE_NCCL_ID_BYTES);
+    }
     return true;
 }
 

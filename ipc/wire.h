@@ -20,7 +20,9 @@
  * arrays of different lengths (experts vs counts), zero counts or widths, or more than
  * WIRE_EXPERTS_MAX experts; a LoadPlan whose layer range is empty or past n_layers_total, whose
  * residency is not by strictly increasing layer inside the range, or whose bitmaps exceed
- * WIRE_BITMAP_MAX; CURVE keys of a length other than 0 or WIRE_KEY_BYTES; strings longer than
+ * WIRE_BITMAP_MAX; CURVE keys of a length other than 0 or WIRE_KEY_BYTES; NCCL unique ids of a
+ * length other than 0 or WIRE_NCCL_ID_BYTES, or an nccl_next_id on the last worker; a Step
+ * via_nccl that carries a tensor frame or has zero rows or width; strings longer than
  * their limit; a Result with neither token nor logits or a token outside [-1, n_vocab); a
  * Timing line containing a newline.
  *
@@ -48,7 +50,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define WIRE_VERSION 1                      /* Envelope.version of this build */
+#define WIRE_VERSION 2                      /* Envelope.version of this build (2: NCCL hand-off) */
 #define WIRE_ENVELOPE_MAX (256u * 1024)     /* largest envelope frame accepted, bytes */
 #define WIRE_MSG_MAX_DEFAULT (1ll << 30)    /* default ZMQ_MAXMSGSIZE per frame, bytes */
 #define WIRE_ID_MAX 255                     /* largest ZeroMQ routing id, bytes */
@@ -61,6 +63,7 @@
 #define WIRE_KEY_Z85_LEN 40                 /* CURVE key as Z85 text, without the NUL */
 #define WIRE_PATH_MAX 108                   /* longest ipc socket path incl. NUL (sun_path) */
 #define WIRE_NAME_MAX 32                    /* longest socket name in wire_endpoint_ipc */
+#define WIRE_NCCL_ID_BYTES 128              /* an NCCL unique id (NCCL_COMM_ID_BYTES), binary */
 
 /* Envelope.type; values are those of MsgType in proto/lamina.proto. */
 enum wire_type {
@@ -138,6 +141,10 @@ struct wire_load_plan {
     bool has_next_key; /* next_endpoint is tcp:// and its CURVE server key follows */
     uint8_t next_server_key[WIRE_KEY_BYTES];
     bool lmhead;       /* the output projection is charged to this device */
+    bool has_nccl_prev; /* hidden states come from the previous worker over NCCL (rank 1) */
+    uint8_t nccl_prev_id[WIRE_NCCL_ID_BYTES]; /* that pair's unique id */
+    bool has_nccl_next; /* hidden states go to the next worker over NCCL (rank 0) */
+    uint8_t nccl_next_id[WIRE_NCCL_ID_BYTES]; /* that pair's unique id */
 };
 
 struct wire_ready {
@@ -145,13 +152,14 @@ struct wire_ready {
     uint32_t resident_experts;
 };
 
-struct wire_step { /* tensor: n_tokens x n_embd f32 */
+struct wire_step { /* tensor: n_tokens x n_embd f32, or none when via_nccl */
     uint64_t seq_id;
     uint32_t pos; /* position of the first token */
     uint32_t n_tokens;
     uint64_t step;
     bool all_logits;
     uint32_t n_embd;
+    bool via_nccl; /* the rows come on the NCCL pair with the sender (no tensor frame) */
 };
 
 struct wire_expert_request { /* tensor: sum(counts) x n_embd f32, grouped by expert */

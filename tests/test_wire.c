@@ -11,6 +11,8 @@
  *     refused and the first socket keeps working, a closed peer makes the ROUTER's send fail,
  *     abstract and non-loopback tcp refused, the directory of a dead (forked) process swept,
  *     removal;
+ *   - NCCL hand-off fields: LoadPlan unique ids of 128 bytes arrive intact, other lengths are
+ *     refused, a last worker with a next id is refused; a Step via NCCL has no tensor frame;
  *   - CURVE over tcp://127.0.0.1: key generation and Z85 text, a client with the server's key
  *     gets through both ways, one with a wrong server key and a plain one do not;
  *   - ZMQ_MAXMSGSIZE: an oversized frame over ipc never reaches wire_recv;
@@ -83,8 +85,8 @@ static void samples_init(struct samples *s)
 }
 
 /* The sample of type t; variant 1 is a second shape where one exists (Result without logits,
- * LoadPlan of the last worker with NULL strings, no residency and no key, Hello without a
- * key). */
+ * LoadPlan of the last worker with NULL strings, no residency, no key and only a previous NCCL
+ * pair, Hello without a key, Step via NCCL without a tensor). */
 static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int variant,
                                   uint64_t seq)
 {
@@ -119,9 +121,15 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
             .n_embd = 2048,
             .n_vocab = 151936,
             .has_next_key = true,
+            .has_nccl_prev = true,
+            .has_nccl_next = true,
         };
         for (int i = 0; i < WIRE_KEY_BYTES; i++)
             m.load_plan.next_server_key[i] = (uint8_t)(255 - i);
+        for (int i = 0; i < WIRE_NCCL_ID_BYTES; i++) {
+            m.load_plan.nccl_prev_id[i] = (uint8_t)(i * 3 + 1);
+            m.load_plan.nccl_next_id[i] = (uint8_t)(200 - i);
+        }
         if (variant) {
             m.load_plan.residency = NULL;
             m.load_plan.n_residency = 0;
@@ -131,15 +139,18 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
             m.load_plan.kv_f16 = false;
             m.load_plan.has_next_key = false;
             memset(m.load_plan.next_server_key, 0, WIRE_KEY_BYTES);
+            m.load_plan.has_nccl_next = false; /* the last worker: only a previous pair */
+            memset(m.load_plan.nccl_next_id, 0, WIRE_NCCL_ID_BYTES);
         }
         break;
     case WIRE_TYPE_READY:
         m.ready = (struct wire_ready){(97ull << 30) + 5, 1234};
         break;
     case WIRE_TYPE_STEP:
-        m.step = (struct wire_step){0xfedcba9876543210ull, 4095, 3, 1ull << 40, true, N_EMBD};
-        m.tensor = s->hidden;
-        m.tensor_bytes = sizeof s->hidden;
+        m.step = (struct wire_step){0xfedcba9876543210ull, 4095, 3, 1ull << 40, true, N_EMBD,
+                                    variant != 0};
+        m.tensor = variant ? NULL : s->hidden;
+        m.tensor_bytes = variant ? 0 : sizeof s->hidden;
         break;
     case WIRE_TYPE_EXPERT_REQUEST:
         m.expert_request = (struct wire_expert_request){77, 31, s->experts, s->counts, 3, N_EMBD};
@@ -212,6 +223,11 @@ static void check_load_plan(const struct wire_msg *a, const struct wire_msg *b, 
     SAME(load_plan.has_next_key);
     CHECK(!memcmp(a->load_plan.next_server_key, b->load_plan.next_server_key, WIRE_KEY_BYTES),
           "%s load_plan next_server_key differs", where);
+    SAME(load_plan.has_nccl_prev);
+    SAME(load_plan.has_nccl_next);
+    CHECK(!memcmp(a->load_plan.nccl_prev_id, b->load_plan.nccl_prev_id, WIRE_NCCL_ID_BYTES) &&
+              !memcmp(a->load_plan.nccl_next_id, b->load_plan.nccl_next_id, WIRE_NCCL_ID_BYTES),
+          "%s load_plan nccl ids differ", where);
 }
 
 /* Checks that b (received) carries every field of a (sent). */
@@ -248,6 +264,7 @@ static void check_same(const struct wire_msg *a, const struct wire_msg *b, const
         SAME(step.step);
         SAME(step.all_logits);
         SAME(step.n_embd);
+        SAME(step.via_nccl);
         break;
     case WIRE_TYPE_EXPERT_REQUEST:
         SAME(expert_request.step);
@@ -381,7 +398,7 @@ static void test_round_trips(void *ctx, const char *ep, const char *label, bool 
     for (int t = WIRE_TYPE_FIRST; t <= WIRE_TYPE_LAST; t++) {
         for (int variant = 0; variant < 2; variant++) {
             if (variant && t != WIRE_TYPE_RESULT && t != WIRE_TYPE_LOAD_PLAN &&
-                t != WIRE_TYPE_HELLO)
+                t != WIRE_TYPE_HELLO && t != WIRE_TYPE_STEP)
                 continue;
             struct wire_msg m = sample_msg(&s, (enum wire_type)t, variant, 1000 + (uint64_t)t);
             round_trip_one(router, dealer, &m, label);
@@ -1303,6 +1320,108 @@ out:
     wire_socket_destroy(router);
 }
 
+/* ---- NCCL hand-off fields ------------------------------------------------------------------ */
+
+/* Sends one raw message and returns wire_recv's result; m is filled on 0 (caller frees). */
+static int raw_round(struct wire_socket *router, void *raw, struct raw *r, const uint8_t *tensor,
+                     struct wire_msg *m)
+{
+    uint8_t id[WIRE_ID_MAX];
+    size_t id_len = sizeof id;
+    raw_send(raw, r, tensor);
+    return wire_recv(router, m, id, &id_len, 1000);
+}
+
+/* LoadPlan NCCL ids: 128 bytes arrive intact, any other non-zero length is refused (fields);
+ * an nccl_next_id on the last worker is refused by wire_send; a Step via NCCL carries no
+ * tensor frame (one that does is refused both ways), and arrives without one. */
+static void test_nccl_fields(void *ctx)
+{
+    struct wire_socket *router = wire_socket_create(ctx, ZMQ_ROUTER, NULL);
+    void *raw = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(raw, ZMQ_LINGER, &zero, sizeof zero);
+    CHECK(router && raw && wire_socket_bind(router, "inproc://nccl") == 0 &&
+              zmq_connect(raw, "inproc://nccl") == 0,
+          "nccl field sockets");
+    static uint8_t tensor[4096], id[WIRE_NCCL_ID_BYTES + 8];
+    static struct raw r;
+    static struct pb pl;
+    for (size_t i = 0; i < sizeof id; i++)
+        id[i] = (uint8_t)(i ^ 0x5a);
+    log_set_level(LOG_LEVEL_ERROR); /* the rejections below warn */
+    const size_t sizes[] = {WIRE_NCCL_ID_BYTES, 0, 1, WIRE_NCCL_ID_BYTES - 1,
+                            WIRE_NCCL_ID_BYTES + 1, 32};
+    int refused = 0;
+    for (int field = 21; field <= 22; field++) {
+        for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+            enc_load_plan(&pl, 4, 8, 8, NULL, 0, 0, 64, false, "ipc:///a/b.sock");
+            pb_bytes(&pl, (unsigned)field, id, sizes[k]);
+            pb_envelope(&r.env, WIRE_VERSION, WIRE_TYPE_LOAD_PLAN, 1, &pl, 0);
+            r.tensor_frame = false;
+            r.tensor_n = 0;
+            r.extra_frames = 0;
+            struct wire_stats before = *wire_socket_stats(router);
+            struct wire_msg m;
+            int rc = raw_round(router, raw, &r, tensor, &m);
+            const bool good = sizes[k] == 0 || sizes[k] == WIRE_NCCL_ID_BYTES;
+            const struct wire_load_plan *p = &m.load_plan;
+            const bool has = field == 21 ? p->has_nccl_prev : p->has_nccl_next;
+            const uint8_t *got = field == 21 ? p->nccl_prev_id : p->nccl_next_id;
+            if (good)
+                CHECK(rc == 0 && has == (sizes[k] != 0) &&
+                          (!has || !memcmp(got, id, WIRE_NCCL_ID_BYTES)) &&
+                          (field == 21 ? !p->has_nccl_next : !p->has_nccl_prev),
+                      "nccl id field %d of %zu bytes: rc %d, has %d", field, sizes[k], rc, has);
+            else
+                CHECK(rc == -EPROTO && reject_reason(&before, wire_socket_stats(router)) ==
+                                           WIRE_REJECT_FIELDS,
+                      "nccl id field %d of %zu bytes refused: rc %d", field, sizes[k], rc);
+            refused += !good && rc == -EPROTO;
+            wire_msg_free(&m);
+        }
+    }
+    struct samples s;
+    samples_init(&s);
+    struct wire_msg m = sample_msg(&s, WIRE_TYPE_LOAD_PLAN, 0, 1);
+    struct wire_socket *dealer = wire_socket_create(ctx, ZMQ_DEALER, NULL);
+    m.load_plan.is_last = true;
+    m.load_plan.next_endpoint = NULL;
+    CHECK(dealer && wire_send(dealer, &m, NULL, 0) == -EINVAL,
+          "load_plan of the last worker with an nccl_next_id refused by wire_send");
+    m = sample_msg(&s, WIRE_TYPE_STEP, 1, 2);
+    m.tensor = s.hidden;
+    m.tensor_bytes = sizeof s.hidden;
+    CHECK(dealer && wire_send(dealer, &m, NULL, 0) == -EINVAL,
+          "step via nccl with a tensor refused by wire_send");
+    wire_socket_destroy(dealer);
+    for (int frame = 0; frame < 2; frame++) { /* raw: via_nccl with and without a frame */
+        enc_step(&pl, 3, N_EMBD);
+        pb_u(&pl, 7, 1);
+        r.tensor_frame = frame;
+        r.tensor_n = frame ? 3 * N_EMBD * 4 : 0;
+        pb_envelope(&r.env, WIRE_VERSION, WIRE_TYPE_STEP, 1, &pl, r.tensor_n);
+        struct wire_stats before = *wire_socket_stats(router);
+        struct wire_msg got;
+        int rc = raw_round(router, raw, &r, tensor, &got);
+        if (frame)
+            CHECK(rc == -EPROTO && reject_reason(&before, wire_socket_stats(router)) ==
+                                       WIRE_REJECT_SHAPE,
+                  "step via nccl with a tensor frame refused (shape): %d", rc);
+        else
+            CHECK(rc == 0 && got.step.via_nccl && got.step.n_tokens == 3 && !got.tensor &&
+                      got.tensor_bytes == 0,
+                  "step via nccl without a frame accepted: %d", rc);
+        wire_msg_free(&got);
+    }
+    log_set_level(LOG_LEVEL_INFO);
+    MEASURE("nccl fields: ids of 0 and %d bytes carried, %d wrong-size ids refused, step via "
+            "nccl without a tensor only", WIRE_NCCL_ID_BYTES, refused);
+    if (raw)
+        zmq_close(raw);
+    wire_socket_destroy(router);
+}
+
 /* ---- ZMQ_MAXMSGSIZE ------------------------------------------------------------------------ */
 
 static void test_max_msg_size(void *ctx, const char *dir)
@@ -1371,6 +1490,7 @@ int main(void)
     if (dir[0])
         test_timeouts_and_refusals(ctx, dir);
     test_curve(ctx);
+    test_nccl_fields(ctx);
     test_fuzz(ctx);
 
     struct stat st;
