@@ -117,6 +117,13 @@ test-gpu: all
 	@test -n "$(NVCC)" || { echo "test-gpu: nvcc not found"; exit 1; }
 	@BUILD=$(BUILD) SYS_GLOB='tests/gpu/sys_*.sh' sh tests/run.sh $(GPU_TESTS)
 
+# Two-GPU system tests (NCCL between two real devices); each says so and fails with exit 2
+# on a machine with fewer GPUs.
+.PHONY: test-gpu2
+test-gpu2: all
+	@test -n "$(NVCC)" || { echo "test-gpu2: nvcc not found"; exit 1; }
+	@BUILD=$(BUILD) SYS_GLOB='tests/gpu2/sys_*.sh' sh tests/run.sh
+
 clean:
 	rm -rf build
 

@@ -24,6 +24,7 @@
 #include "common/log.h"
 #include "coordinator/expert_pool.h"
 #include "coordinator/planner.h"
+#include "ipc/nccl.h"
 #include "ipc/shm.h"
 #include "ipc/wire.h"
 #include "kernels/cpu/threadpool.h"
@@ -33,6 +34,8 @@
 #define CLUSTER_DEAD_S 1.5            /* no heartbeat (sent every 0.25 s) for this long: dead */
 #define CLUSTER_POLL_MS 50            /* step loop granularity */
 #define CLUSTER_SHUTDOWN_WAIT_S 1.0   /* SHUTDOWN -> SIGKILL */
+
+_Static_assert(WIRE_NCCL_ID_BYTES == NCCL_COMM_ID_BYTES, "NCCL unique id size");
 
 struct cluster_worker {
     int index;
@@ -47,6 +50,8 @@ struct cluster_worker {
     uint8_t **bitmaps;         /* per layer in range: residency bitmap */
     bool *trunk, *shexp;       /* per layer in range: projections / shared expert on device */
     bool lmhead;               /* output projection charged here */
+    bool nccl_next;            /* hands hidden states to worker index + 1 over NCCL */
+    uint8_t nccl_next_id[WIRE_NCCL_ID_BYTES]; /* that pair's unique id */
     uint32_t resident;         /* experts held, as reported */
     uint64_t mem_used;         /* bytes, as reported */
     double last_heartbeat;     /* time of the last heartbeat */
@@ -55,7 +60,7 @@ struct cluster_worker {
     /* summary of TIMING lines */
     uint64_t steps, tokens;
     double ms_total, ms_attn, ms_deltanet, ms_router, ms_experts, ms_cpu_wait, ms_shared;
-    double ms_send, ms_recv_wait;
+    double ms_send, ms_recv_wait, ms_handoff;
     uint64_t experts_local, experts_cpu;
 };
 
@@ -71,6 +76,7 @@ struct cluster {
     struct wire_keypair keys;
     bool curve;
     struct shm_segment *shm;
+    struct nccl_lib *nccl;              /* NCCL for the pairs' unique ids, or NULL */
     struct expert_ref **refs;           /* per layer, pool's view of shm */
     struct expert_pool *pool;
     float *reply;                       /* expert reply rows */
@@ -86,6 +92,105 @@ static double cl_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- hand-off ---- */
+
+/* Device index of a "cuda:N" worker, or -1 for any other backend. */
+static int cl_cuda_device(const char *backend)
+{
+    if (!backend || strncmp(backend, "cuda:", 5))
+        return -1;
+    char *end;
+    long v = strtol(backend + 5, &end, 10);
+    return end != backend + 5 && !*end && v >= 0 && v < INT_MAX ? (int)v : -1;
+}
+
+/* Marks the pairs that hand hidden states over NCCL (cluster.h); why gets the reason a pair
+ * does not, in words. Returns the number of pairs, or -EINVAL (logged) when "nccl" is asked of
+ * two workers on one device. */
+static int cl_handoff_pairs(struct cluster *c, bool required, char *why, size_t cap)
+{
+    int pairs = 0;
+    snprintf(why, cap, "a single worker has no one to hand over to");
+    for (int i = 0; i + 1 < c->n; i++) {
+        const char *ba = c->cfg.backends[i], *bb = c->cfg.backends[i + 1];
+        const int a = cl_cuda_device(ba), b = cl_cuda_device(bb);
+        if (a < 0 || b < 0) {
+            snprintf(why, cap, "workers %d and %d run on %s and %s", i, i + 1, ba ? ba : "cpu",
+                     bb ? bb : "cpu");
+        } else if (!c->cfg.spawn) {
+            snprintf(why, cap, "workers started by hand may be on other hosts");
+        } else if (a == b && required) {
+            log_error("--handoff nccl: workers %d and %d are both on cuda:%d, and NCCL cannot "
+                      "join two ranks of one device", i, i + 1, a);
+            return -EINVAL;
+        } else if (a == b) {
+            snprintf(why, cap, "workers %d and %d share cuda:%d", i, i + 1, a);
+        } else {
+            c->w[i].nccl_next = true;
+            pairs++;
+        }
+    }
+    return pairs;
+}
+
+/* Decides the hand-off of every pair of consecutive workers and loads NCCL where it is used
+ * (cluster.h). Returns 0, or -EINVAL / -ENOTSUP after logging why "nccl" cannot be had. */
+static int cl_handoff_plan(struct cluster *c)
+{
+    const char *mode = c->cfg.handoff ? c->cfg.handoff : "zmq";
+    const bool required = !strcmp(mode, "nccl");
+    if (!required && strcmp(mode, "auto")) {
+        if (strcmp(mode, "zmq")) {
+            log_error("--handoff '%s' must be nccl, zmq or auto", mode);
+            return -EINVAL;
+        }
+        return 0;
+    }
+    char why[192];
+    int pairs = cl_handoff_pairs(c, required, why, sizeof(why));
+    if (pairs < 0)
+        return pairs;
+    if (pairs == 0 && required) {
+        log_error("--handoff nccl needs two consecutive workers on different CUDA devices of "
+                  "this host (cuda:N, started by this coordinator), but %s", why);
+        return -EINVAL;
+    }
+    if (pairs == 0) {
+        log_info("hand-off: zmq (auto: %s)", why);
+        return 0;
+    }
+    c->nccl = nccl_lib_open(!required);
+    if (!c->nccl) {
+        for (int i = 0; i < c->n; i++)
+            c->w[i].nccl_next = false;
+        if (required) {
+            log_error("--handoff nccl: NCCL cannot be loaded (LAMINA_NCCL_LIB names the library "
+                      "to use)");
+            return -ENOTSUP;
+        }
+        log_warn("hand-off: zmq (auto: libnccl.so.2 cannot be loaded; LAMINA_NCCL_LIB names it)");
+        return 0;
+    }
+    for (int i = 0; i + 1 < c->n; i++)
+        log_info("hand-off worker %d -> %d: %s (%s -> %s)", i, i + 1,
+                 c->w[i].nccl_next ? "nccl" : "zmq", c->cfg.backends[i], c->cfg.backends[i + 1]);
+    return 0;
+}
+
+/* One unique id per NCCL pair, made once the workers have started (the id's bootstrap root
+ * is a listening thread of this process, not to be inherited by them). */
+static int cl_handoff_ids(struct cluster *c)
+{
+    for (int i = 0; i + 1 < c->n; i++) {
+        if (!c->w[i].nccl_next)
+            continue;
+        int rc = nccl_lib_unique_id(c->nccl, c->w[i].nccl_next_id);
+        if (rc)
+            return rc;
+    }
+    return 0;
 }
 
 /* ---- layer split and residency ---- */
@@ -528,6 +633,7 @@ static void cl_timing(struct cluster *c, int i, const char *json)
     w->ms_shared += cl_json_num(json, "shared_expert");
     w->ms_send += cl_json_num(json, "send");
     w->ms_recv_wait += cl_json_num(json, "recv_wait");
+    w->ms_handoff += cl_json_num(json, "handoff");
     w->experts_local += (uint64_t)cl_json_num(json, "hit");
     w->experts_cpu += (uint64_t)cl_json_num(json, "cpu");
     if (c->timings)
@@ -537,16 +643,21 @@ static void cl_timing(struct cluster *c, int i, const char *json)
 void cluster_print_summary(const struct cluster *c, FILE *out)
 {
     fprintf(out, "| worker | layers | steps | tokens | total ms | attn | deltanet | router | "
-                 "experts | cpu wait | shared | send | recv wait | experts local/cpu |\n");
-    fprintf(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+                 "experts | cpu wait | shared | send | recv wait | handoff | experts local/cpu "
+                 "|\n");
+    fprintf(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     for (int i = 0; i < c->n; i++) {
         const struct cluster_worker *w = &c->w[i];
+        char handoff[32] = "-"; /* the last worker hands nothing on */
+        if (i + 1 < c->n)
+            snprintf(handoff, sizeof(handoff), "%.1f %s", w->ms_handoff,
+                     w->nccl_next ? "nccl" : "zmq");
         fprintf(out, "| %d | %u-%u | %llu | %llu | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
-                     "%.1f | %.1f | %.1f | %llu/%llu |\n",
+                     "%.1f | %.1f | %.1f | %s | %llu/%llu |\n",
                 i, w->l0, w->l1 - 1, (unsigned long long)w->steps,
                 (unsigned long long)w->tokens, w->ms_total, w->ms_attn, w->ms_deltanet,
                 w->ms_router, w->ms_experts, w->ms_cpu_wait, w->ms_shared, w->ms_send,
-                w->ms_recv_wait, (unsigned long long)w->experts_local,
+                w->ms_recv_wait, handoff, (unsigned long long)w->experts_local,
                 (unsigned long long)w->experts_cpu);
     }
     fprintf(out, "CPU expert pool: %.1f ms busy, %llu rows\n",
@@ -838,6 +949,14 @@ static int cl_send_plan(struct cluster *c, int i)
         msg.load_plan.has_next_key = true;
         memcpy(msg.load_plan.next_server_key, c->w[i + 1].key, WIRE_KEY_BYTES);
     }
+    if (i > 0 && c->w[i - 1].nccl_next) {
+        msg.load_plan.has_nccl_prev = true;
+        memcpy(msg.load_plan.nccl_prev_id, c->w[i - 1].nccl_next_id, WIRE_NCCL_ID_BYTES);
+    }
+    if (w->nccl_next) {
+        msg.load_plan.has_nccl_next = true;
+        memcpy(msg.load_plan.nccl_next_id, w->nccl_next_id, WIRE_NCCL_ID_BYTES);
+    }
     int rc = cl_send(c, i, &msg);
     free(res);
     return rc;
@@ -865,7 +984,9 @@ static int cl_data_endpoints(struct cluster *c)
 
 static int cl_start(struct cluster *c)
 {
-    int rc;
+    int rc = cl_handoff_plan(c);
+    if (rc)
+        return rc;
     if (cl_use_planner(c)) {
         rc = cl_plan(c);
     } else {
@@ -880,6 +1001,7 @@ static int cl_start(struct cluster *c)
     for (int i = 0; i < c->n && !rc && c->cfg.spawn; i++)
         rc = cl_spawn(c, i);
     rc = rc ? rc : cl_wait_all(c, false, c->cfg.spawn ? CLUSTER_HELLO_TIMEOUT_S : 3600);
+    rc = rc ? rc : cl_handoff_ids(c);
     for (int i = 0; i < c->n && !rc; i++)
         rc = cl_send_plan(c, i);
     rc = rc ? rc : cl_wait_all(c, true, CLUSTER_READY_TIMEOUT_S);
@@ -979,6 +1101,7 @@ void cluster_destroy(struct cluster *c)
         free(c->refs[l]);
     free(c->refs);
     shm_destroy(c->shm);
+    nccl_lib_close(c->nccl);
     for (int i = 0; i < c->n; i++) {
         for (uint32_t l = 0; c->w[i].bitmaps && l < c->w[i].l1 - c->w[i].l0; l++)
             free(c->w[i].bitmaps[l]);

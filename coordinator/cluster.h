@@ -11,6 +11,14 @@
  * the step with an error naming it, and on destroy shuts every worker down,
  * kills what is left, unlinks the segment and removes the runtime directory.
  *
+ * Hand-off of hidden states between consecutive workers (cfg.handoff): "zmq" sends them in
+ * the Step message; "nccl" hands them device to device over an NCCL pair for every two
+ * consecutive workers on different CUDA devices of this host (workers this coordinator
+ * starts), ZeroMQ elsewhere, and is refused when there is no such pair or NCCL does not load;
+ * "auto" is "nccl" where it can be and "zmq" otherwise, saying so in the log. The coordinator
+ * makes one NCCL unique id per pair and sends it in both workers' plans (ipc/nccl.h); the
+ * pair's bootstrap then runs on a thread of this process until both have joined.
+ *
  * Called from the coordinator's main thread only; it owns the ZeroMQ
  * context it creates.
  */
@@ -50,6 +58,7 @@ struct cluster_config {
     const char *worker_bin;        /* lamina-worker path; NULL: next to this executable */
     const char *timings_path;      /* JSON lines of every step, or NULL */
     double hang_timeout_s;         /* no layer progress for this long in a step: hung (30) */
+    const char *handoff;           /* "zmq" (default when NULL), "nccl" or "auto" (above) */
 };
 
 struct cluster;

@@ -75,6 +75,9 @@ static const char usage[] =
     "  --listen tcp://H:P      bind on TCP with CURVE and wait for lamina-worker processes\n"
     "  --worker-threads N      compute threads per worker (default: cores / workers)\n"
     "  --hang-timeout S        a worker making no progress for S seconds has failed (30)\n"
+    "  --handoff zmq|nccl|auto hidden states between consecutive workers: ZeroMQ (default),\n"
+    "                          NCCL between workers on different CUDA devices of this host\n"
+    "                          (refused where there are none), or auto: NCCL where it can\n"
     "\n"
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
@@ -343,6 +346,14 @@ static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, b
     }
     if (!strcmp(a, "--worker-threads"))
         return cli_int(c, 1, 1024, &cl->worker_threads);
+    if (!strcmp(a, "--handoff")) {
+        if (cli_value(c, &cl->handoff))
+            return -EINVAL;
+        if (strcmp(cl->handoff, "zmq") && strcmp(cl->handoff, "nccl") &&
+            strcmp(cl->handoff, "auto"))
+            return cli_fail(c, "--handoff '%s' must be zmq, nccl or auto", cl->handoff);
+        return 0;
+    }
     if (!strcmp(a, "--hang-timeout")) {
         float t;
         if (cli_float(c, 0.1, 86400, &t))

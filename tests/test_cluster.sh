@@ -12,7 +12,10 @@
 #   5. kill -9 of the coordinator: workers gone within 10 s, next run clean;
 #   6. SIGINT: clean exit, nothing left;
 #   7. tcp:// with CURVE and hand-started workers: same logits as ipc;
-#   8. bad command lines: clear errors.
+#   8. bad command lines: clear errors;
+#   9. NCCL hand-off, CPU side: --handoff nccl refused on CPU workers, on two workers of one
+#      card and where libnccl.so.2 cannot be loaded; --handoff auto falls back to ZeroMQ with
+#      a log line saying why, with logits byte-identical to --inproc; timing lines name it.
 set -u
 BUILD=${BUILD:-build}
 L=$BUILD/lamina
@@ -254,6 +257,53 @@ $L run -m "$T/tiny.gguf" -p hi --devices cpu,cpu --layers 0-1,3-3 >/dev/null 2>"
 $L run -m "$T/tiny.gguf" -p hi --devices cpu --device-mem 1K --resident all >/dev/null 2>"$T/err"
 [ $? -ne 0 ] && grep -q "budget" "$T/err" && ok "too small --device-mem rejected" || fail "device-mem: $(grep error "$T/err" | head -1)"
 check_clean "bad command lines" "$$"
+
+# 9. NCCL hand-off, CPU side (the GPU side is tests/gpu2/sys_nccl_handoff.sh)
+ids=5,17,99,3,250,42,7,7,301,12,64,128
+one="-m $T/tiny.gguf --prompt-ids $ids -n 6 --greedy --no-echo"
+$L run $one --inproc --dump-logits "$T/ref9.npy" >"$T/ref9.txt" 2>/dev/null
+$L run $one --devices cpu,cpu --handoff nccl >/dev/null 2>"$T/err"
+[ $? -ne 0 ] && grep -q "handoff nccl needs two consecutive workers on different CUDA devices.*run on cpu and cpu" "$T/err" &&
+    ok "--handoff nccl on CPU workers refused: $(grep -o 'handoff nccl needs.*' "$T/err")" ||
+    fail "--handoff nccl on CPU workers: $(grep error "$T/err" | head -1)"
+$L run $one --devices cpu,cpu --handoff udp >/dev/null 2>"$T/err"
+[ $? -ne 0 ] && grep -q "must be zmq, nccl or auto" "$T/err" && ok "bad --handoff rejected" ||
+    fail "bad --handoff: $(head -1 "$T/err")"
+for mode in zmq auto; do
+    LAMINA_LOG=info $L run $one --devices cpu,cpu --resident 50% --handoff $mode --dump-logits "$T/out9.npy" \
+        --timings "$T/t9.jsonl" >"$T/out9.txt" 2>"$T/err"
+    rc=$?
+    said=yes
+    [ $mode = auto ] && ! grep -q "hand-off: zmq (auto: workers 0 and 1 run on cpu and cpu)" "$T/err" && said=no
+    if [ $rc -eq 0 ] && [ $said = yes ] && cmp -s "$T/ref9.npy" "$T/out9.npy" &&
+        cmp -s "$T/ref9.txt" "$T/out9.txt" && grep -q '"worker":0,.*"handoff_via":"zmq",.*"handoff":' "$T/t9.jsonl" &&
+        grep -q '"worker":1,.*"handoff_via":"none"' "$T/t9.jsonl"; then
+        ok "--handoff $mode on CPU workers: ZeroMQ, logits byte-identical to --inproc"
+    else
+        fail "--handoff $mode on CPU workers: rc $rc, said $said: $(grep error "$T/err" | head -1)"
+    fi
+done
+# CUDA workers (CUDA builds): the coordinator decides before it starts any worker, so this runs
+# without a GPU; a missing library is simulated with LAMINA_NCCL_LIB
+if ! $L run $one --devices cuda:0 --handoff zmq 2>&1 | grep -q "not available in this build"; then
+    nolib=$T/none/libnccl.so.2
+    LAMINA_NCCL_LIB=$nolib LAMINA_LOG=info $L run $one --devices cuda:0,cuda:1 --handoff nccl >/dev/null 2>"$T/err"
+    [ $? -ne 0 ] && grep -q "handoff nccl: NCCL cannot be loaded" "$T/err" && grep -q "tried $nolib" "$T/err" &&
+        ! grep -q "started worker" "$T/err" &&
+        ok "--handoff nccl without libnccl.so.2: refused before any worker starts" ||
+        fail "--handoff nccl without libnccl: $(grep error "$T/err" | head -2)"
+    LAMINA_NCCL_LIB=$nolib LAMINA_LOG=info timeout -s KILL 120 $L run $one --devices cuda:0,cuda:1 --handoff auto \
+        >/dev/null 2>"$T/err"
+    grep -q "hand-off: zmq (auto: libnccl.so.2 cannot be loaded" "$T/err" &&
+        ok "--handoff auto without libnccl.so.2: falls back to ZeroMQ, logged" ||
+        fail "--handoff auto without libnccl: $(grep -i 'hand-off\|error' "$T/err" | head -2)"
+    $L run $one --devices cuda:0,cuda:0 --handoff nccl >/dev/null 2>"$T/err"
+    [ $? -ne 0 ] && grep -q "cannot join two ranks of one device" "$T/err" &&
+        ok "--handoff nccl on one card refused" || fail "--handoff nccl on one card: $(grep error "$T/err" | head -1)"
+else
+    echo "skip: CUDA workers (this build has no CUDA)"
+fi
+check_clean "handoff" "$$"
 
 echo "test_cluster: $fails failure(s)"
 [ $fails -eq 0 ]

@@ -4,7 +4,8 @@
 The dump holds one JSON object per line per worker per step (docs/timings.md
 describes every key). This script reads it, prints a per-worker summary table
 (steps, tokens, milliseconds per stage, experts by path, bytes moved) and,
-with -o, draws a PNG with two panels:
+with -o, draws a PNG with two panels (the hand-off times, "handoff" and
+"handoff_in", overlap the stages, so they are columns of the table only):
 
   (a) a timeline: one row per worker; each step is a segment as long as its
       "total" milliseconds, split by stage, laid end to end in the order the
@@ -34,6 +35,10 @@ STAGES = ["attn", "deltanet", "router", "experts_gpu", "experts_page_in",
 OTHER = "other"
 PATHS = ["hit", "paged", "in_place", "cpu"]
 BYTES = ["h2d", "nccl"]
+# Hand-off to the next worker and NCCL receive from the previous one (ms): not stages, since
+# they overlap them ("handoff" over ZeroMQ is the "send" stage; over NCCL it runs inside the
+# layers' stream, as does "handoff_in").
+HANDOFF = ["handoff", "handoff_in"]
 
 # One fixed colour per stage so that figures compare across runs.
 COLORS = {
@@ -67,10 +72,14 @@ class Worker:
         self.ms = dict.fromkeys(STAGES + [OTHER, "total"], 0.0)
         self.experts = dict.fromkeys(PATHS, 0)
         self.bytes = dict.fromkeys(BYTES, 0)
+        self.handoff = dict.fromkeys(HANDOFF, 0.0)
+        self.via = "-"           # "nccl", "zmq" or "none" (last worker), as last reported
 
     def add(self, rec):
         if isinstance(rec.get("device"), str):
             self.device = rec["device"]
+        if isinstance(rec.get("handoff_via"), str):
+            self.via = rec["handoff_via"]
         lay = rec.get("layers")
         if (isinstance(lay, list) and len(lay) == 2 and
                 all(isinstance(x, int) and not isinstance(x, bool) for x in lay)):
@@ -91,6 +100,8 @@ class Worker:
             self.experts[p] += int(num(rec.get("experts"), p))
         for b in BYTES:
             self.bytes[b] += int(num(rec.get("bytes"), b))
+        for h in HANDOFF:
+            self.handoff[h] += num(ms, h)
 
     def label(self):
         lay = "" if self.layers is None else " L%d-%d" % (self.layers[0], self.layers[1] - 1)
@@ -136,8 +147,10 @@ def print_summary(workers, counts, out):
     cols = ["worker", "device", "layers", "steps", "tokens", "total ms"]
     cols += [short.get(s, s) for s in STAGES] + [OTHER]
     cols += ["experts hit/paged/in_place/cpu", "h2d MiB", "nccl MiB"]
+    cols += ["handoff via", "handoff ms", "handoff in ms"]
+    text = (0, 1, 2, len(cols) - 6, len(cols) - 3)
     out.write("| " + " | ".join(cols) + " |\n")
-    out.write("|" + "|".join("---" if i < 3 or i == len(cols) - 3 else "---:"
+    out.write("|" + "|".join("---" if i in text else "---:"
                              for i in range(len(cols))) + "|\n")
     for w in workers:
         lay = "?" if w.layers is None else "%d-%d" % (w.layers[0], w.layers[1] - 1)
@@ -146,6 +159,7 @@ def print_summary(workers, counts, out):
         row += ["%.1f" % w.ms[s] for s in STAGES + [OTHER]]
         row += ["/".join(str(w.experts[p]) for p in PATHS)]
         row += ["%.1f" % (w.bytes[b] / 1048576.0) for b in BYTES]
+        row += [w.via] + ["%.1f" % w.handoff[h] for h in HANDOFF]
         out.write("| " + " | ".join(row) + " |\n")
     out.write("%d lines: %d worker records, %d other records, %d unparsable, %d blank\n" %
               (counts["lines"], counts["records"], counts["not_worker"],
