@@ -3,19 +3,25 @@
 #
 # Here (a machine with nvcc, libzmq and protobuf-c):
 #   tools/device-check.sh stage
-#     builds everything (make all), copies the binaries into .devbin/, the
+#     builds the binaries and GPU tests, copies them into .devbin/, the
 #     Debian packages of libzmq, protobuf-c and their dependencies into
 #     .devdebs/ (the GPU machine lacks them), and the conformance fixtures into
-#     .fixtures/. All three are ignored by git (.git/info/exclude) and travel
-#     with the device call's `carry`.
+#     .fixtures/, and packs .devbin and .fixtures into .devpack.tar.xz. All
+#     are ignored by git (.git/info/exclude); the call carries
+#     .devpack.tar.xz and .devdebs (run unpacks the pack).
 # There (the device call runs it from the repository root; logs go to $OUT):
-#   tools/device-check.sh run [tests] [bench] [llama]
-#     tests  run every GPU test (what `make test-gpu` runs) from .devbin/
-#     bench  write an 80b-a3b-shaped q4_0 model (lamina gen-model) and run
-#            `lamina bench` on it, fully resident on the GPU
-#     llama  build llama.cpp from .peer/llama.cpp (a copy of its public source
-#            made by hand, never committed) in the background into .peerbuild/,
-#            and run llama-bench -ngl 99 on the same file once it is built
+#   tools/device-check.sh run [tests] [bench] [profile] [llama]
+#     tests    run every GPU test (what `make test-gpu` runs) from .devbin/
+#     bench    write an 80b-a3b-shaped q4_0 model (lamina gen-model) and run
+#              `lamina bench` on it, fully resident on the GPU
+#     profile  the same model with LAMINA_CUDA_PROFILE=1: kernels one by one,
+#              time per kernel kind (decode and prefill) in $OUT/profile.txt
+#     place    the placement benchmark (tools/bench-place.sh) at PLACE_BUDGETS
+#     llama    run llama-bench -ngl 99 on the same file, from
+#              .peerbuild/bin/llama-bench: llama.cpp built by hand from its
+#              public source on that machine (nothing here builds it)
+# Staging builds for sm_90 only (BUILD=build-dev) and strips the binaries, so
+# that the call's carry stays under its size limit.
 # The last lines printed are a short summary table.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -24,12 +30,18 @@ OUT=${OUT:-/tmp/lamina-device-out}
 mkdir -p "$OUT"
 
 stage() {
-    make -j"$(nproc)" all || exit 1
+    local B=build-dev
+    local gpu_tests
+    gpu_tests=$(ls tests/gpu/test_*.c | sed "s|^tests/gpu/\(.*\)\.c$|$B/tests/gpu/\1|")
+    # shellcheck disable=SC2086
+    make -j"$(nproc)" BUILD=$B CUDA_ARCHS="-gencode=arch=compute_90,code=sm_90" \
+        $B/lamina $B/lamina-worker $B/tools/bench_ipc $gpu_tests || exit 1
     rm -rf .devbin && mkdir -p .devbin/tests/gpu .devbin/tools
-    cp build/lamina build/lamina-worker .devbin/
-    cp build/tests/gpu/test_* .devbin/tests/gpu/ 2>/dev/null
+    cp $B/lamina $B/lamina-worker .devbin/
+    cp $B/tests/gpu/test_* .devbin/tests/gpu/ 2>/dev/null
     rm -f .devbin/tests/gpu/*.o .devbin/tests/gpu/*.d
-    cp build/tools/bench_ipc .devbin/tools/ 2>/dev/null
+    cp $B/tools/bench_ipc .devbin/tools/ 2>/dev/null
+    strip .devbin/lamina .devbin/lamina-worker .devbin/tests/gpu/* .devbin/tools/* 2>/dev/null
     mkdir -p .devdebs
     if ! ls .devdebs/libzmq5_*.deb >/dev/null 2>&1; then
         (cd .devdebs && apt-get download libzmq5 libsodium23 libpgm-5.3-0 libnorm1 \
@@ -47,10 +59,17 @@ stage() {
     for d in .devbin .devdebs .fixtures; do
         grep -qx "/$d/" .git/info/exclude || echo "/$d/" >>.git/info/exclude
     done
-    du -sh .devbin .devdebs .fixtures
+    grep -qx "/.devpack.tar.xz" .git/info/exclude || echo "/.devpack.tar.xz" >>.git/info/exclude
+    # one compressed file for the carry (its limit is 64 MiB; the CUDA fat
+    # binaries and f32 fixtures shrink about 3x)
+    tar -cf - .devbin .fixtures | xz -T2 -6 >.devpack.tar.xz
+    du -sh .devbin .devdebs .fixtures .devpack.tar.xz
 }
 
 libs() {
+    if [ -f .devpack.tar.xz ]; then
+        tar -xJf .devpack.tar.xz || { echo "device-check: cannot unpack .devpack.tar.xz"; exit 1; }
+    fi
     mkdir -p /tmp/devlib
     for f in .devdebs/*.deb; do dpkg -x "$f" /tmp/devlib; done
     export LD_LIBRARY_PATH=/tmp/devlib/usr/lib/x86_64-linux-gnu:/tmp/devlib/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -58,29 +77,23 @@ libs() {
     export NCCL_NVLS_ENABLE=0
 }
 
-llama_build() {
-    [ -x .peerbuild/bin/llama-bench ] && return 0
-    [ -d .peer/llama.cpp ] || { echo "llama: no .peer/llama.cpp"; return 1; }
-    setsid bash -c "cmake -S .peer/llama.cpp -B .peerbuild -DGGML_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-        >$ROOT/.peerbuild.log 2>&1 && cmake --build .peerbuild -j 14 --target llama-bench \
-        >>$ROOT/.peerbuild.log 2>&1; echo done >>$ROOT/.peerbuild.log" </dev/null &
-}
-
+# The call brings back few files: every test's log goes into tests.log,
+# machine facts into machine.txt.
 tests() {
-    nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
-    local pass=0 fail=0
-    .devbin/tools/bench_ipc -n 10000 2>&1 | tee "$OUT/bench-ipc.txt"
+    { nvidia-smi; df -h /dev/shm; .devbin/tools/bench_ipc -n 10000; } >>"$OUT/machine.txt" 2>&1
+    local pass=0 fail=0 log=/tmp/devcheck-test.log
     for t in .devbin/tests/gpu/test_*; do
         [ -x "$t" ] || continue
         n=$(basename "$t")
-        if timeout 240 "$t" >"$OUT/$n.log" 2>&1; then
+        # TESTS="test_a test_b" runs only those
+        [ -z "${TESTS:-}" ] || [[ " $TESTS " == *" $n "* ]] || continue
+        if timeout 240 "$t" >$log 2>&1; then
             pass=$((pass + 1)); echo "PASS $n"
         else
-            fail=$((fail + 1)); echo "FAIL $n"; tail -n 15 "$OUT/$n.log"
+            fail=$((fail + 1)); echo "FAIL $n"; tail -n 15 $log
         fi
-        grep '^\[measure\]' "$OUT/$n.log" | sed 's/^/    /' | head -40
+        { echo "==== $n"; cat $log; } >>"$OUT/tests.log"
+        grep '^\[measure\]' $log | sed 's/^/    /' | head -40
     done
     echo "gpu tests: $pass passed, $fail failed"
 }
@@ -91,18 +104,33 @@ bench() {
     grep -qx "/.models/" .git/info/exclude 2>/dev/null || true
     [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
         --seed 1 --threads 14 -o $m 2>&1 | tail -2
-    df -h /dev/shm >"$OUT/shm.txt" 2>&1
-    .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc --backend cuda:0 --no-membw 2>&1 |
+    LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc --backend cuda:0 --no-membw 2>&1 |
         tee "$OUT/bench-lamina.txt" | grep -v " info: "
-    LAMINA_LOG=info .devbin/lamina run -m $m -p "The quick brown fox" -n 32 --inproc 2>&1 |
-        tail -3 >"$OUT/run-cpu.txt"
+}
+
+# Placement benchmark (issue 5): tools/bench-place.sh at the budgets in
+# PLACE_BUDGETS (default 8G), llama-bench --n-cpu-moe where a binary is there.
+place() {
+    local m=.models/q3n-80b-q4_0.gguf
+    mkdir -p .models
+    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
+        --seed 1 --threads 14 -o $m 2>&1 | tail -2
+    .devbin/lamina-worker --probe cuda:0 | tee -a "$OUT/machine.txt"
+    OUT=$OUT/place BUDGETS="${PLACE_BUDGETS:-8G}" \
+        LLAMA_BENCH=$([ -x .peerbuild/bin/llama-bench ] && echo "$ROOT/.peerbuild/bin/llama-bench") \
+        tools/bench-place.sh $m .devbin
+}
+
+profile() {
+    local m=.models/q3n-80b-q4_0.gguf
+    LAMINA_CUDA_PROFILE=1 LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 16 -r 1 \
+        --inproc --backend cuda:0 --no-membw >"$OUT/profile.txt" 2>&1
+    grep -A40 "cuda profile" "$OUT/profile.txt" | sed 's/^.*info: //' | head -60
 }
 
 llama_bench() {
-    local m=.models/q3n-80b-q4_0.gguf i=0
-    while ! grep -q '^done' .peerbuild.log 2>/dev/null && [ $i -lt 300 ]; do sleep 2; i=$((i + 1)); done
-    cp .peerbuild.log "$OUT/llama-build.log" 2>/dev/null
-    [ -x .peerbuild/bin/llama-bench ] || { echo "llama-bench not built"; tail -5 .peerbuild.log; return 1; }
+    local m=.models/q3n-80b-q4_0.gguf
+    [ -x .peerbuild/bin/llama-bench ] || { echo "llama: no .peerbuild/bin/llama-bench"; return 1; }
     .peerbuild/bin/llama-bench -m $m -ngl 99 -p 512 -n 128 -r 3 2>&1 | tee "$OUT/bench-llama.txt"
 }
 
@@ -111,18 +139,19 @@ stage) stage ;;
 run)
     shift
     libs
-    for step in "$@"; do [ "$step" = llama ] && llama_build; done
     for step in "$@"; do
         case $step in
         tests) tests ;;
         bench) bench ;;
+        profile) profile ;;
+        place) place ;;
         llama) llama_bench ;;
         *) echo "device-check: unknown step $step" ;;
         esac
     done
     ;;
 *)
-    echo "usage: tools/device-check.sh stage | run [tests] [bench] [llama]" >&2
+    echo "usage: tools/device-check.sh stage | run [tests] [bench] [profile] [place] [llama]" >&2
     exit 2
     ;;
 esac

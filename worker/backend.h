@@ -14,10 +14,23 @@
 #define WORKER_BACKEND_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "model/arch.h"
 #include "worker/forward.h"
+
+/* Device-to-device hand-off of the hidden state between consecutive GPU
+ * workers (NCCL). When recv is set, layers() takes its n input rows from
+ * recv into the backend's device buffer (enqueued on its stream; h is not
+ * read); when send is set, it gives its n output rows to send from that
+ * buffer (h is not written). Both return 0 or a negative errno; `stream` is
+ * the backend's cudaStream_t. Backends without device memory refuse them. */
+struct backend_handoff {
+    int (*recv)(void *ctx, void *d_buf, size_t bytes, void *stream);
+    int (*send)(void *ctx, const void *d_buf, size_t bytes, void *stream);
+    void *ctx;
+};
 
 struct backend_config {
     const struct arch_model *model;   /* borrowed; outlives the backend */
@@ -40,6 +53,7 @@ struct backend_config {
     const bool *shexp_on_device;
     bool lmhead;
     struct forward_remote remote;     /* for the experts not held */
+    struct backend_handoff handoff;   /* device hand-off (cuda only), or zeroes */
     volatile uint64_t *progress;      /* bumped per layer (watchdog), or NULL */
     const char *fail;                 /* failure injection spec (tests), or NULL:
                                          "step:N" fail the N-th layers call with -EIO,

@@ -126,6 +126,10 @@ static void cpu_fini(struct backend *b)
 static int cpu_init(struct backend *b, const struct backend_config *cfg)
 {
     const struct arch_model *m = cfg->model;
+    if (cfg->handoff.recv || cfg->handoff.send) {
+        log_error("the cpu backend has no device memory to hand hidden states off from");
+        return -EINVAL;
+    }
     struct backend_cpu *c = calloc(1, sizeof(*c));
     if (!c)
         return -ENOMEM;

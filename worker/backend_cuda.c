@@ -71,6 +71,8 @@
 #include "common/log.h"
 #include "kernels/cuda/deltanet.h"
 #include "kernels/cuda/matvec.h"
+#include "kernels/cuda/mmq.h"
+#include "kernels/cuda/mvq.h"
 #include "kernels/cuda/ops.h"
 #include "model/quant.h"
 #include "worker/backend.h"
@@ -78,6 +80,8 @@
 #define CB_MEM_MARGIN (512ull << 20) /* bytes left free when the budget is the card's */
 #define CB_ALIGN 256                  /* alignment of every device sub-buffer */
 #define CB_LOGIT_ROWS 16              /* rows of logits per output-head pass */
+#define CB_PROF_MAX 4096              /* kernels per profiled pass, at most */
+#define CB_PROF_ROWS 48               /* distinct labels in the profile */
 
 /* A weight matrix in device memory (possibly a row range of a larger one). */
 struct cb_mat {
@@ -94,15 +98,18 @@ struct cb_layer {
     const float *attn_norm, *ffn_norm; /* n_embd */
     /* attention */
     struct cb_mat wq, wk, wv, wo;
+    struct cb_mat wqkv1;              /* wq|wk|wv back to back (n_out 0: types differ) */
     const float *q_norm, *k_norm;     /* head_dim */
     void *kc, *vc;                    /* KV cache, n_ctx rows of kv_dim (f16 or f32) */
     /* gated DeltaNet */
     struct cb_mat qkv, z, beta, alpha, out;
+    struct cb_mat dn1;                /* qkv|z|beta|alpha back to back (n_out 0: not) */
     const float *conv, *ssm_a, *dt_bias, *ssm_norm;
     float *conv_st, *ssm_st;          /* conv_dim x (K-1); nv x dv x dk */
     /* experts */
     struct cb_mat router;
     bool sh, sh_fused;                /* shared expert present; gate|up stored as one */
+    bool gu_fused;                    /* routed gate and up of an expert are one 2F-row matrix */
     struct cb_mat sh_gu, sh_up, sh_down; /* sh_gu is gate (2*Fs rows when fused) */
     const float *shexp_gate;          /* n_embd or NULL */
     void *experts;                    /* resident experts (owned cudaMalloc) */
@@ -117,6 +124,8 @@ struct backend_cuda {
     struct backend_config cfg;        /* copy; pointers borrowed as backend.h says */
     struct backend *b;
     cudaStream_t stream;
+    cudaStream_t side;                /* the shared expert's branch */
+    cudaEvent_t ev_fork, ev_join;
     int device;
     uint32_t l0, l1, B, n_ctx, pos;
     struct cb_layer *layers;          /* l1 - l0 entries */
@@ -126,10 +135,18 @@ struct backend_cuda {
     /* device buffers (owned) */
     uint8_t *trunk, *state, *scratch, *tables;
     size_t trunk_off, trunk_size, state_size, scratch_size, tables_size;
+    bool no_pad;                      /* cb_put leaves no gap after a piece (stacks) */
     size_t dn_state_bytes;            /* the DeltaNet part at the start of state */
     /* scratch views, B rows each */
     float *h, *xa, *mix, *q, *kx, *vx, *att, *qkv, *u, *z, *beta, *alpha, *y;
     float *rl, *w, *gu, *act, *Y, *sg, *sact, *so;
+    float *dec;                       /* one token's fused q|k|v or qkv|z|beta|alpha */
+    float *attn_ws;                   /* decode attention workspace (graph-stable) */
+    size_t attn_ws_bytes;
+    uint32_t *d_pos, *h_pos;          /* the decode position: device word, pinned host word */
+    void *dn_work, *mmq_work;         /* chunked DeltaNet prefill; int8 prefill products */
+    size_t dn_work_bytes, mmq_work_bytes;
+    bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
     int32_t *ids;
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
@@ -142,11 +159,22 @@ struct backend_cuda {
     void **cp_dst;
     const void **cp_src;
     size_t *cp_size;
-    /* decode graph */
+    /* decode graph: captured at the first decode step, replayed after */
     bool graphs;
     cudaGraphExec_t gexec;
+    uint64_t graph_kernels;           /* kernels in the graph */
+    /* profile (LAMINA_CUDA_PROFILE=1): an event before each kernel */
+    bool prof;
+    uint32_t prof_n;
+    cudaEvent_t prof_ev[CB_PROF_MAX + 1];
+    const char *prof_label[CB_PROF_MAX];
+    struct cb_prof_row {
+        const char *label;
+        double ms;
+        uint64_t calls;
+    } prof_rows[2][CB_PROF_ROWS];     /* [decode, prefill] */
     uint64_t graph_steps;             /* decode steps run as a graph */
-    double graph_capture_s, graph_update_s; /* host time capturing, updating/instantiating */
+    double graph_capture_s;           /* host time capturing and instantiating the graph */
     uint64_t launches;                /* kernels enqueued so far */
     bool launches_logged;
     struct forward_stats stats;
@@ -192,7 +220,7 @@ static uint64_t cb_expert_bytes(const struct arch_layer *ly)
 static const void *cb_put(struct backend_cuda *c, const void *src, size_t bytes, int *rc)
 {
     const size_t off = c->trunk_off;
-    c->trunk_off = cb_align(off + bytes);
+    c->trunk_off = c->no_pad ? off + bytes : cb_align(off + bytes);
     if (!c->trunk || *rc || !bytes)
         return NULL;
     *rc = CUDA_CHECK(cudaMemcpy(c->trunk + off, src, bytes, cudaMemcpyHostToDevice));
@@ -281,12 +309,39 @@ static void cb_put_ssm_ba(struct backend_cuda *c, struct cb_layer *L, int *rc)
     L->alpha = cb_view(m, d, nv, nv);
 }
 
+/* True when the matrices share a type and row format: uploaded back to back
+ * they form one matrix (one decode product instead of n). */
+static bool cb_stackable(const struct arch_matrix *const *m, int n)
+{
+    for (int i = 1; i < n; i++)
+        if (m[i]->type != m[0]->type || m[i]->row_bytes != m[0]->row_bytes ||
+            m[i]->n_in != m[0]->n_in)
+            return false;
+    return true;
+}
+
+/* Starts (or ends) a stack: pieces put in between follow each other with
+ * no gap; the end re-aligns. */
+static void cb_stack(struct backend_cuda *c, bool on)
+{
+    c->no_pad = on;
+    if (!on)
+        c->trunk_off = cb_align(c->trunk_off);
+}
+
 static void cb_put_attn(struct backend_cuda *c, struct cb_layer *L, int *rc)
 {
     const struct arch_layer *ly = L->ly;
+    const struct arch_matrix *qkv[] = {&ly->wq, &ly->wk, &ly->wv};
+    const bool stack = cb_stackable(qkv, 3);
+    cb_stack(c, stack);
     L->wq = cb_put_mat(c, &ly->wq, rc);
     L->wk = cb_put_mat(c, &ly->wk, rc);
     L->wv = cb_put_mat(c, &ly->wv, rc);
+    cb_stack(c, false);
+    L->wqkv1 = (struct cb_mat){0};
+    if (stack)
+        L->wqkv1 = cb_view(&ly->wq, L->wq.d, 0, ly->wq.n_out + ly->wk.n_out + ly->wv.n_out);
     L->wo = cb_put_mat(c, &ly->wo, rc);
     L->q_norm = cb_put_vec(c, ly->q_norm, c->hp->head_dim, rc);
     L->k_norm = cb_put_vec(c, ly->k_norm, c->hp->head_dim, rc);
@@ -296,6 +351,13 @@ static void cb_put_ssm(struct backend_cuda *c, struct cb_layer *L, int *rc)
 {
     const struct arch_hparams *hp = c->hp;
     const struct arch_layer *ly = L->ly;
+    /* qkv | z | beta | alpha back to back when all four share a row format */
+    const struct arch_matrix *in[] = {ly->wqkv.data ? &ly->wqkv : &ly->win,
+                                      ly->wqkv.data ? &ly->wz : &ly->win,
+                                      ly->wba.data ? &ly->wba : &ly->wbeta,
+                                      ly->wba.data ? &ly->wba : &ly->walpha};
+    const bool stack = cb_stackable(in, 4);
+    cb_stack(c, stack);
     if (ly->wqkv.data) {
         L->qkv = cb_put_mat(c, &ly->wqkv, rc);
         L->z = cb_put_mat(c, &ly->wz, rc);
@@ -308,6 +370,11 @@ static void cb_put_ssm(struct backend_cuda *c, struct cb_layer *L, int *rc)
         L->beta = cb_put_mat(c, &ly->wbeta, rc);
         L->alpha = cb_put_mat(c, &ly->walpha, rc);
     }
+    cb_stack(c, false);
+    L->dn1 = (struct cb_mat){0};
+    if (stack)
+        L->dn1 = cb_view(in[0], L->qkv.d, 0,
+                         L->qkv.n_out + L->z.n_out + L->beta.n_out + L->alpha.n_out);
     L->out = cb_put_mat(c, &ly->wout, rc);
     L->conv = cb_put_vec(c, ly->conv, (size_t)arch_conv_dim(hp) * hp->ssm_conv, rc);
     L->ssm_a = cb_put_vec(c, ly->ssm_a, hp->ssm_nv, rc);
@@ -466,6 +533,30 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->sg = cb_take(c, &off, B * 2 * Fs);
     c->sact = cb_take(c, &off, B * Fs);
     c->so = cb_take(c, &off, B * n);
+    const size_t qkv1 = q_out + 2 * kvd, dn1 = cd + vd + 2 * nv;
+    c->dec = cb_take(c, &off, qkv1 > dn1 ? qkv1 : dn1);
+    c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
+                                                      c->n_ctx);
+    c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
+    c->d_pos = cb_take(c, &off, 1);
+    c->dn_work_bytes = 0;
+    for (uint32_t l = c->l0; l < c->l1; l++)
+        if (c->m->layers[l].recurrent)
+            c->dn_work_bytes = cuda_deltanet_work_bytes(hp->ssm_nv, hp->ssm_dk, hp->ssm_dv,
+                                                        (uint32_t)B);
+    c->dn_work = c->dn_work_bytes ? cb_take(c, &off, c->dn_work_bytes / sizeof(float) + 1) : NULL;
+    /* int8 activations of the widest prefill product input, or of the expert pairs */
+    size_t widest = n > q_out ? n : q_out;
+    widest = widest > vd ? widest : vd;
+    widest = widest > (size_t)hp->n_head * hd ? widest : (size_t)hp->n_head * hd;
+    widest = widest > F ? widest : F;
+    widest = widest > Fs ? widest : Fs;
+    const size_t dense = cuda_mmq_work_bytes(widest, (uint32_t)B);
+    const size_t pairs = cuda_mmq_experts_work_bytes(n > F ? n : F, (uint32_t)(B * k),
+                                                     hp->n_expert);
+    c->mmq_work_bytes = c->mmq && B > 1 ? (dense > pairs ? dense : pairs) : 0;
+    c->mmq_work = c->mmq_work_bytes ? cb_take(c, &off, c->mmq_work_bytes / sizeof(float) + 1)
+                                    : NULL;
     c->scratch_size = off;
 }
 
@@ -524,6 +615,9 @@ static int cb_upload_experts(struct backend_cuda *c, uint32_t l, struct cb_layer
     const bool fused = !ly->gate_exps.data;
     const size_t gb = fused ? ly->gate_up_exps.mat_bytes : ly->gate_exps.mat_bytes;
     const size_t ub = fused ? 0 : ly->up_exps.mat_bytes, db = ly->down_exps.mat_bytes;
+    /* gate and up go back to back: with one row format they are one 2F-row matrix */
+    L->gu_fused = !fused && ly->gate_exps.type == ly->up_exps.type &&
+                  ly->gate_exps.row_bytes == ly->up_exps.row_bytes;
     if (cb_malloc(&L->experts, (size_t)L->n_resident * cb_expert_bytes(ly), "resident experts"))
         return -ENOMEM;
     uint8_t *p = L->experts;
@@ -599,6 +693,7 @@ static int cb_alloc_host(struct backend_cuda *c)
 {
     const size_t B = c->B, n = c->hp->n_embd, k = c->hp->n_expert_used, E = c->hp->n_expert;
     int rc = cb_host_alloc(&c->h_h, B * n * sizeof(float));
+    rc = rc ? rc : cb_host_alloc(&c->h_pos, sizeof(uint32_t));
     if (!c->all_resident) {
         rc = rc ? rc : cb_host_alloc(&c->h_xa, B * n * sizeof(float));
         rc = rc ? rc : cb_host_alloc(&c->h_xr, B * k * n * sizeof(float));
@@ -620,25 +715,92 @@ static int cb_alloc_host(struct backend_cuda *c)
     return 0;
 }
 
+/* ---- profile (LAMINA_CUDA_PROFILE=1) ---- */
+
+/* Records an event before the kernel `label` is enqueued (profile only). */
+static void cb_mark(struct backend_cuda *c, const char *label)
+{
+    if (!c->prof || c->prof_n >= CB_PROF_MAX)
+        return;
+    cudaEventRecord(c->prof_ev[c->prof_n], c->stream);
+    c->prof_label[c->prof_n++] = label;
+}
+
+/* After the pass's sync: adds the time between consecutive events to the
+ * rows of their labels. */
+static void cb_prof_collect(struct backend_cuda *c, bool decode)
+{
+    if (!c->prof || !c->prof_n)
+        return;
+    cudaEventSynchronize(c->prof_ev[c->prof_n]);
+    struct cb_prof_row *rows = c->prof_rows[decode ? 0 : 1];
+    for (uint32_t i = 0; i < c->prof_n; i++) {
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, c->prof_ev[i], c->prof_ev[i + 1]);
+        for (int r = 0; r < CB_PROF_ROWS; r++) {
+            if (rows[r].label && strcmp(rows[r].label, c->prof_label[i]))
+                continue;
+            rows[r].label = c->prof_label[i];
+            rows[r].ms += ms;
+            rows[r].calls++;
+            break;
+        }
+    }
+    c->prof_n = 0;
+}
+
+static void cb_prof_report(const struct backend_cuda *c)
+{
+    for (int d = 0; c->prof && d < 2; d++) {
+        double total = 0.0;
+        for (int r = 0; r < CB_PROF_ROWS && c->prof_rows[d][r].label; r++)
+            total += c->prof_rows[d][r].ms;
+        if (total <= 0.0)
+            continue;
+        log_info("cuda profile (%s, layers %u-%u, kernels one by one, event to event):",
+                 d ? "prefill" : "decode", c->l0, c->l1 - 1);
+        for (int r = 0; r < CB_PROF_ROWS && c->prof_rows[d][r].label; r++) {
+            const struct cb_prof_row *p = &c->prof_rows[d][r];
+            log_info("  %-14s %10.3f ms %5.1f %%  %8llu calls  %8.2f us/call", p->label, p->ms,
+                     100.0 * p->ms / total, (unsigned long long)p->calls,
+                     1e3 * p->ms / (double)p->calls);
+        }
+    }
+}
+
 /* ---- the layer pass ---- */
 
-static int cb_mm(struct backend_cuda *c, const struct cb_mat *w, const float *X, size_t ldx,
-                 uint32_t S, float *Y, size_t ldy)
+/* A kernel launch: marks it for the profile, counts it, passes its result. */
+#define CB_K(c, label, call) (cb_mark((c), (label)), (c)->launches++, (call))
+
+/* Takes back the last CB_K whose launcher declined (-ENOTSUP: nothing enqueued). */
+static void cb_unlaunch(struct backend_cuda *c)
 {
-    c->launches++;
+    c->launches--;
+    if (c->prof && c->prof_n)
+        c->prof_n--;
+}
+
+static int cb_mm(struct backend_cuda *c, const char *label, const struct cb_mat *w,
+                 const float *X, size_t ldx, uint32_t S, float *Y, size_t ldy)
+{
+    if (S > 1 && c->mmq_work) {
+        const int rc = CB_K(c, label, cuda_mmq(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X,
+                                               ldx, S, Y, ldy, c->mmq_work, c->stream));
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c); /* not launched: the CUDA-core product below instead */
+    }
     if (S == 1)
-        return cuda_matvec(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X, Y, c->stream);
-    return cuda_matmul(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X, ldx, S, Y, ldy,
-                       c->stream);
+        return CB_K(c, label, cuda_matvec(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X, Y,
+                                          c->stream));
+    return CB_K(c, label, cuda_matmul(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X, ldx, S,
+                                      Y, ldy, c->stream));
 }
 
-/* Counts one enqueued kernel and passes its launcher's result through. */
-static int cb_k(struct backend_cuda *c, int rc)
-{
-    c->launches++;
-    return rc;
-}
-
+/* Attention mixer. Decode: one product for q|k|v when the three share a type
+ * (into c->dec), the fused norm/rope/store, and attention at the position in
+ * device memory (so the graph never changes). */
 static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
                         uint32_t pos0)
 {
@@ -646,23 +808,33 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
     const uint32_t hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
     const size_t n = hp->n_embd, kvd = (size_t)nkv * hd, g = hp->attn_gated ? 2 : 1;
     const size_t q_out = nh * hd * g;
-    int rc = cb_mm(c, &L->wq, c->xa, n, S, c->q, q_out);
-    rc = rc ? rc : cb_mm(c, &L->wk, c->xa, n, S, c->kx, kvd);
-    rc = rc ? rc : cb_mm(c, &L->wv, c->xa, n, S, c->vx, kvd);
-    rc = rc ? rc : cb_k(c, cuda_rmsnorm(c->q, g * hd, c->q, g * hd, L->q_norm, hd, S * nh,
-                                        hp->eps, c->stream));
-    rc = rc ? rc : cb_k(c, cuda_rmsnorm(c->kx, hd, c->kx, hd, L->k_norm, hd, S * nkv, hp->eps,
-                                        c->stream));
-    rc = rc ? rc : cb_k(c, cuda_rope_neox(c->q, S, q_out, nh, g * hd, hp->n_rot, pos0,
-                                          hp->rope_base, c->stream));
-    rc = rc ? rc : cb_k(c, cuda_rope_neox(c->kx, S, kvd, nkv, hd, hp->n_rot, pos0,
-                                          hp->rope_base, c->stream));
-    rc = rc ? rc : cb_k(c, cuda_kv_store(L->kc, L->vc, c->cfg.kv_f16, c->kx, c->vx, kvd,
-                                         (uint32_t)kvd, S, pos0, c->stream));
-    rc = rc ? rc : cb_k(c, cuda_attention(c->q, q_out, g * hd, L->kc, L->vc, c->cfg.kv_f16, nh,
-                                          nkv, hd, S, pos0, hp->attn_scale, hp->attn_gated,
-                                          c->att, c->stream));
-    return rc ? rc : cb_mm(c, &L->wo, c->att, (size_t)nh * hd, S, c->mix, n);
+    float *q = c->q, *kx = c->kx, *vx = c->vx;
+    int rc;
+    if (S == 1 && L->wqkv1.n_out) {
+        q = c->dec, kx = c->dec + q_out, vx = c->dec + q_out + kvd;
+        rc = cb_mm(c, "attn.qkv", &L->wqkv1, c->xa, n, 1, c->dec, 0);
+    } else {
+        rc = cb_mm(c, "attn.q", &L->wq, c->xa, n, S, q, q_out);
+        rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
+        rc = rc ? rc : cb_mm(c, "attn.v", &L->wv, c->xa, n, S, vx, kvd);
+    }
+    const uint32_t *d_pos = S == 1 ? c->d_pos : NULL;
+    rc = rc ? rc : CB_K(c, "attn.prep", cuda_attn_prep(q, q_out, g * hd, nh, kx, vx, kvd, nkv, hd,
+                                                      L->q_norm, L->k_norm, hp->eps, hp->n_rot,
+                                                      hp->rope_base, L->kc, L->vc,
+                                                      c->cfg.kv_f16, S, pos0, d_pos, c->stream));
+    if (S == 1)
+        rc = rc ? rc : CB_K(c, "attn.core", cuda_attention_decode_at(
+                                               q, g * hd, L->kc, L->vc, c->cfg.kv_f16, nh, nkv,
+                                               hd, c->d_pos, c->n_ctx, hp->attn_scale,
+                                               hp->attn_gated, c->att, c->attn_ws,
+                                               c->attn_ws_bytes, c->stream));
+    else
+        rc = rc ? rc : CB_K(c, "attn.core", cuda_attention(q, q_out, g * hd, L->kc, L->vc,
+                                                          c->cfg.kv_f16, nh, nkv, hd, S, pos0,
+                                                          hp->attn_scale, hp->attn_gated,
+                                                          c->att, c->stream));
+    return rc ? rc : cb_mm(c, "attn.out", &L->wo, c->att, (size_t)nh * hd, S, c->mix, n);
 }
 
 static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
@@ -670,17 +842,52 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, cd = arch_conv_dim(hp), nv = hp->ssm_nv;
     const size_t vd = nv * hp->ssm_dv;
-    int rc = cb_mm(c, &L->qkv, c->xa, n, S, c->qkv, cd);
-    rc = rc ? rc : cb_mm(c, &L->z, c->xa, n, S, c->z, vd);
-    rc = rc ? rc : cb_mm(c, &L->beta, c->xa, n, S, c->beta, nv);
-    rc = rc ? rc : cb_mm(c, &L->alpha, c->xa, n, S, c->alpha, nv);
-    rc = rc ? rc : cb_k(c, cuda_deltanet_conv(L->conv_st, L->conv, hp->ssm_conv, c->qkv, c->u,
-                                              (uint32_t)cd, S, c->stream));
-    rc = rc ? rc : cb_k(c, cuda_deltanet_heads(L->ssm_st, c->u, c->beta, c->alpha, L->ssm_a,
-                                               L->dt_bias, c->z, L->ssm_norm, c->y, hp->ssm_nk,
-                                               hp->ssm_nv, hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled,
-                                               S, hp->eps, c->stream));
-    return rc ? rc : cb_mm(c, &L->out, c->y, vd, S, c->mix, n);
+    float *qkv = c->qkv, *z = c->z, *beta = c->beta, *alpha = c->alpha;
+    int rc;
+    if (S == 1 && L->dn1.n_out) {
+        qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
+        rc = cb_mm(c, "dn.in", &L->dn1, c->xa, n, 1, c->dec, 0);
+    } else {
+        rc = cb_mm(c, "dn.qkv", &L->qkv, c->xa, n, S, qkv, cd);
+        rc = rc ? rc : cb_mm(c, "dn.z", &L->z, c->xa, n, S, z, vd);
+        rc = rc ? rc : cb_mm(c, "dn.beta", &L->beta, c->xa, n, S, beta, nv);
+        rc = rc ? rc : cb_mm(c, "dn.alpha", &L->alpha, c->xa, n, S, alpha, nv);
+    }
+    rc = rc ? rc : CB_K(c, "dn.conv", cuda_deltanet_conv(L->conv_st, L->conv, hp->ssm_conv, qkv,
+                                                        c->u, (uint32_t)cd, S, c->stream));
+    if (S > 1 && c->dn_work)
+        rc = rc ? rc : CB_K(c, "dn.heads", cuda_deltanet_heads_chunked(
+                                              L->ssm_st, c->u, beta, alpha, L->ssm_a, L->dt_bias,
+                                              z, L->ssm_norm, c->y, hp->ssm_nk, hp->ssm_nv,
+                                              hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled, S, hp->eps,
+                                              c->dn_work, c->dn_work_bytes, c->stream));
+    else
+        rc = rc ? rc : CB_K(c, "dn.heads", cuda_deltanet_heads(L->ssm_st, c->u, beta, alpha,
+                                                              L->ssm_a, L->dt_bias, z,
+                                                              L->ssm_norm, c->y, hp->ssm_nk,
+                                                              hp->ssm_nv, hp->ssm_dk, hp->ssm_dv,
+                                                              hp->ssm_tiled, S, hp->eps,
+                                                              c->stream));
+    return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
+}
+
+/* One routed-expert product over the P pairs: int8 tensor cores for a
+ * prefill where the type allows, else the matvec kernels. */
+static int cb_experts_mm(struct backend_cuda *c, const char *label, const struct arch_matrix *m,
+                         const void *const *tab, uint64_t rows, uint64_t n, uint32_t P,
+                         const float *X, size_t ldx, uint32_t x_div, float *Y, size_t ldy)
+{
+    if (P > c->hp->n_expert_used && c->mmq_work) {
+        const int rc = CB_K(c, label, cuda_mmq_experts(m->type, tab, c->hp->n_expert,
+                                                       m->row_bytes, rows, n, c->ids, P, X, ldx,
+                                                       x_div, Y, ldy, c->mmq_work,
+                                                       c->mmq_work_bytes, c->stream));
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+    }
+    return CB_K(c, label, cuda_matvec_experts(m->type, tab, m->row_bytes, rows, n, c->ids, P, X,
+                                              ldx, x_div, Y, ldy, c->stream));
 }
 
 /* Routed experts held here (pairs of non-resident experts are skipped). */
@@ -690,32 +897,52 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
     const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp, k = c->hp->n_expert_used;
     const uint32_t P = (uint32_t)(S * k);
     int rc;
-    if (ly->gate_exps.data) {
-        const struct arch_matrix *g = &ly->gate_exps, *u = &ly->up_exps;
-        rc = cb_k(c, cuda_matvec_experts(g->type, L->tab_gate, g->row_bytes, F, n, c->ids, P,
-                                         c->xa, n, (uint32_t)k, c->gu, 2 * F, c->stream));
-        rc = rc ? rc : cb_k(c, cuda_matvec_experts(u->type, L->tab_up, u->row_bytes, F, n, c->ids,
-                                                   P, c->xa, n, (uint32_t)k, c->gu + F, 2 * F,
-                                                   c->stream));
+    if (!ly->gate_exps.data || L->gu_fused) {
+        /* one 2F-row matrix per expert: the stacked gate_up, or gate and up
+         * uploaded back to back with one row format */
+        const struct arch_matrix *g = ly->gate_exps.data ? &ly->gate_exps : &ly->gate_up_exps;
+        rc = cb_experts_mm(c, "moe.gate_up", g, L->tab_gate, 2 * F, n, P, c->xa, n, (uint32_t)k,
+                           c->gu, 2 * F);
     } else {
-        const struct arch_matrix *g = &ly->gate_up_exps;
-        rc = cb_k(c, cuda_matvec_experts(g->type, L->tab_gate, g->row_bytes, 2 * F, n, c->ids, P,
-                                         c->xa, n, (uint32_t)k, c->gu, 2 * F, c->stream));
+        const struct arch_matrix *g = &ly->gate_exps, *u = &ly->up_exps;
+        rc = cb_experts_mm(c, "moe.gate", g, L->tab_gate, F, n, P, c->xa, n, (uint32_t)k, c->gu,
+                           2 * F);
+        rc = rc ? rc : cb_experts_mm(c, "moe.up", u, L->tab_up, F, n, P, c->xa, n, (uint32_t)k,
+                                     c->gu + F, 2 * F);
     }
-    rc = rc ? rc : cb_k(c, cuda_silu_mul(c->gu, (uint32_t)F, P, c->act, c->stream));
+    if (rc)
+        return rc;
     const struct arch_matrix *d = &ly->down_exps;
-    return rc ? rc : cb_k(c, cuda_matvec_experts(d->type, L->tab_down, d->row_bytes, n, F, c->ids,
-                                                 P, c->act, F, 1, c->Y, n, c->stream));
+    if (S == 1) { /* the SiLU gate inside the down product */
+        rc = CB_K(c, "moe.down", cuda_mvq_experts_glu(d->type, L->tab_down, d->row_bytes, n, F,
+                                                     c->ids, P, c->gu, 2 * F, 1, true, c->Y, n,
+                                                     c->stream));
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+    }
+    rc = CB_K(c, "moe.silu", cuda_silu_mul(c->gu, (uint32_t)F, P, c->act, c->stream));
+    return rc ? rc : cb_experts_mm(c, "moe.down", d, L->tab_down, n, F, P, c->act, F, 1, c->Y,
+                                   n);
 }
 
 static int cb_shared_expert(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
 {
     const size_t n = c->hp->n_embd, Fs = c->hp->n_ff_shexp;
-    int rc = cb_mm(c, &L->sh_gu, c->xa, n, S, c->sg, 2 * Fs);
+    int rc = cb_mm(c, "sh.gate_up", &L->sh_gu, c->xa, n, S, c->sg, 2 * Fs);
     if (!rc && !L->sh_fused)
-        rc = cb_mm(c, &L->sh_up, c->xa, n, S, c->sg + Fs, 2 * Fs);
-    rc = rc ? rc : cb_k(c, cuda_silu_mul(c->sg, (uint32_t)Fs, S, c->sact, c->stream));
-    return rc ? rc : cb_mm(c, &L->sh_down, c->sact, Fs, S, c->so, n);
+        rc = cb_mm(c, "sh.up", &L->sh_up, c->xa, n, S, c->sg + Fs, 2 * Fs);
+    if (!rc && S == 1) { /* the SiLU gate inside the down product */
+        const struct cb_mat *d = &L->sh_down;
+        rc = CB_K(c, "sh.down", cuda_mvq_glu(d->type, d->d, d->row_bytes, d->n_out, d->n_in,
+                                             c->sg, true, c->so, c->stream));
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+        rc = 0;
+    }
+    rc = rc ? rc : CB_K(c, "sh.silu", cuda_silu_mul(c->sg, (uint32_t)Fs, S, c->sact, c->stream));
+    return rc ? rc : cb_mm(c, "sh.down", &L->sh_down, c->sact, Fs, S, c->so, n);
 }
 
 /* Groups the non-resident pairs as fw_route does (experts ascending, then
@@ -801,25 +1028,51 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
     return rc;
 }
 
-static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S)
+/* The MoE block of layer l; next_norm: the next layer's attention norm,
+ * applied to h into c->xa by the same launch as the combine (NULL: none). */
+static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S,
+                  const float *next_norm)
 {
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, k = hp->n_expert_used;
-    int rc = cb_mm(c, &L->router, c->xa, n, S, c->rl, hp->n_expert);
-    rc = rc ? rc : cb_k(c, cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S, c->ids, c->w,
-                                            c->stream));
+    const bool local = L->n_resident == hp->n_expert;
+    /* the shared expert runs beside the router and routed experts on the
+     * side stream (a parallel branch of the graph); not when profiling */
+    const bool fork = local && L->sh && !c->prof;
+    int rc = 0;
+    if (fork) {
+        rc = CUDA_CHECK(cudaEventRecord(c->ev_fork, c->stream));
+        rc = rc ? rc : CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_fork, 0));
+        cudaStream_t main_stream = c->stream;
+        c->stream = c->side;
+        rc = rc ? rc : cb_shared_expert(c, L, S);
+        c->stream = main_stream;
+        rc = rc ? rc : CUDA_CHECK(cudaEventRecord(c->ev_join, c->side));
+    }
+    rc = rc ? rc : cb_mm(c, "moe.router", &L->router, c->xa, n, S, c->rl, hp->n_expert);
+    rc = rc ? rc : CB_K(c, "moe.topk", cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S,
+                                                       c->ids, c->w, c->stream));
     if (rc)
         return rc;
-    if (L->n_resident == hp->n_expert) {
+    if (local) {
         rc = cb_local_experts(c, L, S);
         if (!rc && L->sh)
-            rc = cb_shared_expert(c, L, S);
+            rc = fork ? CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_join, 0))
+                      : cb_shared_expert(c, L, S);
         c->stats.expert_rows += S * k;
     } else {
         rc = cb_moe_remote(c, L, l, S);
     }
-    return rc ? rc : cb_k(c, cuda_moe_combine(c->h, c->Y, c->w, (uint32_t)k, L->sh ? c->so : NULL,
-                                              L->shexp_gate, c->xa, (uint32_t)n, S, c->stream));
+    if (rc)
+        return rc;
+    if (next_norm)
+        return CB_K(c, "moe.combine", cuda_moe_combine_norm(
+                                          c->h, c->Y, c->w, (uint32_t)k, L->sh ? c->so : NULL,
+                                          L->shexp_gate, c->xa, (uint32_t)n, S, next_norm,
+                                          hp->eps, c->xa, c->stream));
+    return CB_K(c, "moe.combine", cuda_moe_combine(c->h, c->Y, c->w, (uint32_t)k,
+                                                   L->sh ? c->so : NULL, L->shexp_gate, c->xa,
+                                                   (uint32_t)n, S, c->stream));
 }
 
 /* Enqueues every layer of the range over S rows of c->h at positions pos0... */
@@ -829,12 +1082,16 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     const uint32_t n = hp->n_embd;
     for (uint32_t l = c->l0; l < c->l1; l++) {
         const struct cb_layer *L = &c->layers[l - c->l0];
-        int rc = cb_k(c, cuda_rmsnorm(c->xa, n, c->h, n, L->attn_norm, n, S, hp->eps, c->stream));
+        /* the first layer normalises h; the others got c->xa from the
+         * previous layer's combine */
+        int rc = l > c->l0 ? 0
+                           : CB_K(c, "norm", cuda_rmsnorm(c->xa, n, c->h, n, L->attn_norm, n, S,
+                                                          hp->eps, c->stream));
         if (!rc)
             rc = L->ly->recurrent ? cb_deltanet(c, L, S) : cb_attention(c, L, S, pos0);
-        rc = rc ? rc : cb_k(c, cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm, n, S, hp->eps,
-                                                c->stream));
-        rc = rc ? rc : cb_moe(c, L, l, S);
+        rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm, n,
+                                                            S, hp->eps, c->stream));
+        rc = rc ? rc : cb_moe(c, L, l, S, l + 1 < c->l1 ? L[1].attn_norm : NULL);
         if (rc)
             return rc;
         if (c->cfg.progress)
@@ -843,53 +1100,69 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     return 0;
 }
 
-/* One decode step as a CUDA graph: capture, update (or instantiate), launch. */
-static int cb_graph_step(struct backend_cuda *c, uint32_t pos0)
+/* Decode steps as one CUDA graph: captured at the first step (positions
+ * reach the kernels through c->d_pos, so the graph never changes) and
+ * replayed after. */
+static int cb_graph_step(struct backend_cuda *c)
 {
-    cudaGraph_t graph = NULL;
-    const double t0 = cb_now();
-    int rc = CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
-    if (rc)
-        return rc;
-    rc = cb_enqueue_layers(c, 1, pos0);
-    const int rc_end = CUDA_CHECK(cudaStreamEndCapture(c->stream, &graph));
-    rc = rc ? rc : rc_end;
-    const double t1 = cb_now();
-    if (!rc && c->gexec) {
-        cudaGraphExecUpdateResultInfo info;
-        if (cudaGraphExecUpdate(c->gexec, graph, &info) != cudaSuccess) {
-            (void)cudaGetLastError(); /* a refused update is not sticky: instantiate anew */
-            cudaGraphExecDestroy(c->gexec);
-            c->gexec = NULL;
-        }
+    if (!c->gexec) {
+        cudaGraph_t graph = NULL;
+        const double t0 = cb_now();
+        const uint64_t k0 = c->launches;
+        int rc = CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+        if (rc)
+            return rc;
+        rc = cb_enqueue_layers(c, 1, 0);
+        const int rc_end = CUDA_CHECK(cudaStreamEndCapture(c->stream, &graph));
+        rc = rc ? rc : rc_end;
+        rc = rc ? rc : CUDA_CHECK(cudaGraphInstantiate(&c->gexec, graph, 0));
+        if (graph)
+            cudaGraphDestroy(graph);
+        c->graph_capture_s = cb_now() - t0;
+        c->graph_kernels = c->launches - k0;
+        if (rc)
+            return rc;
+    } else {
+        c->launches += c->graph_kernels;
+        if (c->cfg.progress)
+            __atomic_add_fetch(c->cfg.progress, c->l1 - c->l0, __ATOMIC_RELAXED);
     }
-    if (!rc && !c->gexec)
-        rc = CUDA_CHECK(cudaGraphInstantiate(&c->gexec, graph, 0));
-    c->graph_capture_s += t1 - t0;
-    c->graph_update_s += cb_now() - t1;
     c->graph_steps++;
-    rc = rc ? rc : CUDA_CHECK(cudaGraphLaunch(c->gexec, c->stream));
-    if (graph)
-        cudaGraphDestroy(graph);
-    return rc;
+    return CUDA_CHECK(cudaGraphLaunch(c->gexec, c->stream));
 }
 
 static int cb_pass(struct backend_cuda *c, float *h, uint32_t S)
 {
     const size_t bytes = (size_t)S * c->hp->n_embd * sizeof(float);
     const uint64_t launches0 = c->launches;
-    memcpy(c->h_h, h, bytes);
-    int rc = CUDA_CHECK(cudaMemcpyAsync(c->h, c->h_h, bytes, cudaMemcpyHostToDevice, c->stream));
+    const struct backend_handoff *ho = &c->cfg.handoff;
+    *c->h_pos = c->pos;
+    int rc;
+    if (ho->recv) {
+        rc = ho->recv(ho->ctx, c->h, bytes, c->stream);
+    } else {
+        memcpy(c->h_h, h, bytes);
+        rc = CUDA_CHECK(cudaMemcpyAsync(c->h, c->h_h, bytes, cudaMemcpyHostToDevice, c->stream));
+    }
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(c->d_pos, c->h_pos, sizeof(uint32_t),
+                                              cudaMemcpyHostToDevice, c->stream));
     if (rc)
         return rc;
-    const bool graph = S == 1 && c->graphs && c->all_resident;
-    rc = graph ? cb_graph_step(c, c->pos) : cb_enqueue_layers(c, S, c->pos);
-    rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(c->h_h, c->h, bytes, cudaMemcpyDeviceToHost,
-                                              c->stream));
+    const bool graph = S == 1 && c->graphs && c->all_resident && !c->prof;
+    rc = graph ? cb_graph_step(c) : cb_enqueue_layers(c, S, c->pos);
+    if (!rc && c->prof && c->prof_n)
+        rc = CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
+    if (ho->send)
+        rc = rc ? rc : ho->send(ho->ctx, c->h, bytes, c->stream);
+    else
+        rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(c->h_h, c->h, bytes, cudaMemcpyDeviceToHost,
+                                                  c->stream));
     rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (rc)
         return rc;
-    memcpy(h, c->h_h, bytes);
+    cb_prof_collect(c, S == 1);
+    if (!ho->send)
+        memcpy(h, c->h_h, bytes);
     c->pos += S;
     c->stats.tokens += S;
     if (S == 1 && !c->launches_logged) {
@@ -911,10 +1184,14 @@ static void cb_fini(struct backend *b)
     if (c->stream)
         cudaStreamSynchronize(c->stream);
     if (c->graph_steps)
-        log_info("cuda layers %u-%u: %llu decode steps as graphs, host time per step: capture "
-                 "%.1f us, update %.1f us", c->l0, c->l1 - 1,
-                 (unsigned long long)c->graph_steps, 1e6 * c->graph_capture_s / c->graph_steps,
-                 1e6 * c->graph_update_s / c->graph_steps);
+        log_info("cuda layers %u-%u: %llu decode steps replayed one graph of %llu kernels "
+                 "(captured and instantiated once in %.1f ms)", c->l0, c->l1 - 1,
+                 (unsigned long long)c->graph_steps, (unsigned long long)c->graph_kernels,
+                 1e3 * c->graph_capture_s);
+    cb_prof_report(c);
+    for (int i = 0; c->prof && i <= CB_PROF_MAX; i++)
+        if (c->prof_ev[i])
+            cudaEventDestroy(c->prof_ev[i]);
     if (c->gexec)
         cudaGraphExecDestroy(c->gexec);
     for (uint32_t i = 0; c->layers && i < c->l1 - c->l0; i++) {
@@ -924,9 +1201,15 @@ static void cb_fini(struct backend *b)
     void *dev[] = {c->trunk, c->state, c->scratch, c->tables, c->head, c->logits};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         cudaFree(dev[i]);
-    void *pinned[] = {c->h_h, c->h_xa, c->h_xr, c->h_yr, c->h_ids};
+    void *pinned[] = {c->h_h, c->h_xa, c->h_xr, c->h_yr, c->h_ids, c->h_pos};
     for (size_t i = 0; i < sizeof(pinned) / sizeof(pinned[0]); i++)
         cudaFreeHost(pinned[i]);
+    if (c->ev_fork)
+        cudaEventDestroy(c->ev_fork);
+    if (c->ev_join)
+        cudaEventDestroy(c->ev_join);
+    if (c->side)
+        cudaStreamDestroy(c->side);
     if (c->stream)
         cudaStreamDestroy(c->stream);
     free(c->layers);
@@ -997,6 +1280,9 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     cb_carve_scratch(c);
     rc = rc ? rc : cb_check_budget(c, experts);
     rc = rc ? rc : CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    rc = rc ? rc : CUDA_CHECK(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
+    rc = rc ? rc : CUDA_CHECK(cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming));
+    rc = rc ? rc : CUDA_CHECK(cudaEventCreateWithFlags(&c->ev_join, cudaEventDisableTiming));
     rc = rc ? rc : cb_malloc(&c->trunk, c->trunk_size, "the trunk");
     rc = rc ? rc : cb_put_trunk(c);
     rc = rc ? rc : cb_malloc(&c->scratch, c->scratch_size, "scratch");
@@ -1005,6 +1291,8 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     rc = rc ? rc : cb_upload_all_experts(c);
     rc = rc ? rc : cb_alloc_state(c);
     rc = rc ? rc : cb_alloc_host(c);
+    for (int i = 0; c->prof && !rc && i <= CB_PROF_MAX; i++)
+        rc = CUDA_CHECK(cudaEventCreate(&c->prof_ev[i]));
     if (rc)
         return rc;
     b->mem_used = experts + c->trunk_size + c->tables_size + c->state_size + c->scratch_size;
@@ -1031,8 +1319,11 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->l1 = cfg->layer_end;
     c->B = cfg->max_batch ? cfg->max_batch : 256;
     c->n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096;
-    const char *g = getenv("LAMINA_CUDA_GRAPHS");
+    const char *g = getenv("LAMINA_CUDA_GRAPHS"), *pr = getenv("LAMINA_CUDA_PROFILE");
     c->graphs = !(g && !strcmp(g, "0"));
+    c->prof = pr && !strcmp(pr, "1");
+    const char *mq = getenv("LAMINA_CUDA_MMQ");
+    c->mmq = !(mq && !strcmp(mq, "0"));
     c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
     int rc = c->layers ? cb_setup(b, c) : -ENOMEM;
     if (rc) {
@@ -1130,9 +1421,9 @@ static int cb_logits(struct backend *b, const float *h, uint32_t n, float *out)
         const size_t bytes = (size_t)S * ne * sizeof(float);
         memcpy(c->h_h, h + (size_t)s * ne, bytes);
         rc = CUDA_CHECK(cudaMemcpyAsync(c->h, c->h_h, bytes, cudaMemcpyHostToDevice, c->stream));
-        rc = rc ? rc : cb_k(c, cuda_rmsnorm(c->xa, ne, c->h, ne, c->out_norm, (uint32_t)ne, S,
-                                            c->hp->eps, c->stream));
-        rc = rc ? rc : cb_mm(c, &c->output, c->xa, ne, S, c->logits, nvocab);
+        rc = rc ? rc : CB_K(c, "head.norm", cuda_rmsnorm(c->xa, ne, c->h, ne, c->out_norm,
+                                                         (uint32_t)ne, S, c->hp->eps, c->stream));
+        rc = rc ? rc : cb_mm(c, "head.lm", &c->output, c->xa, ne, S, c->logits, nvocab);
         rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(out + (size_t)s * nvocab, c->logits,
                                                   (size_t)S * nvocab * sizeof(float),
                                                   cudaMemcpyDeviceToHost, c->stream));

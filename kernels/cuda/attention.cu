@@ -85,6 +85,12 @@ struct attn_args {
     float *ws_acc;  /* [split][row][hd] (NULL: one split) */
     float *ws_ml;   /* [split][row][2]: m, l */
     uint32_t n_splits, chunk, tile;
+    /* decode with the position in device memory (graphs replayed unchanged):
+     * pos0 = *pos_ptr, and the splits of attn_plan_splits follow from it in
+     * the kernels; the grid has cap_splits blocks per unit, the surplus ones
+     * return an empty triple */
+    const uint32_t *pos_ptr;
+    uint32_t units;
 };
 
 /* DPL consecutive elements of a K or V row (f16 or f32) as floats; zeros
@@ -312,6 +318,31 @@ static __device__ __forceinline__ float attn_gate(const struct attn_args &a, con
     return a.gated ? o * (1.0f / (1.0f + expf(-qrow[a.hd + d]))) : o;
 }
 
+static __device__ __forceinline__ uint32_t attn_dev_div_up(uint32_t a, uint32_t b)
+{
+    return (a + b - 1) / b;
+}
+
+/* pos0, chunk and split count of a decode step: from the arguments, or with
+ * pos_ptr set from the position in device memory exactly as
+ * attn_plan_splits(n_kv, units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16) plans. */
+static __device__ __forceinline__ void attn_decode_plan(const struct attn_args &a,
+                                                        uint32_t *pos0, uint32_t *chunk,
+                                                        uint32_t *n_splits)
+{
+    if (!a.pos_ptr) {
+        *pos0 = a.pos0, *chunk = a.chunk, *n_splits = a.n_splits;
+        return;
+    }
+    *pos0 = *a.pos_ptr;
+    const uint32_t n_kv = *pos0 + 1, want = attn_dev_div_up(n_kv, ATTN_MIN_CHUNK);
+    uint32_t cap = ATTN_MAX_BLOCKS / a.units;
+    cap = cap < 1 ? 1 : cap > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : cap;
+    const uint32_t n = want < cap ? want : cap;
+    *chunk = attn_dev_div_up(attn_dev_div_up(n_kv, n), 16) * 16;
+    *n_splits = attn_dev_div_up(n_kv, *chunk);
+}
+
 static __device__ __forceinline__ size_t attn_ws_row(const struct attn_args &a, uint32_t split,
                                                      uint32_t t, uint32_t h)
 {
@@ -439,8 +470,10 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3
     const bool own = (uint32_t)lane * DPL < a.hd;
     const uint32_t split = blockIdx.x, j = blockIdx.y / a.n_groups;
     const uint32_t h0 = j * a.G + (blockIdx.y % a.n_groups) * a.NG;
-    const uint32_t n_kv = a.pos0 + 1, c0 = split * a.chunk;
-    const uint32_t c1 = min(n_kv, c0 + a.chunk);
+    uint32_t pos0, chunk, n_splits;
+    attn_decode_plan(a, &pos0, &chunk, &n_splits);
+    const uint32_t n_kv = pos0 + 1, c0 = min(split * chunk, n_kv);
+    const uint32_t c1 = min(n_kv, c0 + chunk); /* empty past the last split */
     const size_t kv_dim = (size_t)a.n_head_kv * a.hd;
     const char *kh = a.k + (size_t)j * a.hd * ESZ, *vh = a.v + (size_t)j * a.hd * ESZ;
 
@@ -606,12 +639,17 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
     __shared__ float s_tmp[32];
     __shared__ float4 s_part[64][4];
     const uint32_t t = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head;
+    uint32_t n_splits = a.n_splits;
+    if (a.pos_ptr) {
+        uint32_t pos0, chunk;
+        attn_decode_plan(a, &pos0, &chunk, &n_splits);
+    }
     float mx = -INFINITY;
-    for (uint32_t s = threadIdx.x; s < a.n_splits; s += blockDim.x)
+    for (uint32_t s = threadIdx.x; s < n_splits; s += blockDim.x)
         mx = fmaxf(mx, a.ws_ml[2 * attn_ws_row(a, s, t, h)]);
     const float M = ops_block_max(mx, s_tmp);
     float lsum = 0.0f;
-    for (uint32_t s = threadIdx.x; s < a.n_splits; s += blockDim.x) {
+    for (uint32_t s = threadIdx.x; s < n_splits; s += blockDim.x) {
         const size_t row = attn_ws_row(a, s, t, h);
         const float m = a.ws_ml[2 * row];
         const float w = m == -INFINITY ? 0.0f : exp2f(m - M);
@@ -624,7 +662,7 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (d < a.hd) {
 #pragma unroll 4
-        for (uint32_t s = sl; s < a.n_splits; s += 64) {
+        for (uint32_t s = sl; s < n_splits; s += 64) {
             const float w = s_w[s];
             const float4 x = *(const float4 *)&a.ws_acc[attn_ws_row(a, s, t, h) * a.hd + d];
             acc.x += w * x.x;
@@ -776,16 +814,12 @@ static int attn_ws_alloc(struct attn_args *a, cudaStream_t stream)
     return 0;
 }
 
-extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
-                              const void *d_kcache, const void *d_vcache, bool f16,
-                              uint32_t n_head, uint32_t n_head_kv, uint32_t hd, uint32_t n_tok,
-                              uint32_t pos0, float scale, bool gated, float *d_out,
-                              cudaStream_t stream)
+/* The arguments every path shares. */
+static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
+                                   const void *d_kcache, const void *d_vcache, uint32_t n_head,
+                                   uint32_t n_head_kv, uint32_t hd, uint32_t n_tok,
+                                   uint32_t pos0, float scale, bool gated, float *d_out)
 {
-    int rc = attn_check(d_q, q_head_stride, d_kcache, d_vcache, n_head, n_head_kv, hd, n_tok,
-                        pos0, gated, d_out);
-    if (rc || n_tok == 0)
-        return rc;
     struct attn_args a = {};
     a.q = d_q;
     a.q_tok_stride = q_tok_stride;
@@ -800,44 +834,113 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
     a.G = n_head / n_head_kv;
     a.NG = attn_group_heads(a.G, ATTN_ROWS);
     a.n_groups = a.G / a.NG;
+    a.units = n_head_kv * a.n_groups;
     a.scale_log2 = scale * 1.4426950408889634f;
     a.gated = gated;
     a.out = d_out;
+    return a;
+}
+
+static int attn_decode(const struct attn_args &a, bool f16, cudaStream_t stream)
+{
+    const int nr = a.NG <= 1 ? 1 : a.NG <= 2 ? 2 : a.NG <= 4 ? 4 : 8;
+    int dev = 0, major = 0;
+    const bool cp_async = cudaGetDevice(&dev) == cudaSuccess &&
+                          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                                 dev) == cudaSuccess &&
+                          major >= 8;
+    const dim3 grid(a.n_splits, a.units);
+    const int dpl = attn_dpl(a.hd);
+    int rc = f16 ? attn_launch_decode<true>(a, dpl, nr, grid, cp_async, stream)
+                 : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
+    rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
+    if (!rc && a.n_splits > 1) {
+        attn_combine_kernel<<<dim3(a.n_head, attn_div_up(a.hd, 16)), 256, 0, stream>>>(a);
+        rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
+    }
+    return rc;
+}
+
+extern "C" size_t cuda_attention_decode_ws_bytes(uint32_t n_head, uint32_t n_head_kv,
+                                                 uint32_t hd, uint32_t max_kv)
+{
+    if (!n_head || !n_head_kv || n_head % n_head_kv || !max_kv)
+        return 0;
+    struct attn_args a = attn_setup(nullptr, 0, 0, nullptr, nullptr, n_head, n_head_kv, hd, 1,
+                                    0, 1.0f, false, nullptr);
+    attn_plan_splits(&a, max_kv, a.units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
+    const size_t splits = a.n_splits < 2 ? 2 : a.n_splits; /* see cuda_attention_decode_at */
+    return splits * n_head * (hd + 2) * sizeof(float);
+}
+
+extern "C" int cuda_attention_decode_at(const float *d_q, size_t q_head_stride,
+                                        const void *d_kcache, const void *d_vcache, bool f16,
+                                        uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
+                                        const uint32_t *d_pos, uint32_t max_kv, float scale,
+                                        bool gated, float *d_out, float *d_ws, size_t ws_bytes,
+                                        cudaStream_t stream)
+{
+    int rc = attn_check(d_q, q_head_stride, d_kcache, d_vcache, n_head, n_head_kv, hd, 1,
+                        max_kv ? max_kv - 1 : 0, gated, d_out);
+    const size_t need = cuda_attention_decode_ws_bytes(n_head, n_head_kv, hd, max_kv);
+    if (!rc && (!d_pos || !max_kv || !d_ws || ws_bytes < need || (uintptr_t)d_ws % 16)) {
+        log_error("cuda_attention_decode_at: bad arguments (pos %p, max_kv %u, workspace %p of "
+                  "%zu bytes, %zu needed)", (const void *)d_pos, max_kv, (void *)d_ws, ws_bytes,
+                  need);
+        rc = -EINVAL;
+    }
+    if (rc)
+        return rc;
+    struct attn_args a = attn_setup(d_q, 0, q_head_stride, d_kcache, d_vcache, n_head,
+                                    n_head_kv, hd, 1, 0, scale, gated, d_out);
+    a.pos_ptr = d_pos;
+    attn_plan_splits(&a, max_kv, a.units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
+    /* grid: the most splits any position up to max_kv plans, at least two so
+     * that the combine always runs (one split through the combine gives the
+     * direct path's result bit for bit: weight 1, sums of zeros) */
+    a.n_splits = a.n_splits < 2 ? 2 : a.n_splits;
+    a.ws_acc = d_ws;
+    a.ws_ml = d_ws + (size_t)a.n_splits * n_head * hd;
+    return attn_decode(a, f16, stream);
+}
+
+extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
+                              const void *d_kcache, const void *d_vcache, bool f16,
+                              uint32_t n_head, uint32_t n_head_kv, uint32_t hd, uint32_t n_tok,
+                              uint32_t pos0, float scale, bool gated, float *d_out,
+                              cudaStream_t stream)
+{
+    int rc = attn_check(d_q, q_head_stride, d_kcache, d_vcache, n_head, n_head_kv, hd, n_tok,
+                        pos0, gated, d_out);
+    if (rc || n_tok == 0)
+        return rc;
+    struct attn_args a = attn_setup(d_q, q_tok_stride, q_head_stride, d_kcache, d_vcache, n_head,
+                                    n_head_kv, hd, n_tok, pos0, scale, gated, d_out);
     const int dpl = attn_dpl(hd);
-    const uint32_t units = n_head_kv * a.n_groups, esz = f16 ? 2 : 4;
-    dim3 grid;
-    size_t smem = 0;
+    const uint32_t esz = f16 ? 2 : 4;
     if (n_tok == 1) {
-        attn_plan_splits(&a, pos0 + 1, units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
-        grid = dim3(a.n_splits, units);
+        attn_plan_splits(&a, pos0 + 1, a.units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
+        if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
+            return rc;
+        rc = attn_decode(a, f16, stream);
     } else {
         uint32_t tile = ATTN_TILE_BYTES / (2 * hd * esz);
         a.tile = tile > 64 ? 64 : tile / 4 * 4;
-        smem = (size_t)2 * a.tile * hd * esz;
+        const size_t smem = (size_t)2 * a.tile * hd * esz;
         const uint32_t tiles = attn_div_up(n_tok, ATTN_PREFILL_WARPS * ATTN_ROWS / a.NG);
-        attn_plan_splits(&a, pos0 + n_tok, tiles * units, 512, 256, a.tile);
-        grid = dim3(tiles, units, a.n_splits);
-    }
-    if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
-        return rc;
-    if (n_tok == 1) {
-        const int nr = a.NG <= 1 ? 1 : a.NG <= 2 ? 2 : a.NG <= 4 ? 4 : 8;
-        int dev = 0, major = 0;
-        const bool cp_async = cudaGetDevice(&dev) == cudaSuccess &&
-                              cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                                     dev) == cudaSuccess &&
-                              major >= 8;
-        rc = f16 ? attn_launch_decode<true>(a, dpl, nr, grid, cp_async, stream)
-                 : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
-    } else if (f16) {
-        attn_launch_prefill<true>(a, dpl, grid, smem, stream);
-    } else {
-        attn_launch_prefill<false>(a, dpl, grid, smem, stream);
-    }
-    rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
-    if (!rc && a.n_splits > 1) {
-        attn_combine_kernel<<<dim3(n_tok * n_head, attn_div_up(hd, 16)), 256, 0, stream>>>(a);
-        rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
+        attn_plan_splits(&a, pos0 + n_tok, tiles * a.units, 512, 256, a.tile);
+        const dim3 grid(tiles, a.units, a.n_splits);
+        if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
+            return rc;
+        if (f16)
+            attn_launch_prefill<true>(a, dpl, grid, smem, stream);
+        else
+            attn_launch_prefill<false>(a, dpl, grid, smem, stream);
+        rc = OPS_LAUNCH_CHECK("cuda_attention");
+        if (!rc && a.n_splits > 1) {
+            attn_combine_kernel<<<dim3(n_tok * n_head, attn_div_up(hd, 16)), 256, 0, stream>>>(a);
+            rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
+        }
     }
     if (a.ws_acc) {
         const cudaError_t e = cudaFreeAsync(a.ws_acc, stream);

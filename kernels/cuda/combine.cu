@@ -65,6 +65,58 @@ static __global__ void moe_combine_kernel(float *h, const float *Y, const float 
     }
 }
 
+/* moe_combine for row blockIdx.x followed by the next layer's RMSNorm of h
+ * into y. Each element's arithmetic is moe_combine_kernel's (h bit for bit;
+ * the up to 16 expert rows of a column loaded before they are summed in
+ * order); the norm's f32 sum of squares runs over this kernel's wider block
+ * (2 columns a thread), a few ulp from cuda_rmsnorm's. f is read (shared-
+ * expert gate) before any y is written: y may be f. */
+static __global__ void __launch_bounds__(1024)
+    moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
+                            const float *gate, const float *f, uint32_t n, const float *nw,
+                            float eps, float *y)
+{
+    __shared__ float s_tmp[32];
+    const size_t s = blockIdx.x;
+    float gs = 1.0f;
+    if (so && gate) {
+        float d = 0.0f;
+        for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
+            d += gate[j] * f[s * n + j];
+        d = ops_block_sum(d, s_tmp);
+        gs = 1.0f / (1.0f + expf(-d));
+    }
+    float *hr = h + s * n;
+    float sum = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        float out = 0.0f;
+        for (uint32_t i0 = 0; i0 < k; i0 += 16) {
+            float yv[16], wv[16];
+#pragma unroll
+            for (uint32_t i = 0; i < 16; i++) {
+                const bool in = i0 + i < k;
+                wv[i] = in ? w[s * k + i0 + i] : 0.0f;
+                yv[i] = in ? Y[(s * k + i0 + i) * n + j] : 0.0f;
+            }
+#pragma unroll
+            for (uint32_t i = 0; i < 16; i++)
+                if (i0 + i < k)
+                    out = __fadd_rn(out, __fmul_rn(wv[i], yv[i]));
+        }
+        if (so)
+            out = __fadd_rn(out, __fmul_rn(gs, so[s * n + j]));
+        const float v = __fadd_rn(hr[j], out);
+        hr[j] = v;
+        sum += v * v;
+    }
+    sum = ops_block_sum(sum, s_tmp);
+    const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        const float v = hr[j] * scale;
+        y[s * n + j] = nw ? v * nw[j] : v;
+    }
+}
+
 extern "C" int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float *d_act,
                              cudaStream_t stream)
 {
@@ -99,4 +151,28 @@ extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, 
     moe_combine_kernel<<<grid, COMBINE_THREADS, 0, stream>>>(d_h, d_Y, d_w, k, d_so,
                                                              d_shexp_gate, d_f, n);
     return OPS_LAUNCH_CHECK("cuda_moe_combine");
+}
+
+extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
+                                     const float *d_so, const float *d_shexp_gate,
+                                     const float *d_f, uint32_t n, uint32_t S,
+                                     const float *d_norm_w, float eps, float *d_y,
+                                     cudaStream_t stream)
+{
+    if (!d_h || !d_y || (k && (!d_Y || !d_w)) || n == 0 || (d_so && d_shexp_gate && !d_f) ||
+        S > INT32_MAX) {
+        log_error("cuda_moe_combine_norm: bad arguments (h %p, y %p, Y %p, w %p, k %u, so %p, "
+                  "gate %p, f %p, n %u, S %u)",
+                  (void *)d_h, (void *)d_y, (const void *)d_Y, (const void *)d_w, k,
+                  (const void *)d_so, (const void *)d_shexp_gate, (const void *)d_f, n, S);
+        return -EINVAL;
+    }
+    if (S == 0)
+        return 0;
+    /* two columns a thread, 32..1024 threads */
+    unsigned int t = (n / 2 + 31) / 32 * 32;
+    t = t < 32 ? 32 : t > 1024 ? 1024 : t;
+    moe_combine_norm_kernel<<<S, t, 0, stream>>>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
+                                                 d_norm_w, eps, d_y);
+    return OPS_LAUNCH_CHECK("cuda_moe_combine_norm");
 }

@@ -45,6 +45,7 @@
  * chunk reading the weights once.
  */
 #include "kernels/cuda/matvec.h"
+#include "kernels/cuda/mvq.h"
 
 #include <errno.h>
 
@@ -930,6 +931,21 @@ bool x_vec4(const float *x, size_t ldx)
     return (reinterpret_cast<uintptr_t>(x) & 15u) == 0 && ldx % 4 == 0;
 }
 
+/* Whether the int8 decode kernels (mvq.cu) beat the f32 ones for rows of n:
+ * each of their blocks rounds the whole activation row first, which pays
+ * for rows up to 2048 elements or for many rows (measured on an H200:
+ * 12352 x 2048 Q4_0 9.5 us against 10.5, the 151936-row head 49 against 71,
+ * but 2048 x 4096 9.2 against 5.3). LAMINA_CUDA_MVQ=0 turns them off. */
+bool mvq_pays(uint64_t n, uint64_t n_rows)
+{
+    static int enabled = -1;
+    if (enabled < 0) {
+        const char *env = getenv("LAMINA_CUDA_MVQ");
+        enabled = !(env && env[0] == '0');
+    }
+    return enabled && (n <= 2048 || n_rows >= 8 * n);
+}
+
 } /* namespace */
 
 extern "C" bool cuda_matvec_supports(uint32_t type)
@@ -960,6 +976,12 @@ extern "C" int cuda_matmul(uint32_t type, const void *d_w, size_t row_bytes, uin
                   static_cast<const void *>(d_X), ldx, static_cast<void *>(d_Y), ldy,
                   (unsigned long long)n_rows, (unsigned long long)n);
         return -EINVAL;
+    }
+    if (S == 1 && mvq_pays(n, n_rows)) { /* int8 activations and dp4a where the type allows */
+        rc = cuda_mvq(type, d_w, row_bytes, n_rows, n, d_X, d_Y, stream);
+        if (rc != -ENOTSUP)
+            return rc;
+        rc = 0;
     }
     MvArgs a = {};
     a.w = static_cast<const uint8_t *>(d_w);
@@ -1005,6 +1027,13 @@ extern "C" int cuda_matvec_experts(uint32_t type, const void *const *d_addr, siz
                   static_cast<const void *>(d_X), ldx, x_div, static_cast<void *>(d_Y), ldy,
                   (unsigned long long)n_rows, (unsigned long long)n);
         return -EINVAL;
+    }
+    if (mvq_pays(n, n_rows)) {
+        rc = cuda_mvq_experts(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, x_div,
+                              d_Y, ldy, stream);
+        if (rc != -ENOTSUP)
+            return rc;
+        rc = 0;
     }
     MvArgs a = {};
     a.addr = d_addr;

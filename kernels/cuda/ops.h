@@ -56,6 +56,31 @@ int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
                    uint32_t n_head_kv, uint32_t hd, uint32_t n_tok, uint32_t pos0, float scale,
                    bool gated, float *d_out, cudaStream_t stream);
 
+/* cuda_attention for one token whose position is *d_pos (device memory) at
+ * most max_kv - 1: the grid and workspace are sized for max_kv, so a graph
+ * captured once replays for every position; same results as cuda_attention.
+ * d_ws: cuda_attention_decode_ws_bytes() bytes of device memory, 16-byte
+ * aligned (no allocation inside). */
+size_t cuda_attention_decode_ws_bytes(uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
+                                      uint32_t max_kv);
+int cuda_attention_decode_at(const float *d_q, size_t q_head_stride, const void *d_kcache,
+                             const void *d_vcache, bool f16, uint32_t n_head, uint32_t n_head_kv,
+                             uint32_t hd, const uint32_t *d_pos, uint32_t max_kv, float scale,
+                             bool gated, float *d_out, float *d_ws, size_t ws_bytes,
+                             cudaStream_t stream);
+
+/* Between the q/k/v products and the attention of S tokens, in one launch:
+ * per-head RMSNorm of q and k (weights q_norm/k_norm of hd, each may be NULL:
+ * no norm), NEOX rope of n_rot dims at positions pos (pos = *d_pos when d_pos
+ * is not NULL, else pos0) + t, and k, v stored into the cache rows pos + t.
+ * q head j of token t at d_q + t*q_tok_stride + j*q_head_stride; k and v head
+ * j at + t*kv_tok_stride + j*hd. hd <= 256. */
+int cuda_attn_prep(float *d_q, size_t q_tok_stride, size_t q_head_stride, uint32_t n_head,
+                   float *d_k, const float *d_v, size_t kv_tok_stride, uint32_t n_head_kv,
+                   uint32_t hd, const float *d_q_norm, const float *d_k_norm, float eps,
+                   uint32_t n_rot, float base, void *d_kcache, void *d_vcache, bool f16,
+                   uint32_t S, uint32_t pos0, const uint32_t *d_pos, cudaStream_t stream);
+
 /* MoE router for S tokens: softmax over E logits, top-k (ties: lower id),
  * weights renormalised by max(sum, 6.103515625e-5) (ops_router_topk). */
 int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, uint32_t S, int32_t *d_ids,
@@ -71,6 +96,15 @@ int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float *d_act,
 int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k, const float *d_so,
                      const float *d_shexp_gate, const float *d_f, uint32_t n, uint32_t S,
                      cudaStream_t stream);
+
+/* cuda_moe_combine (the same h, bit for bit), then y[s] = rmsnorm(h[s]) *
+ * norm_w (norm_w may be NULL: no weight) as cuda_rmsnorm computes it but for
+ * the order of the f32 sum of squares: the two launches in one. y may be f
+ * (f is read first). */
+int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
+                          const float *d_so, const float *d_shexp_gate, const float *d_f,
+                          uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
+                          cudaStream_t stream);
 
 /* Greedy sampling: d_out[s] = argmax of logits row s (ties: lowest id). */
 int cuda_argmax(const float *d_logits, uint32_t n_vocab, uint32_t S, int32_t *d_out,

@@ -31,6 +31,8 @@
 
 #include "common/log.h"
 #include "kernels/cpu/matvec.h"
+#include "kernels/cuda/mvq.h"
+#include "kernels/cuda/ops.h"
 #include "model/quant.h"
 #include "tests/check.h"
 
@@ -163,15 +165,28 @@ struct twin_stats {
  * the dequantized row (matvec_dot_ref, within TOL) and against the CPU
  * twin's twin[r] (within TWIN_TOL); returns the largest error relative to
  * sum |w x| against the exact dot. */
+/* True when the GPU computes S activation rows of this type and length
+ * with int8 activations (kernels/cuda/mvq.cu: one row of Q4_0 or Q8_0):
+ * then the exact dot is that of the rounded activations
+ * (matvec_dot_ref_xq), held to the same TOL. */
+static bool gpu_rounds_x(uint32_t type, uint64_t n, uint64_t rows, uint32_t S)
+{
+    const char *env = getenv("LAMINA_CUDA_MVQ");
+    return S == 1 && (type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0) && n % 32 == 0 &&
+           n <= 16384 && (n <= 2048 || rows >= 8 * n) && !(env && env[0] == '0');
+}
+
 static double compare_rows(const char *what, const struct mat *m, const float *x, const float *got,
-                           const float *twin, struct twin_stats *ts)
+                           const float *twin, uint32_t S, struct twin_stats *ts)
 {
     double worst = 0.0;
     int bad = 0;
+    const bool xq = gpu_rounds_x(m->type, m->n, m->rows, S);
     for (uint64_t r = 0; r < m->rows; r++) {
         const uint8_t *row = m->w + r * m->row_bytes;
         double scale = abs_dot(m, r, x) + 1e-30;
-        double exact = matvec_dot_ref(m->type, row, x, m->n);
+        double exact = xq ? matvec_dot_ref_xq(m->type, row, x, m->n)
+                          : matvec_dot_ref(m->type, row, x, m->n);
         double err = fabs((double)got[r] - exact) / scale;
         double terr = fabs((double)got[r] - (double)twin[r]) / scale;
         if (!(err <= TOL && terr <= TWIN_TOL) && bad++ < 3)
@@ -216,7 +231,7 @@ static double run_matvec(const struct mat *m, size_t off, bool mapped, struct rn
     CHECK(rc == 0, "cuda_matvec rc %d", rc);
     CU(cudaDeviceSynchronize());
     CU(cudaMemcpy(got, d_y, (m->rows + 8) * sizeof(float), cudaMemcpyDeviceToHost));
-    double worst = compare_rows(mapped ? "matvec (mapped host)" : "matvec", m, x, got, ref,
+    double worst = compare_rows(mapped ? "matvec (mapped host)" : "matvec", m, x, got, ref, 1,
                                 ts);
     for (int i = 0; i < 8; i++)
         CHECK(is_poison(got[m->rows + i]), "matvec wrote past row %llu",
@@ -292,7 +307,7 @@ static double run_matmul(const struct mat *m, uint32_t S, size_t ldx, struct rng
     for (uint32_t s = 0; s < S; s++) {
         char what[64];
         snprintf(what, sizeof(what), "matmul S=%u s=%u", S, s);
-        double e = compare_rows(what, m, X + s * ldx, got + s * ldy, ref + s * ldy, ts);
+        double e = compare_rows(what, m, X + s * ldx, got + s * ldy, ref + s * ldy, S, ts);
         worst = e > worst ? e : worst;
         for (size_t i = m->rows; i < (s + 1 < S ? ldy : m->rows + 8); i++)
             CHECK(is_poison(got[s * ldy + i]), "matmul S=%u wrote padding %zu of row %u", S, i, s);
@@ -381,7 +396,7 @@ static double run_experts(uint32_t type, uint32_t x_div, struct rng *r, struct t
         const float *x = X + (p / x_div) * ldx;
         if (addr[e]) {
             matvec_rows(type, m[e].w, m[e].row_bytes, x, n, ref, 0, rows);
-            double err = compare_rows("experts", &m[e], x, got + p * ldy, ref, ts);
+            double err = compare_rows("experts", &m[e], x, got + p * ldy, ref, 1, ts);
             worst = err > worst ? err : worst;
         }
         for (size_t i = addr[e] ? rows : 0; i < ldy; i++)
@@ -549,7 +564,7 @@ static void bench_one(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
         m.w = h + row * rb;
         char what[64];
         snprintf(what, sizeof(what), "bench row %llu", (unsigned long long)row);
-        compare_rows(what, &m, x, &got[row], &twin, &ts);
+        compare_rows(what, &m, x, &got[row], &twin, 1, &ts);
     }
     struct mv_ctx c = {type, d_w, stride, rb, copies, rows, n, d_x, d_y};
     double sec = time_graph(mv_launch, &c, copies < 16 ? (16 + copies - 1) / copies * copies
@@ -678,6 +693,68 @@ static void bench_matmul(struct rng *r)
     free(X);
 }
 
+/* The SiLU-gated down product (cuda_mvq_glu, cuda_mvq_experts_glu) against
+ * cuda_silu_mul followed by the plain product: the same bits. */
+static void test_glu(struct rng *r)
+{
+    const uint64_t rows = 2048, F = 512;
+    const uint32_t E = 16, P = 10;
+    for (int t = 0; t < 2; t++) {
+        const uint32_t type = t ? QUANT_TYPE_Q8_0 : QUANT_TYPE_Q4_0;
+        const size_t rb = quant_row_size(type, F), bytes = rows * rb;
+        uint8_t *h = xmalloc(bytes * E), *d_w;
+        fill_random_blocks(type, h, bytes * E, r);
+        CU(cudaMalloc((void **)&d_w, bytes * E));
+        CU(cudaMemcpy(d_w, h, bytes * E, cudaMemcpyHostToDevice));
+        float *gu = rand_floats(P * 2 * F, r), *d_gu = dev_floats(gu, P * 2 * F), *d_act;
+        float *d_y1, *d_y2, *y1 = xmalloc(P * rows * 4), *y2 = xmalloc(P * rows * 4);
+        CU(cudaMalloc((void **)&d_act, P * F * 4));
+        CU(cudaMalloc((void **)&d_y1, P * rows * 4));
+        CU(cudaMalloc((void **)&d_y2, P * rows * 4));
+        CU(cudaMemset(d_y1, 0xFF, P * rows * 4));
+        CU(cudaMemset(d_y2, 0xFF, P * rows * 4));
+        /* dense: pair 0's gate|up row */
+        CHECK(cuda_silu_mul(d_gu, (uint32_t)F, P, d_act, 0) == 0, "silu_mul");
+        CHECK(cuda_matvec(type, d_w, rb, rows, F, d_act, d_y1, 0) == 0, "matvec");
+        CHECK(cuda_mvq_glu(type, d_w, rb, rows, F, d_gu, true, d_y2, 0) == 0, "mvq_glu");
+        CU(cudaMemcpy(y1, d_y1, rows * 4, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(y2, d_y2, rows * 4, cudaMemcpyDeviceToHost));
+        CHECK(!memcmp(y1, y2, rows * 4), "mvq_glu %s differs from silu_mul + matvec",
+              quant_type_name(type));
+        /* experts: P pairs over E experts, one absent */
+        const void *addr[16];
+        for (uint32_t e = 0; e < E; e++)
+            addr[e] = e == 3 ? NULL : d_w + (size_t)e * bytes;
+        int32_t ids[10];
+        for (uint32_t p = 0; p < P; p++)
+            ids[p] = (int32_t)(rng_next(r) % E);
+        ids[4] = 3;
+        void *d_addr;
+        int32_t *d_ids;
+        CU(cudaMalloc(&d_addr, sizeof(addr)));
+        CU(cudaMalloc((void **)&d_ids, sizeof(ids)));
+        CU(cudaMemcpy(d_addr, addr, sizeof(addr), cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+        CU(cudaMemset(d_y1, 0xFF, P * rows * 4));
+        CU(cudaMemset(d_y2, 0xFF, P * rows * 4));
+        CHECK(cuda_matvec_experts(type, (const void *const *)d_addr, rb, rows, F, d_ids, P, d_act,
+                                  F, 1, d_y1, rows, 0) == 0, "experts");
+        CHECK(cuda_mvq_experts_glu(type, (const void *const *)d_addr, rb, rows, F, d_ids, P, d_gu,
+                                   2 * F, 1, true, d_y2, rows, 0) == 0, "experts glu");
+        CU(cudaMemcpy(y1, d_y1, P * rows * 4, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(y2, d_y2, P * rows * 4, cudaMemcpyDeviceToHost));
+        CHECK(!memcmp(y1, y2, P * rows * 4), "mvq_experts_glu %s differs from silu_mul + experts",
+              quant_type_name(type));
+        CHECK(is_poison(y2[4 * rows]) && is_poison(y2[4 * rows + rows - 1]),
+              "mvq_experts_glu wrote the pair of an absent expert");
+        MEASURE("glu down %s %llu x %llu (dense and %u pairs): bit-identical to silu_mul + product",
+                quant_type_name(type), (unsigned long long)rows, (unsigned long long)F, P);
+        cudaFree(d_w), cudaFree(d_gu), cudaFree(d_act), cudaFree(d_y1), cudaFree(d_y2);
+        cudaFree(d_addr), cudaFree(d_ids);
+        free(h), free(gu), free(y1), free(y2);
+    }
+}
+
 int main(void)
 {
     log_init("test", -1);
@@ -697,12 +774,15 @@ int main(void)
     test_matvec(&r, &ts);
     test_matmul(&r, &ts);
     test_experts(&r, &ts);
+    test_glu(&r);
     MEASURE("largest difference from the CPU twin (matvec_rows, matvec_rows_batch): %.3g of "
             "sum |w x| (it may round activations to int8; the exact dot is held to %.0e)",
             ts.worst, TOL);
-    static const uint64_t shapes[][2] = {{2048, 8192}, {8192, 2048}, {151936, 2048}};
+    /* the 80b-a3b decode shapes too: DeltaNet input stack, output, lm head */
+    static const uint64_t shapes[][2] = {{2048, 8192}, {8192, 2048}, {151936, 2048},
+                                         {12352, 2048}, {2048, 4096}};
     for (int t = 0; t < 2; t++)
-        for (int s = 0; s < 3; s++)
+        for (int s = 0; s < 5; s++)
             bench_one(t ? QUANT_TYPE_Q8_0 : QUANT_TYPE_Q4_0, shapes[s][0], shapes[s][1], &r);
     for (int t = 0; t < 2; t++)
         bench_one(t ? QUANT_TYPE_Q6_K : QUANT_TYPE_Q4_K, shapes[t ? 2 : 0][0],
@@ -711,6 +791,8 @@ int main(void)
         bench_experts(t ? QUANT_TYPE_Q4_K : QUANT_TYPE_Q4_0, 768, 2048, 8, &r);
         bench_experts(t ? QUANT_TYPE_Q4_K : QUANT_TYPE_Q4_0, 2048, 768, 1, &r);
     }
+    bench_experts(QUANT_TYPE_Q4_0, 1024, 2048, 8, &r); /* 80b-a3b gate|up, down */
+    bench_experts(QUANT_TYPE_Q4_0, 2048, 512, 1, &r);
     bench_matmul(&r);
     return test_main_result("test_matvec_cuda");
 }

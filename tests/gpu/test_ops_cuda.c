@@ -516,6 +516,31 @@ static double attn_case_run(const struct attn_case *c, struct rng *r)
         CHECK(attn_launch(&d, &a, 0) == 0, "attention launch");
         dev_download(g[run], d.out, n_out * 4);
     }
+    if (c->n_tok == 1) {
+        /* the graph-stable decode (position in device memory, grid for a
+         * longer context) gives the same bytes */
+        const uint32_t max_kvs[2] = {c->pos0 + 1, c->pos0 + 1 + 3000};
+        uint32_t *d_pos = dev_upload(&c->pos0, sizeof(uint32_t));
+        float *h = xmalloc(n_out * 4);
+        for (int m = 0; m < 2; m++) {
+            const size_t wsb = cuda_attention_decode_ws_bytes(c->n_head, c->n_head_kv, c->hd,
+                                                              max_kvs[m]);
+            float *ws = dev_alloc(wsb);
+            dev_poison(d.out, n_out * 4);
+            CHECK(cuda_attention_decode_at(d.q, a.q_head_stride, d.k, d.v, c->f16, c->n_head,
+                                           c->n_head_kv, c->hd, d_pos, max_kvs[m], a.scale,
+                                           c->gated, d.out, ws, wsb, 0) == 0,
+                  "attention decode_at launch");
+            dev_download(h, d.out, n_out * 4);
+            CHECK(!memcmp(h, g[0], n_out * 4),
+                  "attention decode_at (max_kv %u) differs from cuda_attention (heads %u/%u hd "
+                  "%u pos0 %u f16 %d gated %d)", max_kvs[m], c->n_head, c->n_head_kv, c->hd,
+                  c->pos0, c->f16, c->gated);
+            cudaFree(ws);
+        }
+        cudaFree(d_pos);
+        free(h);
+    }
     attn_reference(&a);
     const double err = max_abs_err(g[0], a.ref, n_out);
     CHECK(!memcmp(g[0], g[1], n_out * 4),
@@ -787,7 +812,35 @@ static void test_moe_combine(struct rng *r)
               err);
         MEASURE("moe_combine n %u k %u S %u %s: max rel err %.3g (%s)", n, k, S, names[variant],
                 err, variant == 2 ? "tol 1e-5" : "bit-exact expected");
+        /* the fused combine + next norm: the same h and the norm of
+         * cuda_rmsnorm bit for bit, y written over f */
+        float *dnw = dev_upload(gate, n * 4), *dy = dev_alloc(hn * 4);
+        float *hy = xmalloc(hn * 4), *hy2 = xmalloc(hn * 4), *hh = xmalloc(hn * 4);
+        CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
+        CHECK(cuda_moe_combine(dh, dY, dw, k, variant ? dso : NULL, variant == 2 ? dgate : NULL,
+                               df, n, S, 0) == 0, "moe_combine");
+        CHECK(cuda_rmsnorm(dy, n, dh, n, dnw, n, S, 1e-6f, 0) == 0, "rmsnorm");
+        dev_download(hy, dy, hn * 4);
+        float *df2 = dev_upload(f, hn * 4);
+        CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
+        CHECK(cuda_moe_combine_norm(dh, dY, dw, k, variant ? dso : NULL,
+                                    variant == 2 ? dgate : NULL, df2, n, S, dnw, 1e-6f, df2,
+                                    0) == 0, "moe_combine_norm");
+        dev_download(hh, dh, hn * 4);
+        dev_download(hy2, df2, hn * 4);
+        /* h bit for bit, but for the gated variant whose gate dot sums over a
+         * wider block */
+        const double he = max_rel_err(hh, g[0], hn);
+        CHECK(variant == 2 ? he <= 1e-6 : !memcmp(hh, g[0], hn * 4),
+              "moe_combine_norm %s: h differs from moe_combine by %.3g", names[variant], he);
+        const double ne = max_rel_err(hy2, hy, hn);
+        CHECK(ne <= 1e-6, "moe_combine_norm %s: norm differs from cuda_rmsnorm by %.3g",
+              names[variant], ne);
+        cudaFree(dnw), cudaFree(dy), cudaFree(df2);
+        free(hy), free(hy2), free(hh);
     }
+    MEASURE("moe_combine_norm n %u: h bit-identical to moe_combine (gated: within 1e-6), norm "
+            "within 1e-6 of cuda_rmsnorm (sum order)", n);
     cudaFree(dh), cudaFree(dY), cudaFree(dw), cudaFree(dso), cudaFree(dgate), cudaFree(df);
     free(h), free(Y), free(w), free(so), free(gate), free(f), free(ref), free(g[0]), free(g[1]);
 }
@@ -859,6 +912,86 @@ static void test_bad_args(void)
     cudaFree(d), cudaFree(di);
 }
 
+/* cuda_attn_prep against cuda_rmsnorm + cuda_rope_neox x 2 + cuda_kv_store. */
+static void attn_prep_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t hd, uint32_t n_rot,
+                           bool gated, bool f16, uint32_t S, uint32_t pos0, bool dpos)
+{
+    const uint32_t g = gated ? 2 : 1, n_ctx = pos0 + S + 3;
+    const size_t q_out = (size_t)nh * hd * g, kvd = (size_t)nkv * hd, esz = f16 ? 2 : 4;
+    const float eps = 1e-6f, base = 10000000.0f;
+    float *q = xmalloc(S * q_out * 4), *k = xmalloc(S * kvd * 4), *v = xmalloc(S * kvd * 4);
+    float *qn = xmalloc(hd * 4), *kn = xmalloc(hd * 4);
+    fill_uniform(r, q, S * q_out, -3.0f, 3.0f);
+    fill_uniform(r, k, S * kvd, -3.0f, 3.0f);
+    fill_uniform(r, v, S * kvd, -3.0f, 3.0f);
+    fill_uniform(r, qn, hd, 0.5f, 1.5f);
+    fill_uniform(r, kn, hd, 0.5f, 1.5f);
+    float *dq[2], *dk[2];
+    void *kc[2], *vc[2];
+    float *dv = dev_upload(v, S * kvd * 4), *dqn = dev_upload(qn, hd * 4);
+    float *dkn = dev_upload(kn, hd * 4);
+    uint32_t *d_pos = dev_upload(&pos0, 4);
+    for (int i = 0; i < 2; i++) {
+        dq[i] = dev_upload(q, S * q_out * 4);
+        dk[i] = dev_upload(k, S * kvd * 4);
+        kc[i] = dev_alloc(n_ctx * kvd * esz);
+        vc[i] = dev_alloc(n_ctx * kvd * esz);
+        dev_poison(kc[i], n_ctx * kvd * esz);
+        dev_poison(vc[i], n_ctx * kvd * esz);
+    }
+    /* reference: the separate kernels */
+    CHECK(cuda_rmsnorm(dq[0], g * hd, dq[0], g * hd, dqn, hd, S * nh, eps, 0) == 0, "rmsnorm q");
+    CHECK(cuda_rmsnorm(dk[0], hd, dk[0], hd, dkn, hd, S * nkv, eps, 0) == 0, "rmsnorm k");
+    CHECK(cuda_rope_neox(dq[0], S, q_out, nh, g * hd, n_rot, pos0, base, 0) == 0, "rope q");
+    CHECK(cuda_rope_neox(dk[0], S, kvd, nkv, hd, n_rot, pos0, base, 0) == 0, "rope k");
+    CHECK(cuda_kv_store(kc[0], vc[0], f16, dk[0], dv, kvd, (uint32_t)kvd, S, pos0, 0) == 0,
+          "kv_store");
+    CHECK(cuda_attn_prep(dq[1], q_out, g * hd, nh, dk[1], dv, kvd, nkv, hd, dqn, dkn, eps, n_rot,
+                         base, kc[1], vc[1], f16, S, dpos ? 0 : pos0, dpos ? d_pos : NULL,
+                         0) == 0, "attn_prep launch");
+    float *a = xmalloc(S * q_out * 4), *b = xmalloc(S * q_out * 4);
+    dev_download(a, dq[0], S * q_out * 4);
+    dev_download(b, dq[1], S * q_out * 4);
+    const double eq = max_abs_err(b, a, S * q_out);
+    dev_download(a, dk[0], S * kvd * 4);
+    dev_download(b, dk[1], S * kvd * 4);
+    const double ek = max_abs_err(b, a, S * kvd);
+    /* cache rows pos0..pos0+S-1 (compare as floats after widening f16) */
+    const size_t cells = (size_t)S * kvd, off = (size_t)pos0 * kvd;
+    uint8_t *ca = xmalloc(cells * esz), *cb = xmalloc(cells * esz);
+    double ec = 0.0;
+    for (int which = 0; which < 2; which++) {
+        dev_download(ca, (uint8_t *)(which ? vc[0] : kc[0]) + off * esz, cells * esz);
+        dev_download(cb, (uint8_t *)(which ? vc[1] : kc[1]) + off * esz, cells * esz);
+        for (size_t i = 0; i < cells; i++) {
+            const float x = f16 ? quant_f16_to_f32(((uint16_t *)ca)[i]) : ((float *)ca)[i];
+            const float y = f16 ? quant_f16_to_f32(((uint16_t *)cb)[i]) : ((float *)cb)[i];
+            ec = fmax(ec, fabs((double)x - y) / (fabs((double)x) + 1e-3));
+            if (isnan(y))
+                ec = INFINITY;
+        }
+    }
+    CHECK(eq <= 1e-5 && ek <= 1e-5 && ec <= 2e-3,
+          "attn_prep heads %u/%u hd %u rot %u gated %d f16 %d S %u pos0 %u dpos %d: q %.3g k "
+          "%.3g cache %.3g", nh, nkv, hd, n_rot, gated, f16, S, pos0, dpos, eq, ek, ec);
+    MEASURE("attn_prep heads %u/%u hd %u rot %u gated %d f16 %d S %u pos0 %u dpos %d: max err "
+            "q %.2g k %.2g cache %.2g (tol 1e-5, 1e-5, 2e-3 rel: f16 rounding of a few-ulp input "
+            "difference)", nh, nkv, hd, n_rot, gated, f16, S, pos0, dpos, eq, ek, ec);
+    for (int i = 0; i < 2; i++)
+        cudaFree(dq[i]), cudaFree(dk[i]), cudaFree(kc[i]), cudaFree(vc[i]);
+    cudaFree(dv), cudaFree(dqn), cudaFree(dkn), cudaFree(d_pos);
+    free(q), free(k), free(v), free(qn), free(kn), free(a), free(b), free(ca), free(cb);
+}
+
+static void test_attn_prep(struct rng *r)
+{
+    attn_prep_case(r, 16, 2, 256, 64, true, true, 1, 4095, true);    /* qwen3next decode */
+    attn_prep_case(r, 16, 2, 256, 64, true, false, 37, 5, false);    /* prefill */
+    attn_prep_case(r, 32, 4, 128, 128, false, true, 1, 77, true);    /* qwen3moe */
+    attn_prep_case(r, 32, 4, 128, 128, false, false, 64, 100, false);
+    attn_prep_case(r, 6, 2, 96, 32, false, true, 3, 9, true);        /* odd sizes */
+}
+
 /* The stream-ordered pool releases its memory at every synchronisation by
  * default; a threshold keeps it, as the worker should. */
 static void keep_pool_memory(void)
@@ -891,6 +1024,7 @@ int main(int argc, char **argv)
         test_add(&r);
         test_rope(&r);
         test_kv_store(&r);
+        test_attn_prep(&r);
         test_attention_decode(&r);
         test_attention_prefill(&r);
     }

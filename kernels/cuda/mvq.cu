@@ -1,0 +1,397 @@
+/*
+ * mvq: the decode product (one activation row) for Q4_0 and Q8_0 weights
+ * with int8 activations and dp4a, the scheme of the CPU twin's integer path
+ * (kernels/cpu/matvec.c: activations rounded per block of 32 to
+ * q = round-half-even(x * 127/amax) with the f32 scale d = amax/127). Used by
+ * cuda_matvec and cuda_matvec_experts (matvec.cu) for one activation row.
+ *
+ * Maths per weight block b of a row (32 elements) and the activation block
+ * b (scale dx, levels q, their sum sq):
+ *   Q8_0: dw * dx * sum_j w_j q_j
+ *   Q4_0: dw * (dx * sum_j n_j q_j - 8 * dx * sq)   (w_j = n_j - 8)
+ * the integer sums exact in int32, the rest in f32, blocks added in a fixed
+ * order per lane and lanes reduced in a fixed tree: results do not depend on
+ * timing.
+ *
+ * Ownership: a block of 256 threads first rounds its activation row into
+ * shared memory (warp w takes activation blocks w, w + 8, ...: lane j holds
+ * element j, amax and the level sum by shuffles; four blocks' loads in
+ * flight). The block's rows are cut among row groups of G lanes (G = 32,
+ * 16 or 8 from the row length); a group owns R consecutive rows and its
+ * lanes take weight blocks sub, sub + G, ... U at a time (U x R = 8 blocks
+ * of loads in flight before any arithmetic; a row of up to 8G blocks is
+ * read in one pass). A weight block starts 2-byte aligned; each lane reads the
+ * 4-byte words around it (5 for Q4_0, 9 for Q8_0, never crossing a word
+ * that holds none of its bytes) and shifts the bytes into place. The
+ * weight loads of the first pass are issued before the activations are
+ * rounded, so the two latencies overlap.
+ *
+ * Jobs (grid y): one for a plain product; for experts one per (token, slot)
+ * pair: the expert id and its weight address come from device memory, a
+ * NULL address (or negative id) skips the pair. Activation rows of up to
+ * kMaxN elements (shared memory); longer rows return -ENOTSUP so the caller
+ * uses the f32 kernels.
+ */
+#include "kernels/cuda/mvq.h"
+
+#include <errno.h>
+
+#include <cuda_fp16.h>
+
+extern "C" {
+#include "common/log.h"
+#include "model/quant.h"
+}
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr uint32_t kMaxN = 16384; /* activation elements held in shared memory */
+
+struct MvqArgs {
+    const uint8_t *w;             /* plain product: the matrix */
+    const void *const *addr;      /* experts: address per expert id */
+    const int32_t *ids;           /* experts: id per pair, or NULL */
+    size_t row_bytes;
+    uint32_t n_rows, n, nb;       /* rows, row length, blocks per row */
+    const float *x;
+    size_t ldx;
+    uint32_t x_div;
+    bool glu;                     /* x rows are [gate n | up n]: x = silu(gate) * up */
+    float *y;
+    size_t ldy;
+};
+
+template <int TYPE>
+struct Blk;
+
+template <>
+struct Blk<QUANT_TYPE_Q4_0> {
+    static constexpr int BYTES = 18, WORDS = 5;
+};
+
+template <>
+struct Blk<QUANT_TYPE_Q8_0> {
+    static constexpr int BYTES = 34, WORDS = 9;
+};
+
+/* The words around weight block b of a row: base aligned down to 4 bytes. */
+template <int TYPE>
+__device__ __forceinline__ void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[9],
+                                           uint32_t *shift)
+{
+    const uintptr_t at = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(b) * Blk<TYPE>::BYTES;
+    const uint32_t *p = reinterpret_cast<const uint32_t *>(at & ~static_cast<uintptr_t>(3));
+    *shift = static_cast<uint32_t>(at & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < Blk<TYPE>::WORDS; i++)
+        v[i] = __ldg(p + i);
+}
+
+/* Integer part and scale of one block dot: returns dw * (dx * isum - c * s). */
+template <int TYPE>
+__device__ __forceinline__ float block_dot(const uint32_t (&v)[9], uint32_t shift,
+                                           const int4 &xa, const int4 &xb, float dx, float sx)
+{
+    /* byte k of the block = byte (shift/8 + k) of the word run */
+    const uint32_t d16 = __funnelshift_rc(v[0], v[1], shift) & 0xFFFFu;
+    const float dw = __half2float(__ushort_as_half(static_cast<unsigned short>(d16)));
+    const uint32_t qs = shift + 16; /* quants start at byte 2: 16 or 32 bits in */
+    uint32_t q[8];
+#pragma unroll
+    for (int i = 0; i < (TYPE == QUANT_TYPE_Q4_0 ? 4 : 8); i++)
+        q[i] = qs >= 32 ? v[i + 1] : __funnelshift_rc(v[i], v[i + 1], qs);
+    const int xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int sum = 0;
+    if constexpr (TYPE == QUANT_TYPE_Q4_0) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            sum = __dp4a(static_cast<int>(q[i] & 0x0F0F0F0Fu), xw[i], sum);
+            sum = __dp4a(static_cast<int>((q[i] >> 4) & 0x0F0F0F0Fu), xw[4 + i], sum);
+        }
+        return dw * (dx * static_cast<float>(sum) - 8.0f * sx);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            sum = __dp4a(static_cast<int>(q[i]), xw[i], sum);
+        return dw * (dx * static_cast<float>(sum));
+    }
+}
+
+template <int TYPE, int G, int U, int R>
+__global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
+{
+    extern __shared__ int4 s_dyn[];
+    int8_t *s_q = reinterpret_cast<int8_t *>(s_dyn);          /* n levels */
+    float *s_d = reinterpret_cast<float *>(s_q + a.nb * 32);  /* nb scales */
+    float *s_s = s_d + a.nb;                                  /* nb scale x level sums */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint32_t job = blockIdx.y;
+    const uint8_t *w = a.w;
+    const float *x = a.x;
+    float *y = a.y + static_cast<size_t>(job) * a.ldy;
+    if (a.ids) {
+        const int32_t e = a.ids[job];
+        w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
+        if (!w)
+            return; /* the whole block: the pair runs elsewhere */
+        x += static_cast<size_t>(job / a.x_div) * a.ldx;
+    }
+    const int grp = threadIdx.x / G, sub = threadIdx.x % G;
+    /* tiles of (kThreads / G) * R rows: block x takes tiles x, x + grid.x,
+     * ... (the activations are rounded once per block) */
+    const uint32_t n_tiles = (a.n_rows + (kThreads / G) * R - 1) / ((kThreads / G) * R);
+    uint32_t tile = blockIdx.x;
+    uint32_t row0 = (tile * (kThreads / G) + grp) * R;
+
+    /* a pass: blocks b0 + u*G (u < U) of the group's R rows, all loads
+     * issued before any is used; the first pass before the activations */
+    uint32_t v[U][R][9], sh[U][R];
+    auto issue = [&](uint32_t b0) {
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const uint32_t b = b0 + u * G;
+                if (b < a.nb && row0 + r < a.n_rows)
+                    load_block<TYPE>(w + static_cast<size_t>(row0 + r) * a.row_bytes, b, v[u][r],
+                                     &sh[u][r]);
+            }
+    };
+    issue(sub);
+
+    /* round the activation row into shared memory: warp w takes blocks
+     * w, w + 8, ...; four blocks' loads in flight at a time */
+    constexpr int XB = 4;
+    for (uint32_t b0 = warp; b0 < a.nb; b0 += XB * kWarps) {
+        float xv[XB];
+#pragma unroll
+        for (int i = 0; i < XB; i++) {
+            const uint32_t b = b0 + i * kWarps;
+            xv[i] = b < a.nb ? x[b * 32 + lane] : 0.0f;
+            if (a.glu) /* cuda_silu_mul's formula: the rounding sees the same values */
+                xv[i] = b < a.nb ? __fmul_rn(xv[i] / (1.0f + expf(-xv[i])),
+                                             x[a.n + b * 32 + lane])
+                                 : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < XB; i++) {
+            const uint32_t b = b0 + i * kWarps;
+            float amax = fabsf(xv[i]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const int q = __float2int_rn(xv[i] * id);
+            int qs = q;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
+            if (b < a.nb) {
+                s_q[b * 32 + lane] = static_cast<int8_t>(q);
+                if (lane == 0) {
+                    const float d = amax / 127.0f;
+                    s_d[b] = d;
+                    s_s[b] = d * static_cast<float>(qs);
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    for (; tile < n_tiles; tile += gridDim.x) {
+    row0 = (tile * (kThreads / G) + grp) * R;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        acc[r] = 0.0f;
+    for (uint32_t b0 = sub; b0 < a.nb; b0 += U * G) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const uint32_t b = b0 + u * G;
+            if (b >= a.nb)
+                break;
+            const int4 *xq = reinterpret_cast<const int4 *>(s_q + b * 32);
+            const int4 xa = xq[0], xb = xq[1];
+            const float dx = s_d[b], sx = s_s[b];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                if (row0 + r < a.n_rows)
+                    acc[r] += block_dot<TYPE>(v[u][r], sh[u][r], xa, xb, dx, sx);
+        }
+        if (b0 + U * G < a.nb)
+            issue(b0 + U * G);
+        else if (tile + gridDim.x < n_tiles) { /* the next tile's first pass */
+            row0 += gridDim.x * (kThreads / G) * R;
+            issue(sub);
+            row0 -= gridDim.x * (kThreads / G) * R;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int o = G / 2; o > 0; o >>= 1)
+            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], o);
+    }
+    if (sub < R && row0 + sub < a.n_rows) {
+        float out = acc[0];
+#pragma unroll
+        for (int r = 1; r < R; r++)
+            out = sub == r ? acc[r] : out;
+        y[row0 + sub] = out;
+    }
+    }
+}
+
+template <int TYPE, int G, int U, int R>
+int go(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
+{
+    const uint32_t rows_per_block = (kThreads / G) * R;
+    const uint32_t tiles = (a.n_rows + rows_per_block - 1) / rows_per_block;
+    /* one product: at most two blocks per SM, each looping over tiles */
+    static int sms = 0;
+    if (!sms) {
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+            sms = 132;
+    }
+    const uint32_t cap = jobs == 1 ? 2u * static_cast<uint32_t>(sms) : tiles;
+    const dim3 grid(tiles < cap ? tiles : cap, jobs);
+    const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
+    mvq_kernel<TYPE, G, U, R><<<grid, kThreads, smem, stream>>>(a);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        log_error("cuda mvq: kernel launch failed: %s", cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+/* Lanes per row from the blocks per row; blocks per lane per pass U (all
+ * of a row's blocks in one pass up to 8 per lane) and rows per group R
+ * with U * R = 8 loads in flight per lane, fewer rows where the launch
+ * would not give each SM of an H200 (132) two blocks. */
+template <int TYPE>
+int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
+{
+    const uint32_t g = a.nb >= 64 ? 32 : a.nb >= 32 ? 16 : 8;
+    const uint32_t per_lane = (a.nb + g - 1) / g;
+    const int u = per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 8;
+    const uint64_t groups = static_cast<uint64_t>(a.n_rows) * jobs;
+    const auto blocks = [&](int r) { return groups / ((kThreads / g) * r); };
+    int r = 8 / u;
+    if (jobs > 1) {
+        while (r > 1 && blocks(r) < 264)
+            r /= 2;
+    } else { /* blocks loop over tiles: the largest tiles that still share out evenly */
+        int best = r;
+        double best_eff = 0.0;
+        for (int rr = r; rr >= 1; rr /= 2) {
+            const double t = static_cast<double>(blocks(rr) ? blocks(rr) : 1);
+            const double waves = t < 264 ? 1.0 : static_cast<double>((blocks(rr) + 263) / 264);
+            const double eff = t < 264 ? 1.0 : t / (waves * 264.0);
+            if (eff > best_eff + 0.1) {
+                best = rr;
+                best_eff = eff;
+            }
+        }
+        r = best;
+    }
+#define MVQ_GO(G)                                                                                  \
+    switch (u * 8 + r) {                                                                           \
+    case 2 * 8 + 4: return go<TYPE, G, 2, 4>(a, jobs, stream);                                     \
+    case 2 * 8 + 2: return go<TYPE, G, 2, 2>(a, jobs, stream);                                     \
+    case 2 * 8 + 1: return go<TYPE, G, 2, 1>(a, jobs, stream);                                     \
+    case 4 * 8 + 2: return go<TYPE, G, 4, 2>(a, jobs, stream);                                     \
+    case 4 * 8 + 1: return go<TYPE, G, 4, 1>(a, jobs, stream);                                     \
+    default: return go<TYPE, G, 8, 1>(a, jobs, stream);                                            \
+    }
+    if (g == 32)
+        MVQ_GO(32);
+    if (g == 16)
+        MVQ_GO(16);
+    MVQ_GO(8);
+#undef MVQ_GO
+}
+
+int dispatch(uint32_t type, const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
+{
+    switch (type) {
+    case QUANT_TYPE_Q4_0: return pick<QUANT_TYPE_Q4_0>(a, jobs, stream);
+    case QUANT_TYPE_Q8_0: return pick<QUANT_TYPE_Q8_0>(a, jobs, stream);
+    default: return -ENOTSUP;
+    }
+}
+
+bool usable(uint32_t type, uint64_t n_rows, uint64_t n, const float *x, size_t ldx, size_t ldy,
+            bool glu)
+{
+    return (type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0) && n % 32 == 0 &&
+           n > 0 && n <= kMaxN && n_rows > 0 && n_rows < (1u << 31) &&
+           (reinterpret_cast<uintptr_t>(x) & 3) == 0 && ldx >= (glu ? 2 : 1) * n && ldy >= n_rows;
+}
+
+} /* namespace */
+
+extern "C" int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                        uint64_t n, const float *d_x, float *d_y, cudaStream_t stream)
+{
+    return cuda_mvq_glu(type, d_w, row_bytes, n_rows, n, d_x, false, d_y, stream);
+}
+
+extern "C" int cuda_mvq_glu(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                            uint64_t n, const float *d_x, bool glu, float *d_y,
+                            cudaStream_t stream)
+{
+    if (!usable(type, n_rows, n, d_x, glu ? 2 * n : n, n_rows, glu) || !d_w || !d_y)
+        return -ENOTSUP;
+    MvqArgs a = {};
+    a.w = static_cast<const uint8_t *>(d_w);
+    a.row_bytes = row_bytes;
+    a.n_rows = static_cast<uint32_t>(n_rows);
+    a.n = static_cast<uint32_t>(n);
+    a.nb = a.n / 32;
+    a.x = d_x;
+    a.ldx = glu ? 2 * n : n;
+    a.x_div = 1;
+    a.glu = glu;
+    a.y = d_y;
+    a.ldy = n_rows;
+    return dispatch(type, a, 1, stream);
+}
+
+extern "C" int cuda_mvq_experts(uint32_t type, const void *const *d_addr, size_t row_bytes,
+                                uint64_t n_rows, uint64_t n, const int32_t *d_ids,
+                                uint32_t n_pairs, const float *d_X, size_t ldx, uint32_t x_div,
+                                float *d_Y, size_t ldy, cudaStream_t stream)
+{
+    return cuda_mvq_experts_glu(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx,
+                                x_div, false, d_Y, ldy, stream);
+}
+
+extern "C" int cuda_mvq_experts_glu(uint32_t type, const void *const *d_addr, size_t row_bytes,
+                                    uint64_t n_rows, uint64_t n, const int32_t *d_ids,
+                                    uint32_t n_pairs, const float *d_X, size_t ldx,
+                                    uint32_t x_div, bool glu, float *d_Y, size_t ldy,
+                                    cudaStream_t stream)
+{
+    if (!usable(type, n_rows, n, d_X, ldx, ldy, glu) || !d_addr || !d_ids || !d_Y || x_div == 0 ||
+        n_pairs == 0 || n_pairs > 65535)
+        return -ENOTSUP;
+    MvqArgs a = {};
+    a.addr = d_addr;
+    a.ids = d_ids;
+    a.row_bytes = row_bytes;
+    a.n_rows = static_cast<uint32_t>(n_rows);
+    a.n = static_cast<uint32_t>(n);
+    a.nb = a.n / 32;
+    a.x = d_X;
+    a.ldx = ldx;
+    a.x_div = x_div;
+    a.glu = glu;
+    a.y = d_Y;
+    a.ldy = ldy;
+    return dispatch(type, a, n_pairs, stream);
+}

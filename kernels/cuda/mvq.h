@@ -1,0 +1,48 @@
+/*
+ * cuda mvq: decode products (one activation row) of Q4_0 and Q8_0 weights
+ * with the activations rounded to int8 per block of 32 and dp4a dots, as the
+ * CPU twin's integer path computes them (kernels/cpu/matvec.c). cuda_matvec
+ * and cuda_matvec_experts (matvec.h) call these first for one activation row
+ * and fall back to their f32 kernels on -ENOTSUP (another type, rows longer
+ * than 16384 elements, LAMINA_CUDA_MVQ=0). Contracts as in matvec.h.
+ */
+#ifndef KERNELS_CUDA_MVQ_H
+#define KERNELS_CUDA_MVQ_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* d_y[r] = W[r] . d_x; -ENOTSUP when this kernel does not take the case,
+ * -EIO for a failed launch (logged). */
+int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+             const float *d_x, float *d_y, cudaStream_t stream);
+
+/* cuda_matvec_experts for one activation row per pair (see matvec.h). */
+int cuda_mvq_experts(uint32_t type, const void *const *d_addr, size_t row_bytes, uint64_t n_rows,
+                     uint64_t n, const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
+                     size_t ldx, uint32_t x_div, float *d_Y, size_t ldy, cudaStream_t stream);
+
+/* The same with the SiLU-gated input of a feed-forward down product: when
+ * glu, activation row i holds gate (n floats) then up (n floats) and the
+ * product takes x = silu(gate) * up as cuda_silu_mul computes it (so one
+ * launch replaces cuda_silu_mul + the product, with the same result);
+ * ldx >= 2n. */
+int cuda_mvq_glu(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+                 const float *d_x, bool glu, float *d_y, cudaStream_t stream);
+int cuda_mvq_experts_glu(uint32_t type, const void *const *d_addr, size_t row_bytes,
+                         uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
+                         const float *d_X, size_t ldx, uint32_t x_div, bool glu, float *d_Y,
+                         size_t ldy, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
