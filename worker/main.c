@@ -15,6 +15,17 @@
  * (cuda:0=3400.0:53.0), for a coordinator whose workers run on other hosts
  * and so cannot probe their cards itself.
  *
+ * Hand-off: hidden states go to the next worker over ZeroMQ (the Step message's tensor
+ * frame), or, when the plan gives an NCCL pair id (consecutive CUDA workers of one host),
+ * device to device with ncclSend/ncclRecv on the backend's stream (ipc/nccl.h). Then the
+ * Step message still goes over ZeroMQ, without rows and flagged via_nccl, and it goes first:
+ * the backend's send hook tells the next worker to start the step and only then enqueues the
+ * send, because an NCCL send completes only once the receiver has posted its receive, which
+ * it does when it runs that step (its recv hook). Both hooks then wait for the stream while
+ * polling NCCL for asynchronous errors under a deadline; on an error or timeout the worker
+ * aborts its communicators (SIGALRM ends it if the abort hangs) and exits non-zero, and the
+ * coordinator, seeing the exit, ends the cluster.
+ *
  * Threads: the main thread owns the coordinator, input and output sockets
  * and all compute; a watchdog thread owns a second coordinator socket and
  * sends a heartbeat every WORKER_HEARTBEAT_MS carrying the layer progress
@@ -37,6 +48,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "ipc/nccl.h"
 #include "ipc/shm.h"
 #include "ipc/wire.h"
 #include "model/arch.h"
@@ -49,6 +61,11 @@
 #define WORKER_PLAN_TIMEOUT_MS 30000 /* hello -> load plan */
 #define WORKER_IDLE_EXIT_MS 15000   /* no word from the coordinator for this long: exit */
 #define WORKER_REPLY_TIMEOUT_MS 60000 /* expert reply wait */
+#define WORKER_NCCL_INIT_TIMEOUT_S 900.0 /* the NCCL peer joins once it has loaded (as READY) */
+#define WORKER_NCCL_STEP_TIMEOUT_S 300.0 /* an NCCL hand-off (with the layers before it) */
+#define WORKER_ABORT_DEADLINE_S 10       /* ncclCommAbort or teardown after it may hang: SIGALRM */
+
+_Static_assert(WIRE_NCCL_ID_BYTES == NCCL_COMM_ID_BYTES, "NCCL unique id size");
 
 struct worker_args {
     const char *connect;     /* coordinator endpoint */
@@ -77,6 +94,14 @@ struct worker {
     bool *trunk_on, *shexp_on;     /* per model layer: placed on the device (plan) */
     struct backend *be;
     float *h, *logits;
+    struct nccl_lib *nccl;         /* NCCL, when the plan hands hidden states over it */
+    struct nccl_comm *nccl_prev;   /* pair with the previous worker (we receive), or NULL */
+    struct nccl_comm *nccl_next;   /* pair with the next worker (we send), or NULL */
+    const struct wire_step *cur;   /* the step being run: borrowed for backend_layers */
+    bool announced;                /* the next worker was sent cur (NCCL hand-off) */
+    double nccl_send_ms;           /* this step: GPU time of the NCCL sends */
+    double nccl_recv_ms;           /* this step: GPU time of the NCCL receives */
+    uint64_t nccl_bytes;           /* this step: bytes sent over NCCL */
     /* state */
     uint64_t seq_no;
     uint64_t step;                 /* step being run */
@@ -210,6 +235,119 @@ static int worker_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
     return -ETIMEDOUT;
 }
 
+/* ---- NCCL hand-off ---- */
+
+/* After an NCCL or CUDA failure in a hand-off: aborts both communicators (the peers see the
+ * coordinator end the cluster), with SIGALRM as the hard deadline behind an abort that hangs. */
+static int worker_nccl_fail(struct worker *w, int rc)
+{
+    alarm(WORKER_ABORT_DEADLINE_S);
+    nccl_comm_abort(w->nccl_prev);
+    nccl_comm_abort(w->nccl_next);
+    alarm(0);
+    return rc == -ETIMEDOUT ? rc : -EIO;
+}
+
+/* Backend hook (backend_handoff.send), once per pass: the first call of a step sends the Step
+ * message, flagged via_nccl, to the next worker, so that it starts the step and posts its
+ * receive; then the send is enqueued on the backend's stream, after this pass's layers, and
+ * the stream is waited for. */
+static int worker_nccl_send(void *ctx, const void *d_buf, size_t bytes, void *stream)
+{
+    struct worker *w = ctx;
+    if (!w->nccl_next || !w->cur) {
+        log_error("nccl send hook called with no communicator or step");
+        return -EIO;
+    }
+    if (!w->announced) {
+        struct wire_msg o = {.type = WIRE_TYPE_STEP};
+        o.step = *w->cur;
+        o.step.via_nccl = true;
+        int rc = worker_send(w, w->out, &o);
+        if (rc) {
+            log_error("cannot tell the next worker to start step %llu: %s",
+                      (unsigned long long)w->cur->step, strerror(-rc));
+            return rc;
+        }
+        w->announced = true;
+    }
+    int rc = nccl_comm_send(w->nccl_next, d_buf, bytes, stream);
+    rc = rc ? rc : nccl_comm_wait(w->nccl_next, stream, WORKER_NCCL_STEP_TIMEOUT_S);
+    if (rc)
+        return worker_nccl_fail(w, rc);
+    w->nccl_send_ms += nccl_comm_last_ms(w->nccl_next);
+    w->nccl_bytes += bytes;
+    return 0;
+}
+
+/* Backend hook (backend_handoff.recv), once per pass: posts the receive of this pass's rows
+ * on the backend's stream and waits until they have arrived, so that a sender that died
+ * ends in a deadline here rather than in the backend's stream synchronization. */
+static int worker_nccl_recv(void *ctx, void *d_buf, size_t bytes, void *stream)
+{
+    struct worker *w = ctx;
+    if (!w->nccl_prev) {
+        log_error("nccl receive hook called with no communicator");
+        return -EIO;
+    }
+    int rc = nccl_comm_recv(w->nccl_prev, d_buf, bytes, stream);
+    rc = rc ? rc : nccl_comm_wait(w->nccl_prev, stream, WORKER_NCCL_STEP_TIMEOUT_S);
+    if (rc)
+        return worker_nccl_fail(w, rc);
+    w->nccl_recv_ms += nccl_comm_last_ms(w->nccl_prev);
+    return 0;
+}
+
+/* Joins the NCCL pairs of the plan, the previous one first: each waits for its peer, and in
+ * this order the chain of workers joins without a cycle. The backend's device is current. */
+static int worker_nccl_join(struct worker *w, const struct wire_load_plan *p)
+{
+    char name[64];
+    struct nccl_comm_config cc = {.lib = w->nccl, .init_timeout_s = WORKER_NCCL_INIT_TIMEOUT_S,
+                                  .name = name};
+    if (p->has_nccl_prev) {
+        snprintf(name, sizeof(name), "worker %d -> %d", w->args.index - 1, w->args.index);
+        cc.id = p->nccl_prev_id;
+        cc.rank = NCCL_COMM_RANK_RECEIVER;
+        w->nccl_prev = nccl_comm_create(&cc);
+        if (!w->nccl_prev)
+            return -EIO;
+    }
+    if (p->has_nccl_next) {
+        snprintf(name, sizeof(name), "worker %d -> %d", w->args.index, w->args.index + 1);
+        cc.id = p->nccl_next_id;
+        cc.rank = NCCL_COMM_RANK_SENDER;
+        w->nccl_next = nccl_comm_create(&cc);
+        if (!w->nccl_next)
+            return -EIO;
+    }
+    return 0;
+}
+
+/* The hooks of the plan's NCCL pairs, after loading NCCL; refused on a backend without
+ * device memory. */
+static int worker_nccl_hooks(struct worker *w, const struct wire_load_plan *p, const char *kind,
+                             struct backend_handoff *ho)
+{
+    if (!p->has_nccl_prev && !p->has_nccl_next)
+        return 0;
+    if (strcmp(kind, "cuda")) {
+        log_error("load plan: hidden states over NCCL, but this worker's device is %s",
+                  p->backend);
+        return -EPROTO;
+    }
+    if (p->has_nccl_prev && p->layer_begin == 0) {
+        log_error("load plan: the first worker has an NCCL pair with a previous one");
+        return -EPROTO;
+    }
+    w->nccl = nccl_lib_open(false);
+    if (!w->nccl)
+        return -ENOTSUP;
+    *ho = (struct backend_handoff){.recv = p->has_nccl_prev ? worker_nccl_recv : NULL,
+                                   .send = p->has_nccl_next ? worker_nccl_send : NULL, .ctx = w};
+    return 0;
+}
+
 /* ---- load plan ---- */
 
 static int worker_build_refs(struct worker *w)
@@ -321,9 +459,15 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
         setenv("LAMINA_CUDA_DEVICE", kind + 5, 1);
         kind = "cuda";
     }
+    rc = worker_nccl_hooks(w, p, kind, &bc.handoff);
+    if (rc)
+        return rc;
     w->be = backend_create(kind, &bc);
     if (!w->be)
         return -ENOMEM;
+    rc = worker_nccl_join(w, p);
+    if (rc)
+        return rc;
     w->h = malloc((size_t)p->max_batch * w->m->hp.n_embd * sizeof(float));
     w->logits = malloc((size_t)p->max_batch * w->m->hp.n_vocab * sizeof(float));
     return w->h && w->logits ? 0 : -ENOMEM;
@@ -399,26 +543,34 @@ static int worker_start(struct worker *w)
 
 /* ---- steps ---- */
 
+/* The worker's timing line of a step (docs/timings.md). handoff: ZeroMQ, the send of the
+ * step's rows to the next worker (as in send); NCCL, the GPU time of the sends. handoff_in:
+ * the GPU time of the NCCL receives (with the wait for the previous worker's layers). */
 static void worker_send_timing(struct worker *w, const struct wire_step *st, double recv_wait,
                                double send_s, double total_s)
 {
     const struct forward_stats *s = backend_stats(w->be);
     const struct forward_stats *p = &w->prev;
+    const char *via = w->is_last ? "none" : w->nccl_next ? "nccl" : "zmq";
+    const double handoff_ms = w->is_last ? 0.0 : w->nccl_next ? w->nccl_send_ms : 1e3 * send_s;
     char json[1024];
     snprintf(json, sizeof(json),
              "{\"worker\":%d,\"device\":\"%s\",\"step\":%llu,\"seq\":%llu,\"tokens\":%u,"
-             "\"layers\":[%u,%u],\"ms\":{\"attn\":%.3f,\"deltanet\":%.3f,\"router\":%.3f,"
-             "\"experts_gpu\":%.3f,\"experts_page_in\":0,\"experts_cpu_wait\":%.3f,"
-             "\"shared_expert\":%.3f,\"send\":%.3f,\"recv_wait\":%.3f,\"total\":%.3f},"
+             "\"layers\":[%u,%u],\"handoff_via\":\"%s\",\"ms\":{\"attn\":%.3f,"
+             "\"deltanet\":%.3f,\"router\":%.3f,\"experts_gpu\":%.3f,\"experts_page_in\":0,"
+             "\"experts_cpu_wait\":%.3f,\"shared_expert\":%.3f,\"send\":%.3f,"
+             "\"recv_wait\":%.3f,\"total\":%.3f,\"handoff\":%.3f,\"handoff_in\":%.3f},"
              "\"experts\":{\"hit\":%llu,\"paged\":0,\"in_place\":0,\"cpu\":%llu},"
-             "\"bytes\":{\"h2d\":0,\"nccl\":0}}",
+             "\"bytes\":{\"h2d\":0,\"nccl\":%llu}}",
              w->args.index, w->device, (unsigned long long)st->step, (unsigned long long)st->seq_id,
-             st->n_tokens, w->l0, w->l1, 1e3 * (s->attn - p->attn),
+             st->n_tokens, w->l0, w->l1, via, 1e3 * (s->attn - p->attn),
              1e3 * (s->deltanet - p->deltanet), 1e3 * (s->router - p->router),
              1e3 * (s->experts - p->experts), 1e3 * (s->remote_wait - p->remote_wait),
              1e3 * (s->shared_expert - p->shared_expert), 1e3 * send_s, 1e3 * recv_wait,
-             1e3 * total_s, (unsigned long long)(s->expert_rows - p->expert_rows),
-             (unsigned long long)(s->remote_rows - p->remote_rows));
+             1e3 * total_s, handoff_ms, w->nccl_recv_ms,
+             (unsigned long long)(s->expert_rows - p->expert_rows),
+             (unsigned long long)(s->remote_rows - p->remote_rows),
+             (unsigned long long)w->nccl_bytes);
     w->prev = *s;
     struct wire_msg m = {.type = WIRE_TYPE_TIMING};
     m.timing.json = json;
@@ -443,6 +595,14 @@ static int worker_check_step(struct worker *w, const struct wire_msg *m)
 static int worker_finish_step(struct worker *w, const struct wire_step *st, struct wire_msg *res)
 {
     const size_t n = w->m->hp.n_embd;
+    if (!w->is_last && w->nccl_next) { /* the send hook has handed the rows on */
+        if (!w->announced) {
+            log_error("step %llu: the backend never handed its rows to the NCCL send hook",
+                      (unsigned long long)st->step);
+            return -EIO;
+        }
+        return 0;
+    }
     if (!w->is_last) {
         struct wire_msg o = {.type = WIRE_TYPE_STEP};
         o.step = *st;
@@ -479,10 +639,22 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
                   (unsigned long long)st->step, st->pos, w->pos);
         return -EPROTO;
     }
+    if (st->via_nccl != (w->nccl_prev != NULL)) {
+        log_error("step %llu came with its rows %s, but the plan hands them to this worker over "
+                  "%s", (unsigned long long)st->step, st->via_nccl ? "over NCCL" : "over ZeroMQ",
+                  w->nccl_prev ? "NCCL" : "ZeroMQ");
+        return -EPROTO;
+    }
     double t0 = worker_now();
     w->step = st->step;
-    memcpy(w->h, m->tensor, m->tensor_bytes);
+    w->cur = st;
+    w->announced = false;
+    w->nccl_send_ms = w->nccl_recv_ms = 0;
+    w->nccl_bytes = 0;
+    if (!st->via_nccl)
+        memcpy(w->h, m->tensor, m->tensor_bytes);
     rc = backend_layers(w->be, w->h, st->n_tokens);
+    w->cur = NULL;
     if (rc)
         return rc;
     w->pos += st->n_tokens;
@@ -602,7 +774,10 @@ static void worker_cleanup(struct worker *w)
     wire_socket_destroy(w->in);
     wire_socket_destroy(w->out);
     wire_socket_destroy(w->coord);
+    nccl_comm_destroy(w->nccl_prev); /* before the backend: their work is on its stream */
+    nccl_comm_destroy(w->nccl_next);
     backend_destroy(w->be);
+    nccl_lib_close(w->nccl);
     for (uint32_t l = 0; w->m && l < w->m->hp.n_layer; l++) {
         if (w->src)
             free(w->src[l]);
@@ -669,6 +844,8 @@ int main(int argc, char **argv)
         w.watchdog_started = pthread_create(&w.watchdog, NULL, worker_watchdog, &w) == 0;
         rc = worker_loop(&w);
     }
+    if (rc && (w.nccl_prev || w.nccl_next))
+        alarm(WORKER_ABORT_DEADLINE_S); /* teardown after an NCCL failure may hang */
     worker_cleanup(&w);
     if (rc)
         log_error("worker %d exits after an error: %s", w.args.index, strerror(-rc));
