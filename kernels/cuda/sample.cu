@@ -29,6 +29,10 @@
  * memory. The id-order draw gives each thread a contiguous range of ids; a block scan finds the
  * range holding the crossing and the block then scans that range token by token.
  *
+ * Passes: keys (and, without penalties, the best R) from the logits, as float4 when aligned; with
+ * penalties, the window's keys are rewritten and a second pass finds the best R; then one pass
+ * per radix level of each selection (three in the common case, six when ties reach the ids).
+ *
  * Ownership: the single block owns everything; thread t handles tokens t, t + 1024, ... (as
  * uint4 of keys) in the passes, buckets 2047 - 2t and 2046 - 2t in the bucket scans, ids
  * [t * chunk, (t + 1) * chunk) in the id-order draw. Thread 0 (greedy) or the thread that finds
@@ -326,25 +330,39 @@ static __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
 {
     __shared__ sample_smem sm;
     const cuda_sample_params p = *params;
-    for (uint32_t i = threadIdx.x; i < n; i += SAMPLE_THREADS)
-        keys[i] = sample_key(logits[i]);
-    __syncthreads();
     const bool penalize = (p.repeat_penalty != 0.0f && p.repeat_penalty != 1.0f) ||
                           p.presence_penalty != 0.0f;
-    for (uint32_t j = threadIdx.x; penalize && j < n_recent; j += SAMPLE_THREADS) {
-        const int32_t id = recent[j];
-        if (id >= 0 && (uint32_t)id < n) /* repeats write the same value */
-            keys[id] = sample_key(sample_penalize(logits[id], p.repeat_penalty,
-                                                  p.presence_penalty));
+    unsigned long long best = 0; /* without penalties the key pass finds the best R too */
+    uint32_t done = 0;
+    if (((uintptr_t)logits & 15) == 0) {
+        done = n / 4 * 4;
+        for (uint32_t j = threadIdx.x; j < n / 4; j += SAMPLE_THREADS) {
+            const float4 f = ((const float4 *)logits)[j];
+            const uint4 q = {sample_key(f.x), sample_key(f.y), sample_key(f.z), sample_key(f.w)};
+            ((uint4 *)keys)[j] = q;
+            best = max(best, max(max(sample_rank(q.x, 4 * j), sample_rank(q.y, 4 * j + 1)),
+                                 max(sample_rank(q.z, 4 * j + 2), sample_rank(q.w, 4 * j + 3))));
+        }
     }
-    __syncthreads();
-
+    for (uint32_t i = done + threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        keys[i] = sample_key(logits[i]);
+        best = max(best, sample_rank(keys[i], i));
+    }
     sample_src src = {keys, n, false};
-    unsigned long long best = 0;
-    sample_visit(src, sm, [&](uint32_t key, uint32_t id) {
-        const unsigned long long r = sample_rank(key, id);
-        best = r > best ? r : best;
-    });
+    if (penalize) {
+        __syncthreads();
+        for (uint32_t j = threadIdx.x; j < n_recent; j += SAMPLE_THREADS) {
+            const int32_t id = recent[j];
+            if (id >= 0 && (uint32_t)id < n) /* repeats write the same value */
+                keys[id] = sample_key(sample_penalize(logits[id], p.repeat_penalty,
+                                                      p.presence_penalty));
+        }
+        __syncthreads();
+        best = 0;
+        sample_visit(src, sm, [&](uint32_t key, uint32_t id) {
+            best = max(best, sample_rank(key, id));
+        });
+    }
     best = sample_block_max(best, sm.scan);
     const uint32_t max_key = (uint32_t)(best >> 32);
     const float max = sample_value(max_key);

@@ -6,7 +6,8 @@
  * peaked like a language model's, coarse values with many ties, a third -inf and some NaN,
  * wide), every parameter set (greedy, temperature alone, min_p, top_k 1 / 40 / 1000 / 5000 /
  * n / n + 5, top_p alone, the llama.cpp chain, penalties over a window of 64 accepted ids with
- * repeats and ids past the vocabulary) runs several draws: one CPU sampler samples, a second
+ * repeats and ids past the vocabulary) runs several draws (logits 16-byte aligned, and at a
+ * 4-byte offset for the 20000 vocabulary): one CPU sampler samples, a second
  * with the same seed and history gives its uniform number (sampler_next_uniform) to the
  * kernel, whose output was poisoned first. The tokens must be equal, except where equality is
  * impossible in principle: the weights come from different expf and are summed differently, so
@@ -233,15 +234,16 @@ static bool ref_allows(const struct ref *rf, const struct sampler_config *c, dou
 /* ---- the comparison ---- */
 
 struct dev {
-    float *logits;
+    float *base, *logits; /* logits = base + an offset of 0 or 1 float */
     struct cuda_sample_params *params;
     int32_t *recent, *token;
     void *work;
 };
 
-static void dev_alloc(struct dev *d, uint32_t n)
+static void dev_alloc(struct dev *d, uint32_t n, uint32_t off)
 {
-    CU(cudaMalloc((void **)&d->logits, (size_t)n * sizeof(float)));
+    CU(cudaMalloc((void **)&d->base, ((size_t)n + 1) * sizeof(float)));
+    d->logits = d->base + off;
     CU(cudaMalloc((void **)&d->params, sizeof(*d->params)));
     CU(cudaMalloc((void **)&d->recent, WINDOW * sizeof(int32_t)));
     CU(cudaMalloc((void **)&d->token, sizeof(int32_t)));
@@ -250,7 +252,7 @@ static void dev_alloc(struct dev *d, uint32_t n)
 
 static void dev_free(struct dev *d)
 {
-    CU(cudaFree(d->logits));
+    CU(cudaFree(d->base));
     CU(cudaFree(d->params));
     CU(cudaFree(d->recent));
     CU(cudaFree(d->token));
@@ -389,7 +391,7 @@ static void test_against_cpu(struct rng *r)
         uint32_t n = sizes[s];
         float *l = xmalloc(n * sizeof(float));
         struct dev d;
-        dev_alloc(&d, n);
+        dev_alloc(&d, n, n == 20000); /* misaligned logits once */
         for (int dist = 0; dist < N_DIST; dist++) {
             fill(l, n, (enum dist)dist, r);
             CU(cudaMemcpy(d.logits, l, n * sizeof(float), cudaMemcpyHostToDevice));
@@ -417,7 +419,7 @@ static void test_graph(struct rng *r)
     float *l = xmalloc(n * sizeof(float));
     fill(l, n, DIST_PEAKED, r);
     struct dev d;
-    dev_alloc(&d, n);
+    dev_alloc(&d, n, 0);
     CU(cudaMemcpy(d.logits, l, n * sizeof(float), cudaMemcpyHostToDevice));
     struct sampler_config c = {.temperature = 1.2f, .top_k = 200, .top_p = 0.98f, .seed = 5};
     struct sampler *a = sampler_create(&c), *b = sampler_create(&c);
@@ -461,7 +463,7 @@ static void test_graph(struct rng *r)
 static void test_bad_args(void)
 {
     struct dev d;
-    dev_alloc(&d, 16);
+    dev_alloc(&d, 16, 0);
     CHECK(cuda_sample(NULL, 16, d.params, NULL, 0, d.work, d.token, 0) == -EINVAL, "NULL logits");
     CHECK(cuda_sample(d.logits, 0, d.params, NULL, 0, d.work, d.token, 0) == -EINVAL, "n 0");
     CHECK(cuda_sample(d.logits, CUDA_SAMPLE_MAX_VOCAB + 1, d.params, NULL, 0, d.work, d.token,
@@ -517,7 +519,7 @@ static void test_timing(struct rng *r)
     const uint32_t n = BIG;
     float *l = xmalloc(n * sizeof(float));
     struct dev d;
-    dev_alloc(&d, n);
+    dev_alloc(&d, n, 0);
     int32_t win[WINDOW];
     for (int i = 0; i < WINDOW; i++)
         win[i] = i < 64 ? (int32_t)(rng_next(r) % n) : -1;
