@@ -356,8 +356,9 @@ static int cl_plan(struct cluster *c)
                                 .n_ctx = c->cfg.n_ctx, .kv_f16 = c->cfg.kv_f16,
                                 .max_batch = c->cfg.max_batch};
     for (int i = 0; i < c->n; i++) {
-        pc.devices[i] = (struct planner_device){.name = c->cfg.backends[i],
-                                                .budget = c->cfg.device_mem[i]};
+        pc.devices[i] = (struct planner_device){
+            .name = c->cfg.backends[i], .budget = c->cfg.device_mem[i],
+            .holds_trunk = cl_cuda_device(c->cfg.backends[i]) >= 0};
         pc.dense_miss_ratio |= strncmp(c->cfg.backends[i], "cpu", 3) != 0;
     }
     /* Measured speeds (the host for the CPU pool's threads; every card whose

@@ -604,6 +604,10 @@ static enum pl_disp pl_disposition(const struct pl_build *b, int slot, uint32_t 
     const struct pl_item *it = &b->place.item[slot];
     const int owner = layer == PLANNER_NO_LAYER ? p->n_devices - 1 : p->layers[layer].device;
     *dev = layer == PLANNER_NO_LAYER ? -1 : owner;
+    if (slot != PL_EXPERTS && b->cfg->devices[owner].holds_trunk) {
+        *dev = owner; /* the backend holds it anyway: charge it where it is */
+        return PL_D_LISTED;
+    }
     if (b->place.mode == PLANNER_MODE_AUTO)
         return PL_D_AUTO;
     if (b->place.mode == PLANNER_MODE_OFF)
@@ -717,9 +721,13 @@ static int pl_listed(struct pl_build *b, const struct pl_cand *c, size_t n)
             want[c[i].dev] += c[i].bytes;
     for (int d = 0; d < p->n_devices; d++) {
         if (want[d] > p->dev[d].room) {
-            log_error("--place '%s': device %d (%s) cannot hold the listed pieces: they need %s "
-                      "(%llu bytes), its room is %s (budget %s - KV %s - state %s - scratch %s "
-                      "- margin %s)", b->cfg->place, d, p->dev[d].name, PL_SZ(want[d]),
+            log_error("--place '%s': device %d (%s) cannot hold the listed pieces%s: they need "
+                      "%s (%llu bytes), its room is %s (budget %s - KV %s - state %s - scratch "
+                      "%s - margin %s)", b->cfg->place ? b->cfg->place : "auto", d,
+                      p->dev[d].name,
+                      b->cfg->devices[d].holds_trunk ? " (its backend holds the projections, "
+                                                       "shared experts and lm head)" : "",
+                      PL_SZ(want[d]),
                       (unsigned long long)want[d], PL_SZ(p->dev[d].room), PL_SZ(p->dev[d].budget),
                       PL_SZ(p->dev[d].kv), PL_SZ(p->dev[d].state), PL_SZ(p->dev[d].scratch),
                       PL_SZ(p->dev[d].margin));
@@ -814,11 +822,13 @@ static int pl_fill_off(struct pl_build *b, const struct pl_cand *c, size_t n)
         uint64_t one = 0;
         for (uint32_t l = p->dev[d].layer_begin; l < p->dev[d].layer_end; l++)
             one += planner_expert_bytes(&b->m->layers[l]);
-        k[d] = one ? p->dev[d].room / one : E;
+        k[d] = one ? p->dev[d].free / one : E;
         k[d] = k[d] > E ? E : k[d];
     }
     int rc = 0;
     for (size_t i = 0; i < n && !rc; i++) {
+        if (c[i].disp == PL_D_LISTED)
+            continue; /* held by its backend, charged by pl_listed */
         if (c[i].kind != PLANNER_KIND_EXPERT) {
             rc = pl_decide(b, &c[i], c[i].dev, false, PLANNER_WHY_OFF);
             continue;
@@ -926,10 +936,9 @@ static int pl_place_pieces(struct pl_build *b)
     struct pl_cand *c = NULL;
     size_t n = 0;
     int rc = pl_cands(b, &c, &n);
+    rc = rc ? rc : pl_listed(b, c, n); /* with off: only what a backend holds anyway */
     if (!rc && b->place.mode == PLANNER_MODE_OFF)
         rc = pl_fill_off(b, c, n);
-    if (!rc && b->place.mode != PLANNER_MODE_OFF)
-        rc = pl_listed(b, c, n);
     for (size_t i = 0; !rc && b->place.mode == PLANNER_MODE_LIST && i < n; i++)
         if (c[i].disp == PL_D_HOST)
             rc = pl_decide(b, &c[i], c[i].dev, false, PLANNER_WHY_UNLISTED);
@@ -1822,7 +1831,8 @@ int planner_parse_devices(struct planner_config *cfg, char store[][PLANNER_NAME_
             return -EINVAL;
         }
         memcpy(store[i], tok[i], len + 1);
-        cfg->devices[i] = (struct planner_device){.name = store[i]};
+        cfg->devices[i] = (struct planner_device){.name = store[i],
+                                                  .holds_trunk = !strncmp(store[i], "cuda", 4)};
     }
     cfg->n_devices = n;
     char mbuf[4096], *mtok[PLANNER_MAX_DEVICES];

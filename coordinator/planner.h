@@ -138,6 +138,10 @@ struct planner_device {
     double mem_bw;           /* bytes/s read from its own memory; 0 = host_bw (CPU backend) */
     double host_path_bw;     /* bytes/s it reads host memory at; 0 = host_bw (CPU backend) */
     uint64_t scratch;        /* bytes of work buffers; 0 = planner_scratch_cpu() */
+    bool holds_trunk;        /* its backend keeps the projections and shared experts of its
+                                layers (and, on the last device, the lm head) in its memory
+                                whatever the spec (the CUDA backend): they are placed there
+                                as listed pieces, and a budget they do not fit fails */
 };
 
 struct planner_config {

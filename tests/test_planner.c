@@ -587,6 +587,47 @@ static void test_list(const struct arch_model *m, const struct sizes *s)
 }
 
 /* off: no trunk piece is placed; k experts in every layer, rotated ids. */
+/* A device whose backend holds the trunk anyway (the CUDA backend): the
+ * projections, shared experts and lm head are charged to it whatever the
+ * spec; with off the experts fill the rest, k per layer; a budget without
+ * room for the trunk fails naming the reason. */
+static void test_holds_trunk(const struct arch_model *m, const struct sizes *s)
+{
+    const uint32_t L = m->hp.n_layer;
+    static const char *const specs[] = {"off", "auto",
+                                        "lmhead=none,proj=none,shexp=none,experts=auto"};
+    for (size_t i = 0; i < sizeof(specs) / sizeof(specs[0]); i++) {
+        struct planner_config c = base_cfg(m, s->mandatory + s->trunk + 3ull * L * s->expert + 5);
+        c.devices[0].name = "cuda:0";
+        c.devices[0].holds_trunk = true;
+        c.place = specs[i];
+        struct planner_plan *p = build_ok(&c, specs[i]);
+        if (!p)
+            continue;
+        bool all = p->lmhead_device == 0;
+        for (uint32_t l = 0; l < L; l++)
+            all &= p->layers[l].proj && (p->layers[l].shexp || !p->layers[l].shexp_bytes) &&
+                   (i || p->layers[l].n_resident == 3);
+        CHECK(all && p->dev[0].trunk == s->trunk && p->dev[0].experts == 3ull * L * s->expert,
+              "%s with a backend that holds the trunk: trunk %llu of %llu, experts %llu of %llu",
+              specs[i], (unsigned long long)p->dev[0].trunk, (unsigned long long)s->trunk,
+              (unsigned long long)p->dev[0].experts, 3ull * L * s->expert);
+        planner_plan_destroy(p);
+    }
+    struct planner_config c = base_cfg(m, s->mandatory + s->trunk - 1);
+    c.devices[0].holds_trunk = true;
+    c.place = "off";
+    struct planner_plan *p = NULL;
+    log_set_level(LOG_LEVEL_ERROR);
+    const int rc = planner_build(&c, &p);
+    log_set_level(LOG_LEVEL_WARN);
+    CHECK(rc == -ENOSPC && !p && strstr(log_last_error(), "its backend holds"),
+          "a budget one byte short of the held trunk: rc %d, '%s'", rc, log_last_error());
+    MEASURE("backend that holds the trunk: off/auto/experts-only lists all charge the %llu B "
+            "trunk and fill the rest with experts; one byte short fails",
+            (unsigned long long)s->trunk);
+}
+
 static void test_off(const struct arch_model *m, const struct sizes *s)
 {
     const uint32_t L = m->hp.n_layer, E = m->hp.n_expert;
@@ -1052,6 +1093,7 @@ int main(void)
     test_leftover_to_trunk(small.m, &s);
     test_list(small.m, &s);
     test_off(small.m, &s);
+    test_holds_trunk(small.m, &s);
     test_split(small.m);
     test_most_room(small.m, &s);
     test_nothing(small.m, &s);

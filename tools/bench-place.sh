@@ -66,10 +66,10 @@ place_of() {
 bytes_of() {
     local v=${1%[KkMmGgTt]} u=${1: -1}
     case $u in
-    K | k) echo "$v * 1024" | bc ;;
-    M | m) echo "$v * 1048576" | bc ;;
-    G | g) echo "$v * 1073741824" | bc ;;
-    T | t) echo "$v * 1099511627776" | bc ;;
+    K | k) awk -v v="$v" 'BEGIN { printf "%.0f", v * 1024 }' ;;
+    M | m) awk -v v="$v" 'BEGIN { printf "%.0f", v * 1048576 }' ;;
+    G | g) awk -v v="$v" 'BEGIN { printf "%.0f", v * 1073741824 }' ;;
+    T | t) awk -v v="$v" 'BEGIN { printf "%.0f", v * 1099511627776 }' ;;
     *) echo "$1" ;;
     esac | sed 's/\..*//'
 }
@@ -106,7 +106,7 @@ model_sizes() {
 }
 
 ratio() { # numerator denominator decimals
-    printf "%.${3}f" "$(echo "$1 / $2" | bc -l)"
+    awk -v a="$1" -v b="$2" -v d="$3" 'BEGIN { printf ("%." d "f"), a / b }'
 }
 
 gpu_index() { echo "${DEVICE#cuda:}"; }
@@ -161,7 +161,7 @@ llama_at() { # budget
             echo "| $1 | llama.cpp --n-cpu-moe $n | $tps | $spread | | peak VRAM $peak MiB$(
                 [ $over_budget = 1 ] && echo ', over the budget: not counted') |" >>"$rows"
             if [ $over_budget = 0 ] && { [ -z "$best" ] ||
-                [ "$(echo "$tps > $best" | bc)" = 1 ]; }; then
+                awk -v a="$tps" -v b="$best" 'BEGIN { exit !(a > b) }'; }; then
                 best=$tps; bestn=$n
             fi
             ;;
@@ -209,7 +209,7 @@ main() {
                 auto) auto=$tps ;;
                 off) off=$tps ;;
                 *)
-                    if [ -z "$best_list" ] || [ "$(echo "$tps > $best_list" | bc)" = 1 ]; then
+                    if [ -z "$best_list" ] || awk -v a="$tps" -v b="$best_list" 'BEGIN { exit !(a > b) }'; then
                         best_list=$tps; best_name=$p
                     fi
                     ;;

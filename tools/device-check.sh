@@ -95,6 +95,18 @@ tests() {
         { echo "==== $n"; cat $log; } >>"$OUT/tests.log"
         grep '^\[measure\]' $log | sed 's/^/    /' | head -40
     done
+    for t in tests/gpu/sys_*.sh; do
+        [ -f "$t" ] || continue
+        n=$(basename "$t" .sh)
+        [ -z "${TESTS:-}" ] || [[ " $TESTS " == *" $n "* ]] || continue
+        if BUILD=.devbin timeout 300 sh "$t" >$log 2>&1; then
+            pass=$((pass + 1)); echo "PASS $n"
+        else
+            fail=$((fail + 1)); echo "FAIL $n"; tail -n 15 $log
+        fi
+        { echo "==== $n"; cat $log; } >>"$OUT/tests.log"
+        grep -E '^\[measure\]|^FAIL' $log | sed 's/^/    /' | head -20
+    done
     echo "gpu tests: $pass passed, $fail failed"
 }
 

@@ -39,24 +39,42 @@
  * output rows of their pairs, then combined.
  *
  * Decode steps (n = 1) of a range whose experts are all resident run as one
- * CUDA graph: positions reach the kernels as arguments, so each step is
- * captured again (capture enqueues nothing) and the instantiated graph is
- * updated in place (cudaGraphExecUpdate; re-instantiated if the update is
- * refused), then launched. The kernels per token are counted and logged
- * once at info level: an attention layer takes 12 for the mixer, a DeltaNet
- * layer 9, the MoE block 7 (6 with a fused gate_up stack) plus 3 for a
- * shared expert (4 when its gate and up types differ); so 19 per qwen3moe
- * layer, 22 and 19 per qwen3next/qwen35moe attention and DeltaNet layer
- * (948 for a 48-layer Qwen3-Next), and 2 for the logits. Capturing costs the
- * host about 1 us per kernel (H200 host, measured); the GPU then runs them
- * back to back. LAMINA_CUDA_GRAPHS=0 turns graphs off (diagnostics), and
- * fini() logs the mean capture and update time per graph step.
+ * CUDA graph, captured at the first decode step and replayed unchanged after:
+ * the position reaches the kernels through a device word (c->d_pos, uploaded
+ * before each replay), the attention decode is sized for the whole context
+ * (cuda_attention_decode_at: its splits follow from the position on the
+ * device, workspace preallocated), so nothing captured depends on the step.
+ * Kernels per token (logged once; 577 for a 48-layer Qwen3-Next): per
+ * attention layer the q|k|v product (one launch where the three share a row
+ * format, stacked in the trunk), the fused q/k norm + rope + KV store
+ * (cuda_attn_prep), attention and its split combine, the output product; per
+ * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv,
+ * heads, output; then add+norm, router, top-k, routed gate|up (one 2F-row
+ * product when gate and up share a row format: they sit back to back per
+ * expert), routed down with the SiLU gate inside (int8 path), and the MoE
+ * combine fused with the next layer's attention norm (only the first layer
+ * of the range normalises h itself). The shared expert (gate|up, down) runs
+ * on a side stream, a parallel branch of the graph between a fork after
+ * add+norm and a join before the combine. LAMINA_CUDA_GRAPHS=0 launches one
+ * by one (diagnostics); LAMINA_CUDA_PROFILE=1 does too, with an event before
+ * every kernel, and fini() logs time per kernel kind for decode and prefill.
+ *
+ * Prefill (n > 1): products of Q4_0/Q8_0/Q4_K/Q5_K weights on int8 tensor
+ * cores (cuda_mmq, cuda_mmq_experts grouping the pairs by expert on the
+ * device; LAMINA_CUDA_MMQ=0 turns them off), F32 weights through the tiled
+ * f32 product, other types through the CUDA-core matmul; DeltaNet heads in
+ * the chunked form (cuda_deltanet_heads_chunked, tf32 tensor cores).
+ *
+ * Hand-off (cfg->handoff, NCCL between GPU workers): the pass takes its
+ * input rows from recv() into c->h and gives its output rows to send()
+ * instead of the host copies.
  *
  * A failed CUDA call or launch is logged and returns -EIO; the backend then
  * refuses every later call (style.md habit 8: the worker exits).
- * The DeltaNet state lives on the device only: reset() zeroes it there.
+ * The DeltaNet state lives on the device only: reset() zeroes it there (no
+ * host copy yet: a CPU step of these layers is not possible).
  * Stage timings: only remote_wait (host time in collect) and the row and
- * token counters are kept; GPU stages are not timed per stage.
+ * token counters are kept; GPU stages are timed only by the profile mode.
  */
 #ifdef LAMINA_CUDA
 
@@ -145,7 +163,8 @@ struct backend_cuda {
     size_t attn_ws_bytes;
     uint32_t *d_pos, *h_pos;          /* the decode position: device word, pinned host word */
     void *dn_work, *mmq_work;         /* chunked DeltaNet prefill; int8 prefill products */
-    size_t dn_work_bytes, mmq_work_bytes;
+    void *mmq_side;                   /* the int8 products' scratch of the side stream */
+    size_t dn_work_bytes, mmq_work_bytes, mmq_side_bytes;
     bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
     int32_t *ids;
     /* output head, uploaded on the first logits() call */
@@ -557,6 +576,12 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->mmq_work_bytes = c->mmq && B > 1 ? (dense > pairs ? dense : pairs) : 0;
     c->mmq_work = c->mmq_work_bytes ? cb_take(c, &off, c->mmq_work_bytes / sizeof(float) + 1)
                                     : NULL;
+    /* the shared expert's products run on the side stream beside the routed
+     * ones: their own scratch */
+    const size_t side = cuda_mmq_work_bytes(n > Fs ? n : Fs, (uint32_t)B);
+    c->mmq_side_bytes = c->mmq && B > 1 && Fs ? side : 0;
+    c->mmq_side = c->mmq_side_bytes ? cb_take(c, &off, c->mmq_side_bytes / sizeof(float) + 1)
+                                    : NULL;
     c->scratch_size = off;
 }
 
@@ -784,9 +809,10 @@ static void cb_unlaunch(struct backend_cuda *c)
 static int cb_mm(struct backend_cuda *c, const char *label, const struct cb_mat *w,
                  const float *X, size_t ldx, uint32_t S, float *Y, size_t ldy)
 {
-    if (S > 1 && c->mmq_work) {
+    void *work = c->stream == c->side ? c->mmq_side : c->mmq_work;
+    if (S > 1 && work) {
         const int rc = CB_K(c, label, cuda_mmq(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X,
-                                               ldx, S, Y, ldy, c->mmq_work, c->stream));
+                                               ldx, S, Y, ldy, work, c->stream));
         if (rc != -ENOTSUP)
             return rc;
         cb_unlaunch(c); /* not launched: the CUDA-core product below instead */

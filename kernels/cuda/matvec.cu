@@ -46,6 +46,7 @@
  */
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/mvq.h"
+#include "kernels/cuda/sgemm.h"
 
 #include <errno.h>
 
@@ -977,6 +978,9 @@ extern "C" int cuda_matmul(uint32_t type, const void *d_w, size_t row_bytes, uin
                   (unsigned long long)n_rows, (unsigned long long)n);
         return -EINVAL;
     }
+    if (type == QUANT_TYPE_F32 && S >= 16) /* a tiled product reads the weights once per 64 rows */
+        return cuda_sgemm_nt(static_cast<const float *>(d_w), row_bytes, n_rows, n, d_X, ldx, S,
+                             d_Y, ldy, stream);
     if (S == 1 && mvq_pays(n, n_rows)) { /* int8 activations and dp4a where the type allows */
         rc = cuda_mvq(type, d_w, row_bytes, n_rows, n, d_X, d_Y, stream);
         if (rc != -ENOTSUP)

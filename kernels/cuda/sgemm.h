@@ -1,0 +1,27 @@
+/*
+ * cuda sgemm: Y[s*ldy + r] = W[r] . X[s*ldx ..] for F32 weights (rows
+ * row_bytes apart) and S activation rows, a tiled f32 product on the CUDA
+ * cores (see sgemm.cu). cuda_matmul calls it for F32 weights and S >= 16.
+ * -EINVAL for bad arguments, -EIO for a failed launch (both logged).
+ */
+#ifndef KERNELS_CUDA_SGEMM_H
+#define KERNELS_CUDA_SGEMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+int cuda_sgemm_nt(const float *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+                  const float *d_X, size_t ldx, uint32_t S, float *d_Y, size_t ldy,
+                  cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
