@@ -277,8 +277,12 @@ static int nc_poll(struct nccl_comm *c, double deadline, const char *what)
 
 struct nccl_comm *nccl_comm_create(const struct nccl_comm_config *cfg)
 {
-    if (cfg->rank != NCCL_COMM_RANK_SENDER && cfg->rank != NCCL_COMM_RANK_RECEIVER)
+    if (cfg->rank != NCCL_COMM_RANK_SENDER && cfg->rank != NCCL_COMM_RANK_RECEIVER) {
+        log_error("nccl %s: rank %d is neither %d (sender) nor %d (receiver)",
+                  cfg->name ? cfg->name : "pair", cfg->rank, NCCL_COMM_RANK_SENDER,
+                  NCCL_COMM_RANK_RECEIVER);
         return NULL;
+    }
     struct nccl_comm *c = calloc(1, sizeof(*c));
     if (!c)
         return NULL;
