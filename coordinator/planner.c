@@ -4,12 +4,15 @@
  */
 #include "coordinator/planner.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/check.h"
 #include "common/log.h"
@@ -1437,6 +1440,40 @@ int planner_heat_parse(const char *text, size_t len, const char *what,
         return rc;
     }
     *out = h;
+    return 0;
+}
+
+int planner_heat_save(const char *path, const struct planner_heat *h, const char *label)
+{
+    char tmp[4096], key[96];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) {
+        log_error("heat profile %s: path too long", path);
+        return -EIO;
+    }
+    size_t kl = 0;
+    for (const char *c = label && *label ? label : "run"; *c && kl < 48; c++, kl++)
+        key[kl] = (isalnum((unsigned char)*c) || *c == '-') ? *c : '-';
+    key[kl] = '\0';
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        log_error("heat profile %s: cannot write %s: %s", path, tmp, strerror(errno));
+        return -EIO;
+    }
+    fprintf(f, "{\"heat_%s_%llu_tokens\": [", key, (unsigned long long)h->tokens);
+    for (uint32_t l = 0; l < h->n_layer; l++) {
+        fputs(l ? ",\n [" : "\n [", f);
+        for (uint32_t e = 0; e < h->n_expert; e++)
+            fprintf(f, e ? ", %llu" : "%llu",
+                    (unsigned long long)h->counts[(size_t)l * h->n_expert + e]);
+        fputc(']', f);
+    }
+    fputs("]}\n", f);
+    const bool ok = !ferror(f);
+    if (fclose(f) || !ok || rename(tmp, path)) {
+        log_error("heat profile %s: writing failed: %s", path, strerror(errno));
+        unlink(tmp);
+        return -EIO;
+    }
     return 0;
 }
 

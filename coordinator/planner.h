@@ -290,6 +290,13 @@ int planner_heat_load(const char *path, struct planner_heat **out);
 
 void planner_heat_destroy(struct planner_heat *h);
 
+/* Writes h as a heat file that planner_heat_load reads back: one key
+ * "heat_<label>_<tokens>_tokens" (label: letters, digits and '-', else
+ * replaced by '-'; tokens h->tokens) holding n_layer arrays of n_expert
+ * counts. Written to PATH.tmp and renamed over PATH, so a reader never sees
+ * half a file. Returns 0, or -EIO (logged, naming the path). */
+int planner_heat_save(const char *path, const struct planner_heat *h, const char *label);
+
 /* ---- measurements and command-line helpers ---- */
 
 /* Host read bandwidth in bytes/s: the best of three passes over a

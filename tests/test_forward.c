@@ -473,6 +473,41 @@ static void tf_sequence(const char *arch, const struct arch_model *m, struct thr
     forward_seq_destroy(NULL);
 }
 
+/* Routing counts (forward_config.heat): every layer of the range counts
+ * top_k picks per token, prompt chunks and decode alike; other layers and a
+ * forward without counters count nothing; counting leaves the logits alone. */
+static void tf_heat(const char *arch, const struct arch_model *m, struct threadpool *pool)
+{
+    const uint32_t L = m->hp.n_layer, E = m->hp.n_expert, k = m->hp.n_expert_used;
+    const size_t V = m->hp.n_vocab;
+    int32_t ids[TF_N];
+    tf_ids(m, ids, TF_N);
+    uint64_t *heat = calloc((size_t)L * E, sizeof(uint64_t));
+    float *a = malloc(TF_N * V * sizeof(float)), *b = malloc(TF_N * V * sizeof(float));
+    const uint32_t splits[] = {17, 1, 1, 21, 0};
+    struct forward_config fc = {.model = m, .pool = pool, .n_ctx = 64, .layer_begin = 1,
+                                .layer_end = L};
+    CHECK(heat && a && b && tf_run(&fc, ids, TF_N, splits, a) == 0, "%s: run without counts",
+          arch);
+    fc.heat = heat;
+    CHECK(tf_run(&fc, ids, TF_N, splits, b) == 0, "%s: run with counts", arch);
+    CHECK(!memcmp(a, b, TF_N * V * sizeof(float)), "%s: counting changes no logit", arch);
+    bool ok = true;
+    for (uint32_t l = 0; l < L; l++) {
+        uint64_t sum = 0, most = 0;
+        for (uint32_t e = 0; e < E; e++) {
+            sum += heat[(size_t)l * E + e];
+            most = heat[(size_t)l * E + e] > most ? heat[(size_t)l * E + e] : most;
+        }
+        ok &= sum == (l ? (uint64_t)TF_N * k : 0) && most <= TF_N;
+    }
+    CHECK(ok, "%s: each counted layer has %u x %u picks, at most %u per expert; layer 0 none",
+          arch, TF_N, k, TF_N);
+    MEASURE("%s routing counts: %u tokens x top-%u per layer in layers 1-%u, logits unchanged",
+            arch, TF_N, k, L - 1);
+    free(heat), free(a), free(b);
+}
+
 static void tf_arch(const char *arch, struct threadpool *p1, struct threadpool *p2)
 {
     struct tf_model tm = {0};
@@ -482,6 +517,7 @@ static void tf_arch(const char *arch, struct threadpool *p1, struct threadpool *
         tf_ranges(arch, tm.m, p2);
         tf_residency(arch, tm.m, p2, p1);
         tf_sequence(arch, tm.m, p2);
+        tf_heat(arch, tm.m, p2);
     }
     tf_close(&tm);
 }

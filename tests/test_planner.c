@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "coordinator/planner.h"
@@ -172,6 +173,44 @@ static int build_err(const struct planner_config *c, const char *needle, const c
 }
 
 /* ---- heat profiles ---- */
+
+/* planner_heat_save writes what planner_heat_load reads back, and a path that
+ * cannot be written fails cleanly (nothing left behind). */
+static void test_heat_save(void)
+{
+    char path[512];
+    struct planner_heat *h = NULL;
+    int rc = planner_heat_load(test_fixture(path, sizeof(path), HEAT), &h);
+    CHECK(rc == 0 && h, "heat.json: %d", rc);
+    if (!h)
+        return;
+    char out[] = "/tmp/lamina-heat-XXXXXX";
+    const int fd = mkstemp(out);
+    CHECK(fd >= 0, "temp file");
+    if (fd >= 0)
+        close(fd);
+    rc = planner_heat_save(out, h, "my run/1");
+    struct planner_heat *back = NULL;
+    rc = rc ? rc : planner_heat_load(out, &back);
+    CHECK(rc == 0 && back && back->n_layer == h->n_layer && back->n_expert == h->n_expert &&
+              back->tokens == h->tokens &&
+              !memcmp(back->counts, h->counts,
+                      (size_t)h->n_layer * h->n_expert * sizeof(uint64_t)),
+          "saved heat reads back the same (%d)", rc);
+    char tmp[600];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", out);
+    CHECK(access(tmp, F_OK) != 0, "no .tmp left after a save");
+    unlink(out);
+    log_set_level(LOG_LEVEL_ERROR);
+    rc = planner_heat_save("/nonexistent-dir/heat.json", h, "x");
+    log_set_level(LOG_LEVEL_WARN);
+    CHECK(rc == -EIO && strstr(log_last_error(), "/nonexistent-dir/heat.json"),
+          "an unwritable path fails naming it: %d '%s'", rc, log_last_error());
+    MEASURE("heat save: %ux%u counts of %llu tokens round-trip through planner_heat_load",
+            h->n_layer, h->n_expert, (unsigned long long)h->tokens);
+    planner_heat_destroy(back);
+    planner_heat_destroy(h);
+}
 
 static void test_heat_fixture(const struct arch_model *m)
 {
@@ -1084,6 +1123,7 @@ int main(void)
             (unsigned long long)s.expert, (unsigned long long)s.experts_all,
             (unsigned long long)s.mandatory);
     test_heat_fixture(small.m);
+    test_heat_save();
     test_heat_malformed();
     test_heat_fuzz();
     test_fits(small.m, &s);

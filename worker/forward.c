@@ -91,6 +91,7 @@ struct forward {
     const struct expert_ref *const *expert_refs; /* borrowed */
     struct forward_remote remote;
     volatile uint64_t *progress;  /* borrowed, see forward_config */
+    uint64_t *heat;               /* borrowed, see forward_config */
     float *sg;                /* shared gate|up [B][2Fs] */
     float *sact;              /* [B][Fs] */
     float *so;                /* shared out [B][n] */
@@ -423,6 +424,8 @@ static uint32_t fw_route(struct forward *fw, uint32_t l, uint32_t S)
         for (uint32_t i = 0; i < k; i++)
             fw->cnt[fw->ids[(size_t)s * k + i]]++;
     }
+    for (uint32_t e = 0; fw->heat && e < E; e++)
+        fw->heat[(size_t)l * E + e] += fw->cnt[e];
     uint32_t total = 0, local_rows = 0;
     fw->n_local = fw->n_remote = 0;
     for (int pass = 0; pass < 2; pass++) {
@@ -716,6 +719,7 @@ struct forward *forward_create(const struct forward_config *cfg)
     fw->expert_refs = cfg->expert_refs;
     fw->remote = cfg->remote;
     fw->progress = cfg->progress;
+    fw->heat = cfg->heat;
     if (!fw->n_ctx)
         fw->n_ctx = m->hp.n_ctx_train && m->hp.n_ctx_train < 4096 ? m->hp.n_ctx_train : 4096;
     if (fw->l0 >= fw->l1 || fw->l1 > m->hp.n_layer) {

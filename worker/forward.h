@@ -54,6 +54,11 @@ struct forward_config {
     /* Incremented after every layer (a watchdog reads it from another
      * thread to tell a slow step from a hung one); NULL: none. */
     volatile uint64_t *progress;
+    /* Routing counts: n_layer x n_expert counters (row-major, by model
+     * layer), one added per (token, slot) the router picks in this forward's
+     * layers, prompt and generated tokens alike (lamina run --record-heat);
+     * NULL: not counted. Borrowed. */
+    uint64_t *heat;
 };
 
 /* Wall time spent per stage since the last forward_stats_reset (seconds). */
