@@ -697,7 +697,8 @@ static int cl_expert_request(struct cluster *c, int i, const struct wire_msg *m)
 enum cl_event { CL_NONE, CL_RESULT, CL_FAIL };
 
 static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
-                               struct wire_msg *m, float *logits, uint32_t want_rows, int *rc)
+                               struct wire_msg *m, float *logits, uint32_t want_rows,
+                               int32_t *token, int *rc)
 {
     bool wd = false;
     int i = cl_worker_of(c, id, id_len, &wd);
@@ -726,13 +727,19 @@ static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
         *rc = -EIO;
         return CL_FAIL;
     case WIRE_TYPE_RESULT:
-        if (i != c->n - 1 || m->result.step != c->step || m->result.n_rows != want_rows ||
-            m->result.n_vocab != c->cfg.model->hp.n_vocab || !m->tensor) {
+        /* a token for a sampling step (wire.c checked it is below n_vocab), else logits */
+        if (i != c->n - 1 || m->result.step != c->step ||
+            m->result.n_vocab != c->cfg.model->hp.n_vocab ||
+            (token ? m->result.token < 0 || m->tensor
+                   : m->result.n_rows != want_rows || !m->tensor)) {
             log_warn("dropping a result from worker %d that does not match step %llu", i,
                      (unsigned long long)c->step);
             return CL_NONE;
         }
-        memcpy(logits, m->tensor, m->tensor_bytes);
+        if (token)
+            *token = m->result.token;
+        else
+            memcpy(logits, m->tensor, m->tensor_bytes);
         return CL_RESULT;
     default:
         log_warn("dropping an unexpected %s message from worker %d", wire_msg_type_name(m->type),
@@ -806,8 +813,9 @@ static int cl_wait_exit(struct cluster *c)
     return -ECONNRESET;
 }
 
-int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
-                 float *logits)
+/* One step; with smp the last worker samples and *token receives its pick, else logits. */
+static int cl_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
+                   const struct cluster_sample *smp, float *logits, int32_t *token)
 {
     const struct arch_hparams *hp = &c->cfg.model->hp;
     if (n == 0 || n > c->cfg.max_batch)
@@ -819,6 +827,20 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
     struct wire_msg m = {.type = WIRE_TYPE_STEP};
     m.step = (struct wire_step){.seq_id = 0, .pos = pos, .n_tokens = n, .step = c->step,
                                 .all_logits = all_logits, .n_embd = hp->n_embd};
+    if (smp) {
+        ASSERT(!all_logits && token && smp->n_window <= CLUSTER_WINDOW_MAX);
+        const struct sampler_config *sc = &smp->cfg;
+        m.step.sample = true;
+        m.step.temperature = sc->temperature;
+        m.step.top_k = sc->top_k;
+        m.step.top_p = sc->top_p;
+        m.step.min_p = sc->min_p;
+        m.step.repeat_penalty = sc->repeat_penalty;
+        m.step.presence_penalty = sc->presence_penalty;
+        m.step.uniform = smp->uniform;
+        m.step.window = smp->window;
+        m.step.n_window = smp->n_window;
+    }
     m.tensor = h;
     m.tensor_bytes = (size_t)n * hp->n_embd * sizeof(float);
     int rc = cl_send(c, 0, &m);
@@ -841,7 +863,7 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
             continue;
         if (rc)
             return rc;
-        enum cl_event ev = cl_handle(c, id, id_len, &r, logits, want, &rc);
+        enum cl_event ev = cl_handle(c, id, id_len, &r, logits, want, smp ? token : NULL, &rc);
         wire_msg_free(&r);
         if (ev == CL_RESULT) {
             cl_coordinator_timing(c, n, cl_now() - t_start);
@@ -852,6 +874,18 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
         if (ev == CL_FAIL)
             return rc;
     }
+}
+
+int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
+                 float *logits)
+{
+    return cl_step(c, h, n, pos, all_logits, NULL, logits, NULL);
+}
+
+int cluster_step_sample(struct cluster *c, const float *h, uint32_t n, uint32_t pos,
+                        const struct cluster_sample *smp, int32_t *token)
+{
+    return cl_step(c, h, n, pos, false, smp, NULL, token);
 }
 
 int cluster_reset(struct cluster *c)

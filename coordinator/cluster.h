@@ -6,7 +6,7 @@
  * parent-death signal) or waits for workers started elsewhere, splits the
  * layers between them, tells each its plan, and then runs steps: hidden
  * states to worker 0, expert requests answered from the CPU pool, logits back
- * from the last worker. It notices a worker that dies (its exit) or stops
+ * from the last worker (or only the token it sampled, cluster_step_sample). It notices a worker that dies (its exit) or stops
  * answering (no heartbeat for 2 s, or no progress for hang_timeout), fails
  * the step with an error naming it, and on destroy shuts every worker down,
  * kills what is left, unlinks the segment and removes the runtime directory.
@@ -29,10 +29,13 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "ipc/wire.h"
 #include "model/arch.h"
 #include "model/gguf.h"
+#include "model/sampler.h"
 
 #define CLUSTER_MAX_WORKERS 64
+#define CLUSTER_WINDOW_MAX WIRE_WINDOW_MAX /* longest penalty window a step can carry, ids */
 
 struct cluster_config {
     const char *model_path;        /* GGUF path the workers open */
@@ -59,6 +62,19 @@ struct cluster_config {
     const char *timings_path;      /* JSON lines of every step, or NULL */
     double hang_timeout_s;         /* no layer progress for this long in a step: hung (30) */
     const char *handoff;           /* "zmq" (default when NULL), "nccl" or "auto" (above) */
+    bool coordinator_samples;      /* --sample-on coordinator: never ask the last worker to
+                                      sample (engine.h); default false: it samples when the
+                                      coordinator needs no logits */
+};
+
+/* What the last worker needs to sample a step's last row as the coordinator's sampler would
+ * (model/sampler.h, sampler_sample_given): the sampler's values, the number it drew and the
+ * ids its penalties look back over. */
+struct cluster_sample {
+    struct sampler_config cfg; /* seed and penalty_last_n play no part */
+    double uniform;            /* sampler_next_uniform() of the sequence's sampler, [0, 1) */
+    const int32_t *window;     /* sampler_window() ids, borrowed for the call */
+    size_t n_window;           /* <= CLUSTER_WINDOW_MAX */
 };
 
 struct cluster;
@@ -79,6 +95,11 @@ void cluster_destroy(struct cluster *c);
  * stopped answering; -EIO: it reported a failure; -EINTR: interrupted). */
 int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
                  float *logits);
+
+/* As cluster_step without all_logits, but the last worker samples the last row with smp
+ * (borrowed for the call) and returns only the token, into *token; no logits come back. */
+int cluster_step_sample(struct cluster *c, const float *h, uint32_t n, uint32_t pos,
+                        const struct cluster_sample *smp, int32_t *token);
 
 /* Starts sequence 0 over on every worker. */
 int cluster_reset(struct cluster *c);

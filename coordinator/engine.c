@@ -25,6 +25,7 @@ struct engine {
     uint32_t pos;
     uint32_t B;
     float *h;                  /* B rows of n_embd */
+    int32_t *window;           /* cluster: CLUSTER_WINDOW_MAX penalty ids for a sampling step */
 };
 
 static int engine_build(struct engine *e)
@@ -70,6 +71,9 @@ static int engine_build(struct engine *e)
     cc->n_ctx = forward_n_ctx(e->fw);
     cc->kv_f16 = cfg->kv_f16;
     cc->max_batch = e->B;
+    e->window = malloc(CLUSTER_WINDOW_MAX * sizeof(*e->window));
+    if (!e->window)
+        return -ENOMEM;
     e->cl = cluster_create(cc);
     if (!e->cl)
         return -EIO;
@@ -112,6 +116,7 @@ void engine_destroy(struct engine *e)
     forward_destroy(e->fw);
     threadpool_destroy(e->pool);
     free(e->h);
+    free(e->window);
     arch_free(e->m);
     gguf_close(e->g);
     free(e);
@@ -178,6 +183,44 @@ int engine_eval(struct engine *e, const int32_t *ids, uint32_t n, bool all, floa
         rc = engine_pass(e, ids + s, c, all, s + c == n, all ? out + (size_t)s * nv : out);
         e->pos += rc ? 0 : c;
     }
+    return rc;
+}
+
+int engine_eval_sample(struct engine *e, const int32_t *ids, uint32_t n, struct sampler *s,
+                       float *logits, int32_t *token)
+{
+    const uint32_t last = n > e->B ? (n - 1) / e->B * e->B : 0; /* the last pass's first id */
+    size_t n_window = 0;
+    bool here = !e->cl || e->cfg.cluster->coordinator_samples;
+    if (!here && sampler_penalizes(s)) {
+        n_window = sampler_window(s, e->window, CLUSTER_WINDOW_MAX);
+        here = n_window > CLUSTER_WINDOW_MAX;
+    }
+    if (here || n == 0) {
+        int rc = engine_eval(e, ids, n, false, logits);
+        if (rc)
+            return rc;
+        int32_t id = sampler_sample(s, logits, (int32_t)e->m->hp.n_vocab);
+        if (id < 0)
+            return id;
+        *token = id;
+        return 0;
+    }
+    if ((uint64_t)e->pos + n > engine_n_ctx(e))
+        return engine_eval(e, ids, n, false, logits); /* logs -ENOSPC */
+    int rc = last ? engine_eval(e, ids, last, false, logits) : 0; /* passes before the last */
+    if (rc)
+        return rc;
+    const uint32_t c = n - last;
+    rc = forward_embed(e->fw, ids + last, c, e->h);
+    if (rc)
+        return rc;
+    /* drawn only now that the step will run, as sampler_sample() draws once per pick */
+    const struct cluster_sample cs = {.cfg = *sampler_get_config(s),
+                                      .uniform = sampler_next_uniform(s),
+                                      .window = e->window, .n_window = n_window};
+    rc = cluster_step_sample(e->cl, e->h, c, e->pos, &cs, token);
+    e->pos += rc ? 0 : c;
     return rc;
 }
 

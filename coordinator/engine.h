@@ -17,6 +17,7 @@
 #include "coordinator/cluster.h"
 #include "model/arch.h"
 #include "model/gguf.h"
+#include "model/sampler.h"
 
 struct engine_config {
     const char *model_path;          /* GGUF file */
@@ -51,6 +52,16 @@ int engine_n_threads(const struct engine *e);
  * all is set, into out (n_vocab floats per row). -ENOSPC when the context
  * would overflow; other errors as the cluster or forward report them. */
 int engine_eval(struct engine *e, const int32_t *ids, uint32_t n, bool all, float *out);
+
+/* Runs n tokens as engine_eval (without all) and picks the next token from the last one's
+ * logits with s into *token, as sampler_sample(s, those logits) would, drawing from s's PRNG
+ * the same way. With workers the last worker samples and sends only the token (its uniform
+ * and penalty window come from s: cluster_step_sample), unless the cluster config says
+ * coordinator_samples or the window is longer than a step can carry; then the logits come
+ * here and s samples them. logits (n_vocab floats) is scratch: its content is unspecified
+ * afterwards. Does not call sampler_accept. Errors as engine_eval, or -ENOMEM. */
+int engine_eval_sample(struct engine *e, const int32_t *ids, uint32_t n, struct sampler *s,
+                       float *logits, int32_t *token);
 
 /* Starts the sequence over at position 0. */
 int engine_reset(struct engine *e);

@@ -26,6 +26,7 @@ struct generate_job {
     int32_t *ids;            /* prompt ids */
     size_t n_ids;
     float *logits;           /* n_ids x n_vocab when dumping, else n_vocab */
+    int32_t first;           /* the token picked after the prompt */
 };
 
 static double generate_now(void)
@@ -121,29 +122,37 @@ static int generate_prefill(struct generate_job *job, struct generate_stats *st)
     if (cfg->echo_prompt)
         for (size_t i = 0; i < n; i++)
             generate_emit(job, job->ids[i]);
+    for (size_t i = 0; i < n; i++) /* the window of the first pick holds the prompt */
+        sampler_accept(job->smp, job->ids[i]);
     double t0 = generate_now();
-    int rc = engine_eval(job->eng, job->ids, (uint32_t)n, cfg->dump_logits != NULL, job->logits);
-    if (rc)
-        return rc;
-    if (cfg->dump_logits) {
-        rc = generate_write_npy(cfg->dump_logits, job->logits, (uint32_t)n, hp->n_vocab);
-        if (!rc)
-            memmove(job->logits, job->logits + (n - 1) * hp->n_vocab, hp->n_vocab * sizeof(float));
+    int rc;
+    if (cfg->dump_logits || cfg->n_predict <= 0) {
+        rc = engine_eval(job->eng, job->ids, (uint32_t)n, cfg->dump_logits != NULL,
+                         job->logits);
+        if (rc)
+            return rc;
+        if (cfg->dump_logits)
+            rc = generate_write_npy(cfg->dump_logits, job->logits, (uint32_t)n, hp->n_vocab);
+        const float *last = job->logits + (cfg->dump_logits ? n - 1 : 0) * hp->n_vocab;
+        job->first = rc || cfg->n_predict <= 0 ? 0 : sampler_sample(job->smp, last,
+                                                                     (int32_t)hp->n_vocab);
+    } else { /* the first pick needs no logits here: the last worker may sample it */
+        rc = engine_eval_sample(job->eng, job->ids, (uint32_t)n, job->smp, job->logits,
+                                &job->first);
     }
     st->n_prompt = (uint32_t)n;
     st->prompt_s = generate_now() - t0;
-    for (size_t i = 0; i < n; i++)
-        sampler_accept(job->smp, job->ids[i]);
+    if (!rc && job->first < 0)
+        rc = job->first;
     return rc;
 }
 
 static int generate_decode(struct generate_job *job, struct generate_stats *st)
 {
     const struct generate_config *cfg = job->cfg;
-    const uint32_t nv = job->m->hp.n_vocab;
     double t0 = generate_now();
+    int32_t id = job->first;
     for (int32_t i = 0; i < cfg->n_predict; i++) {
-        int32_t id = sampler_sample(job->smp, job->logits, (int32_t)nv);
         sampler_accept(job->smp, id);
         st->n_gen++;
         if (!cfg->ignore_eos && tokenizer_is_eog(job->tok, id))
@@ -151,7 +160,7 @@ static int generate_decode(struct generate_job *job, struct generate_stats *st)
         generate_emit(job, id);
         if (i + 1 == cfg->n_predict || engine_pos(job->eng) >= engine_n_ctx(job->eng))
             break;
-        int rc = engine_eval(job->eng, &id, 1, false, job->logits);
+        int rc = engine_eval_sample(job->eng, &id, 1, job->smp, job->logits, &id);
         if (rc)
             return rc;
     }

@@ -78,6 +78,9 @@ static const char usage[] =
     "  --handoff zmq|nccl|auto hidden states between consecutive workers: ZeroMQ (default),\n"
     "                          NCCL between workers on different CUDA devices of this host\n"
     "                          (refused where there are none), or auto: NCCL where it can\n"
+    "  --sample-on worker|coordinator  where a step's token is picked when no logits are\n"
+    "                          needed here: the last worker sends only the token (default)\n"
+    "                          or its logits (the same text either way)\n"
     "\n"
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
@@ -352,6 +355,15 @@ static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, b
         if (strcmp(cl->handoff, "zmq") && strcmp(cl->handoff, "nccl") &&
             strcmp(cl->handoff, "auto"))
             return cli_fail(c, "--handoff '%s' must be zmq, nccl or auto", cl->handoff);
+        return 0;
+    }
+    if (!strcmp(a, "--sample-on")) {
+        const char *where;
+        if (cli_value(c, &where))
+            return -EINVAL;
+        if (strcmp(where, "worker") && strcmp(where, "coordinator"))
+            return cli_fail(c, "--sample-on '%s' must be worker or coordinator", where);
+        cl->coordinator_samples = !strcmp(where, "coordinator");
         return 0;
     }
     if (!strcmp(a, "--hang-timeout")) {

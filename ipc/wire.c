@@ -13,6 +13,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -266,6 +267,37 @@ static bool wire_check_result(const struct wire_msg *m, struct wire_verdict *v)
     return wire_check_rows(m, r->n_rows, r->n_vocab, "result logits", v);
 }
 
+/* A Step's sampler request: values in model/sampler.h's ranges, a bounded window of ids
+ * >= 0, and nothing of it without sample. */
+static bool wire_check_step_sample(const struct wire_step *st, struct wire_verdict *v)
+{
+    if (!st->sample) {
+        if (st->n_window)
+            return wire_fail(v, WIRE_REJECT_FIELDS, "step with a window of %zu ids but no "
+                             "sample", st->n_window);
+        return true;
+    }
+    if (st->all_logits)
+        return wire_fail(v, WIRE_REJECT_FIELDS, "step asks to sample and for all logits");
+    if (!(st->temperature >= 0 && isfinite(st->temperature)) || st->top_k < 0 ||
+        !(st->top_p >= 0 && st->top_p <= 1) || !(st->min_p >= 0 && st->min_p <= 1) ||
+        !(st->repeat_penalty >= 0 && isfinite(st->repeat_penalty)) ||
+        !isfinite(st->presence_penalty) || !(st->uniform >= 0 && st->uniform < 1))
+        return wire_fail(v, WIRE_REJECT_FIELDS, "step sampler out of range: temperature %g "
+                         "top_k %d top_p %g min_p %g repeat_penalty %g presence_penalty %g "
+                         "uniform %g", (double)st->temperature, st->top_k, (double)st->top_p,
+                         (double)st->min_p, (double)st->repeat_penalty,
+                         (double)st->presence_penalty, st->uniform);
+    if (st->n_window > WIRE_WINDOW_MAX || (st->n_window && !st->window))
+        return wire_fail(v, WIRE_REJECT_FIELDS, "step window of %zu ids (at most %d)",
+                         st->n_window, WIRE_WINDOW_MAX);
+    for (size_t i = 0; i < st->n_window; i++)
+        if (st->window[i] < 0)
+            return wire_fail(v, WIRE_REJECT_FIELDS, "step window[%zu] is %d", i,
+                             st->window[i]);
+    return true;
+}
+
 /* Everything a message says about itself; true when it is well-formed. */
 static bool wire_msg_check(const struct wire_msg *m, struct wire_verdict *v)
 {
@@ -288,6 +320,8 @@ static bool wire_msg_check(const struct wire_msg *m, struct wire_verdict *v)
     case WIRE_TYPE_LOAD_PLAN:
         return wire_check_load_plan(&m->load_plan, v);
     case WIRE_TYPE_STEP:
+        if (!wire_check_step_sample(&m->step, v))
+            return false;
         if (!m->step.via_nccl)
             return wire_check_rows(m, m->step.n_tokens, m->step.n_embd, "step", v);
         if (m->tensor_bytes || m->step.n_tokens == 0 || m->step.n_embd == 0)
@@ -417,6 +451,16 @@ static void wire_build(union wire_pb *u, const struct wire_msg *m)
         u->step.all_logits = m->step.all_logits;
         u->step.n_embd = m->step.n_embd;
         u->step.via_nccl = m->step.via_nccl;
+        u->step.sample = m->step.sample;
+        u->step.temperature = m->step.temperature;
+        u->step.top_k = m->step.top_k;
+        u->step.top_p = m->step.top_p;
+        u->step.min_p = m->step.min_p;
+        u->step.repeat_penalty = m->step.repeat_penalty;
+        u->step.presence_penalty = m->step.presence_penalty;
+        u->step.uniform = m->step.uniform;
+        u->step.n_window = m->step.n_window;
+        u->step.window = (int32_t *)m->step.window;
         break;
     case WIRE_TYPE_EXPERT_REQUEST:
         lamina__expert_request__init(&u->expert_request);
@@ -622,8 +666,14 @@ static void wire_fill(struct wire_msg *m, const ProtobufCMessage *pm, struct wir
     }
     case WIRE_TYPE_STEP: {
         const Lamina__Step *q = (const Lamina__Step *)pm;
-        m->step = (struct wire_step){q->seq_id,       q->pos,    q->n_tokens,      q->step,
-                                     q->all_logits != 0, q->n_embd, q->via_nccl != 0};
+        m->step = (struct wire_step){
+            .seq_id = q->seq_id, .pos = q->pos, .n_tokens = q->n_tokens, .step = q->step,
+            .all_logits = q->all_logits != 0, .n_embd = q->n_embd, .via_nccl = q->via_nccl != 0,
+            .sample = q->sample != 0, .temperature = q->temperature, .top_k = q->top_k,
+            .top_p = q->top_p, .min_p = q->min_p, .repeat_penalty = q->repeat_penalty,
+            .presence_penalty = q->presence_penalty, .uniform = q->uniform,
+            .window = wire_arena_copy(a, q->window, q->n_window * sizeof(int32_t)),
+            .n_window = q->n_window};
         break;
     }
     case WIRE_TYPE_EXPERT_REQUEST: {

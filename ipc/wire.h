@@ -22,7 +22,10 @@
  * residency is not by strictly increasing layer inside the range, or whose bitmaps exceed
  * WIRE_BITMAP_MAX; CURVE keys of a length other than 0 or WIRE_KEY_BYTES; NCCL unique ids of a
  * length other than 0 or WIRE_NCCL_ID_BYTES, or an nccl_next_id on the last worker; a Step
- * via_nccl that carries a tensor frame or has zero rows or width; strings longer than
+ * via_nccl that carries a tensor frame or has zero rows or width; a Step that asks to sample
+ * together with all_logits, with a sampler value out of range (temperature, top_k, top_p,
+ * min_p, repeat_penalty, presence_penalty as in model/sampler.h; uniform outside [0, 1)), a
+ * window id below 0 or more than WIRE_WINDOW_MAX ids, or a window without sample; strings longer than
  * their limit; a Result with neither token nor logits or a token outside [-1, n_vocab); a
  * Timing line containing a newline.
  *
@@ -50,7 +53,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define WIRE_VERSION 2                      /* Envelope.version of this build (2: NCCL hand-off) */
+#define WIRE_VERSION 3                      /* Envelope.version of this build (2: NCCL hand-off;
+                                               3: sampling on the last worker) */
 #define WIRE_ENVELOPE_MAX (256u * 1024)     /* largest envelope frame accepted, bytes */
 #define WIRE_MSG_MAX_DEFAULT (1ll << 30)    /* default ZMQ_MAXMSGSIZE per frame, bytes */
 #define WIRE_ID_MAX 255                     /* largest ZeroMQ routing id, bytes */
@@ -64,6 +68,7 @@
 #define WIRE_PATH_MAX 108                   /* longest ipc socket path incl. NUL (sun_path) */
 #define WIRE_NAME_MAX 32                    /* longest socket name in wire_endpoint_ipc */
 #define WIRE_NCCL_ID_BYTES 128              /* an NCCL unique id (NCCL_COMM_ID_BYTES), binary */
+#define WIRE_WINDOW_MAX 16384               /* most ids in a Step's penalty window */
 
 /* Envelope.type; values are those of MsgType in proto/lamina.proto. */
 enum wire_type {
@@ -160,6 +165,18 @@ struct wire_step { /* tensor: n_tokens x n_embd f32, or none when via_nccl */
     bool all_logits;
     uint32_t n_embd;
     bool via_nccl; /* the rows come on the NCCL pair with the sender (no tensor frame) */
+    /* last worker: sample the last row with these and return only the token (see
+     * proto/lamina.proto); the rest is ignored when sample is false */
+    bool sample;              /* never with all_logits */
+    float temperature;        /* >= 0, finite */
+    int32_t top_k;            /* >= 0 */
+    float top_p;              /* [0, 1] */
+    float min_p;              /* [0, 1] */
+    float repeat_penalty;     /* >= 0, finite */
+    float presence_penalty;   /* finite */
+    double uniform;           /* [0, 1) */
+    const int32_t *window;    /* n_window penalty ids, each >= 0 */
+    size_t n_window;          /* <= WIRE_WINDOW_MAX; 0 when sample is false */
 };
 
 struct wire_expert_request { /* tensor: sum(counts) x n_embd f32, grouped by expert */

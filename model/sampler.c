@@ -37,6 +37,7 @@ struct sampler {
     struct sampler_cand *cand;  /* scratch: one candidate per vocabulary entry */
     size_t cap_cand;            /* candidates allocated */
     int32_t *pen;               /* scratch: distinct penalized ids, ascending */
+    size_t cap_pen;             /* entries allocated in pen (>= cap_hist) */
     size_t n_pen;               /* entries in pen for the current call */
 };
 
@@ -124,6 +125,7 @@ struct sampler *sampler_create(const struct sampler_config *cfg)
     s->cap_hist = s->last_n > 0 ? (size_t)s->last_n : 256;
     s->hist = malloc(s->cap_hist * sizeof(*s->hist));
     s->pen = malloc(s->cap_hist * sizeof(*s->pen));
+    s->cap_pen = s->cap_hist;
     if (!s->hist || !s->pen)
         goto out_free;
     rng_seed(s->rng, cfg->seed);
@@ -154,12 +156,13 @@ int sampler_accept(struct sampler *s, int32_t id)
         int32_t *h = realloc(s->hist, cap * sizeof(*h));
         if (h)
             s->hist = h;
-        int32_t *p = h ? realloc(s->pen, cap * sizeof(*p)) : NULL;
+        int32_t *p = !h ? NULL : cap > s->cap_pen ? realloc(s->pen, cap * sizeof(*p)) : s->pen;
         if (!p) {
             log_error("sampler: out of memory for a history of %zu tokens", cap);
             return -ENOMEM;
         }
         s->pen = p;
+        s->cap_pen = cap > s->cap_pen ? cap : s->cap_pen;
         s->cap_hist = cap;
     }
     if (s->last_n < 0) {
@@ -189,13 +192,15 @@ static int cmp_i32(const void *pa, const void *pb)
     return a < b ? -1 : a > b;
 }
 
-/* Fills s->pen with the distinct ids of the window that are below n_vocab, ascending. */
-static void collect_penalized(struct sampler *s, int32_t n_vocab)
+/* Fills s->pen with the distinct ids of win[0 .. n_win) that are below n_vocab, ascending;
+ * s->pen holds at least n_win entries. */
+static void collect_penalized(struct sampler *s, const int32_t *win, size_t n_win,
+                              int32_t n_vocab)
 {
     size_t n = 0;
-    for (size_t i = 0; s->penalize && i < s->n_hist; i++)
-        if (s->hist[i] < n_vocab)
-            s->pen[n++] = s->hist[i];
+    for (size_t i = 0; s->penalize && i < n_win; i++)
+        if (win[i] >= 0 && win[i] < n_vocab)
+            s->pen[n++] = win[i];
     qsort(s->pen, n, sizeof(*s->pen), cmp_i32);
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
@@ -476,14 +481,13 @@ static int grow_cand(struct sampler *s, size_t n)
     return 0;
 }
 
-int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab)
+/* Picks a token with the penalty set already in s->pen and the uniform u (unused when
+ * greedy). */
+static int32_t sample_with(struct sampler *s, const float *logits, int32_t n_vocab, double u)
 {
-    ASSERT(s && logits && n_vocab > 0);
-    collect_penalized(s, n_vocab);
     float max;
     if (s->cfg.temperature == 0)
         return pass_argmax(s, logits, n_vocab, &max);
-    double u = rng_uniform(s->rng); /* before the logits can matter: one draw per call */
     if (grow_cand(s, (size_t)n_vocab))
         return -ENOMEM;
     struct sampler_cand *c = s->cand;
@@ -509,6 +513,43 @@ int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab)
     /* top_p's quickselect leaves no order worth keeping: then the draw runs in rank order, as
      * after top_k; otherwise c is in id order and the draw cumulates in id order */
     return draw(s, c, n, sorted || !top_p, max, u);
+}
+
+int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab)
+{
+    ASSERT(s && logits && n_vocab > 0);
+    collect_penalized(s, s->hist, s->n_hist, n_vocab);
+    /* before the logits can matter: one draw per call */
+    double u = s->cfg.temperature == 0 ? 0 : rng_uniform(s->rng);
+    return sample_with(s, logits, n_vocab, u);
+}
+
+int32_t sampler_sample_given(struct sampler *s, const float *logits, int32_t n_vocab, double u,
+                             const int32_t *window, size_t n_window)
+{
+    ASSERT(s && logits && n_vocab > 0 && (window || n_window == 0));
+    ASSERT(u >= 0 && u < 1);
+    if (s->penalize && n_window > s->cap_pen) {
+        int32_t *p = realloc(s->pen, n_window * sizeof(*p));
+        if (!p) {
+            log_error("sampler: out of memory for a window of %zu tokens", n_window);
+            return -ENOMEM;
+        }
+        s->pen = p;
+        s->cap_pen = n_window;
+    }
+    collect_penalized(s, window, n_window, n_vocab);
+    return sample_with(s, logits, n_vocab, u);
+}
+
+const struct sampler_config *sampler_get_config(const struct sampler *s)
+{
+    return &s->cfg;
+}
+
+bool sampler_penalizes(const struct sampler *s)
+{
+    return s->penalize;
 }
 
 double sampler_next_uniform(struct sampler *s)

@@ -24,6 +24,7 @@
 #ifndef MODEL_SAMPLER_H
 #define MODEL_SAMPLER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -64,6 +65,23 @@ int32_t sampler_sample(struct sampler *s, const float *logits, int32_t n_vocab);
  * are ignored by that call. Returns 0, or -ENOMEM (logged) when an unbounded history
  * (penalty_last_n -1) cannot grow. */
 int sampler_accept(struct sampler *s, int32_t id);
+
+/* The same pick as sampler_sample(), for a twin that samples in another process (the last
+ * worker): u is the number sampler_next_uniform() drew on the sampler that owns the sequence
+ * (in [0, 1), ASSERTed; ignored when greedy) and window[0 .. n_window) the ids its
+ * sampler_window() gave (borrowed for the call; ignored without penalties; ids outside
+ * [0, n_vocab) are ignored). Uses s only for its config (seed and penalty_last_n play no part)
+ * and its scratch; draws nothing and leaves its history alone. With the same config, logits, u
+ * and window it returns the token sampler_sample() returns. Returns the id, or -ENOMEM
+ * (logged). */
+int32_t sampler_sample_given(struct sampler *s, const float *logits, int32_t n_vocab, double u,
+                             const int32_t *window, size_t n_window);
+
+/* The validated config; borrowed while s lives. */
+const struct sampler_config *sampler_get_config(const struct sampler *s);
+
+/* True when a penalty is configured, so that the window matters to the pick. */
+bool sampler_penalizes(const struct sampler *s);
 
 /* For a twin that samples elsewhere (the GPU): consumes and returns the PRNG number in [0, 1)
  * that sampler_sample() would draw now, or 0 without consuming one when greedy. */

@@ -15,7 +15,9 @@
 #   8. bad command lines: clear errors;
 #   9. NCCL hand-off, CPU side: --handoff nccl refused on CPU workers, on two workers of one
 #      card and where libnccl.so.2 cannot be loaded; --handoff auto falls back to ZeroMQ with
-#      a log line saying why, with logits byte-identical to --inproc; timing lines name it.
+#      a log line saying why, with logits byte-identical to --inproc; timing lines name it;
+#  10. sampling on the last worker: the same text as --inproc and --sample-on coordinator
+#      (filters, penalties, greedy; 1-3 workers), fewer bytes sent by the last worker.
 set -u
 BUILD=${BUILD:-build}
 L=$BUILD/lamina
@@ -304,6 +306,54 @@ else
     echo "skip: CUDA workers (this build has no CUDA)"
 fi
 check_clean "handoff" "$$"
+
+# 10. sampling on the last worker (--sample-on worker, the default): with a seed, the same text
+# as --inproc (which samples here) and as --sample-on coordinator, for filters, penalties and
+# greedy, with 1, 2 and 3 workers; --dump-logits (logits needed here) unchanged; the last
+# worker's timing lines show no logits sent in decode steps, and fewer bytes in all
+bytes_sent() { # the last worker's bytes.sent: total, and in one-token steps
+    python3 -c "
+import json,sys
+ls=[json.loads(l) for l in open('$1') if '\"worker\"' in l]
+last=max(l['worker'] for l in ls)
+ls=[l for l in ls if l['worker']==last]
+print(sum(l['bytes']['sent'] for l in ls), sum(l['bytes']['sent'] for l in ls if l['tokens']==1))"
+}
+for m in tiny qwen3next/qwen3next-f32; do
+    if [ "$m" = tiny ]; then
+        file=$T/tiny.gguf; ids=5,17,99,3,250,42,7,7,301,12,64,128
+    else
+        file=$FX/conformance/$m.gguf; ids=$(ids_of "$(dirname $m)")
+    fi
+    for smp in "--seed 11 --temp 0.8 --top-k 40 --top-p 0.9" \
+        "--seed 5 --temp 0.7 --top-k 0 --top-p 1 --min-p 0.02 --repeat-penalty 1.3 --presence-penalty 0.2 --repeat-last-n 16" \
+        "--greedy --repeat-penalty 1.2"; do
+        common="-m $file --prompt-ids $ids -n 16 --ignore-eos -b 32 --no-echo $smp"
+        $L run $common --inproc >"$T/ref.txt" 2>"$T/err" || { fail "$m inproc $smp: $(tail -1 $T/err)"; continue; }
+        for dev in cpu cpu,cpu cpu,cpu,cpu; do
+            $L run $common --devices $dev --timings "$T/tw.jsonl" >"$T/w.txt" 2>"$T/err" &&
+                $L run $common --devices $dev --sample-on coordinator --timings "$T/tc.jsonl" \
+                    >"$T/c.txt" 2>>"$T/err" || { fail "$m $dev $smp: $(tail -1 $T/err)"; continue; }
+            set -- $(bytes_sent "$T/tw.jsonl") $(bytes_sent "$T/tc.jsonl")
+            if cmp -s "$T/ref.txt" "$T/w.txt" && cmp -s "$T/ref.txt" "$T/c.txt" && [ "$2" = 0 ] &&
+                [ "$4" -gt 0 ] && [ "$1" -lt "$3" ]; then
+                ok "$m $dev $smp: same text as --inproc both ways; last worker sent $1 bytes (coordinator sampling: $3)"
+            else
+                fail "$m $dev $smp: worker/coordinator sampling vs --inproc differ, or bytes sent $1 ($2 in decode) vs $3 ($4)"
+            fi
+        done
+    done
+    common="-m $file --prompt-ids $ids -n 8 --ignore-eos -b 32 --no-echo --seed 3 --temp 0.9"
+    $L run $common --inproc --dump-logits "$T/ref.npy" >"$T/ref.txt" 2>/dev/null
+    $L run $common --devices cpu,cpu --dump-logits "$T/out.npy" >"$T/out.txt" 2>"$T/err"
+    cmp -s "$T/ref.npy" "$T/out.npy" && cmp -s "$T/ref.txt" "$T/out.txt" &&
+        ok "$m sampled run with --dump-logits: logits byte-identical, same text" ||
+        fail "$m sampled run with --dump-logits differs from --inproc: $(tail -1 $T/err)"
+done
+$L run -m "$T/tiny.gguf" --prompt-ids 1,2 -n 2 --sample-on gpu >/dev/null 2>"$T/err"
+[ $? -ne 0 ] && grep -q "worker or coordinator" "$T/err" && ok "--sample-on gpu refused" ||
+    fail "--sample-on gpu: $(tail -1 $T/err)"
+check_clean "sample-on" "$$"
 
 echo "test_cluster: $fails failure(s)"
 [ $fails -eq 0 ]

@@ -1,7 +1,8 @@
 /*
  * test_sampler: greedy and filtered sampling on inputs whose answers are exactly predictable,
  * seeded reproducibility, the empirical distribution against softmax (chi-square), and the
- * llama.cpp penalty rules. Measures the time of one sample on a 248k vocabulary.
+ * llama.cpp penalty rules; sampling with a given uniform and window (the last worker's twin)
+ * against sampler_sample(). Measures the time of one sample on a 248k vocabulary.
  */
 #include "model/sampler.h"
 
@@ -385,6 +386,75 @@ static void test_speed(void)
     free(l);
 }
 
+/* sampler_sample_given() with the owner's uniform and window picks what sampler_sample() picks:
+ * one sequence sampled both ways (the owner's twin has its own config copy and history), over
+ * the filter combinations, greedy and penalties, on a vocabulary with ties and NaN. */
+static void test_given(void)
+{
+    const int32_t nv = 5000;
+    float *l = malloc((size_t)nv * sizeof(*l));
+    int32_t *win = malloc(4096 * sizeof(*win));
+    CHECK(l && win, "no memory");
+    if (!l || !win)
+        exit(1);
+    const struct sampler_config cfgs[] = {
+        {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .seed = 7},
+        {.temperature = 0.8f, .top_p = 0.9f, .seed = 8},
+        {.temperature = 1.0f, .seed = 9},
+        {.temperature = 0.7f, .min_p = 0.1f, .repeat_penalty = 1.3f, .presence_penalty = 0.5f,
+         .penalty_last_n = 16, .seed = 10},
+        {.temperature = 0.9f, .top_k = 20, .repeat_penalty = 1.1f, .penalty_last_n = -1,
+         .seed = 11},
+        {.repeat_penalty = 1.5f, .penalty_last_n = 8},
+        {.temperature = 0},
+    };
+    for (size_t k = 0; k < sizeof(cfgs) / sizeof(cfgs[0]); k++) {
+        struct sampler *own = sampler_create(&cfgs[k]);
+        struct sampler *ref = sampler_create(&cfgs[k]);
+        struct sampler_config wc = cfgs[k];
+        wc.seed = 12345; /* the twin's seed and window length play no part */
+        wc.penalty_last_n = 0;
+        struct sampler *twin = sampler_create(&wc);
+        CHECK(own && ref && twin, "sampler_create failed");
+        if (!own || !ref || !twin)
+            exit(1);
+        int agree = 0, steps = 300;
+        for (int i = 0; i < steps; i++) {
+            fill_logits(l, nv, (uint32_t)(100 * k + i));
+            l[(i * 7) % nv] = l[(i * 11) % nv]; /* a tie */
+            if (i % 50 == 3)
+                l[i] = NAN;
+            int32_t want = sampler_sample(ref, l, nv);
+            double u = sampler_next_uniform(own);
+            size_t n_win = sampler_window(own, win, 4096);
+            CHECK(n_win <= 4096, "window of %zu", n_win);
+            int32_t got = sampler_sample_given(twin, l, nv, u, win, n_win);
+            agree += got == want;
+            CHECK(got == want, "config %zu step %d: given %d, sample %d", k, i, got, want);
+            sampler_accept(ref, want);
+            sampler_accept(own, want);
+        }
+        CHECK(agree == steps, "config %zu: %d of %d agree", k, agree, steps);
+        sampler_destroy(own);
+        sampler_destroy(ref);
+        sampler_destroy(twin);
+    }
+    /* a window longer than the twin's own history capacity grows its scratch */
+    struct sampler_config pc = {.temperature = 0.5f, .repeat_penalty = 2.0f, .seed = 3};
+    struct sampler *twin = sampler_create(&pc);
+    CHECK(twin, "sampler_create failed");
+    if (!twin)
+        exit(1);
+    fill_logits(l, nv, 77);
+    for (int32_t i = 0; i < 4096; i++)
+        win[i] = i % nv;
+    int32_t id = sampler_sample_given(twin, l, nv, 0.5, win, 4096);
+    CHECK(id >= 0 && id < nv, "long window gave %d", id);
+    sampler_destroy(twin);
+    free(win);
+    free(l);
+}
+
 int main(void)
 {
     log_init("test", -1);
@@ -393,6 +463,7 @@ int main(void)
     test_distribution();
     test_filters();
     test_penalties();
+    test_given();
     test_config();
     test_speed();
     return test_main_result("test_sampler");

@@ -25,6 +25,7 @@
  *     a valid message, encoded by this file's own protobuf writer, comes through intact.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -147,8 +148,9 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
         m.ready = (struct wire_ready){(97ull << 30) + 5, 1234};
         break;
     case WIRE_TYPE_STEP:
-        m.step = (struct wire_step){0xfedcba9876543210ull, 4095, 3, 1ull << 40, true, N_EMBD,
-                                    variant != 0};
+        m.step = (struct wire_step){.seq_id = 0xfedcba9876543210ull, .pos = 4095, .n_tokens = 3,
+                                    .step = 1ull << 40, .all_logits = true, .n_embd = N_EMBD,
+                                    .via_nccl = variant != 0};
         m.tensor = variant ? NULL : s->hidden;
         m.tensor_bytes = variant ? 0 : sizeof s->hidden;
         break;
@@ -1422,6 +1424,164 @@ static void test_nccl_fields(void *ctx)
     wire_socket_destroy(router);
 }
 
+/* ---- sampling on the last worker ----------------------------------------------------------- */
+
+static void pb_f32(struct pb *p, unsigned field, float v)
+{
+    pb_raw(p, (uint64_t)field << 3 | 5);
+    memcpy(p->b + p->n, &v, 4); /* little-endian hosts only, as the tensor frames */
+    p->n += 4;
+}
+
+static void pb_f64(struct pb *p, unsigned field, double v)
+{
+    pb_raw(p, (uint64_t)field << 3 | 1);
+    memcpy(p->b + p->n, &v, 8);
+    p->n += 8;
+}
+
+struct step_sample {
+    bool sample, all_logits;
+    float temperature, top_p, min_p, repeat_penalty, presence_penalty;
+    int32_t top_k;
+    double uniform;
+    const int32_t *window;
+    size_t n_window;
+};
+
+/* A step of 2 x N_EMBD rows with the sampler fields of q (the window as packed varints). */
+static void enc_step_sample(struct pb *p, const struct step_sample *q)
+{
+    static struct pb tmp;
+    p->n = 0;
+    pb_u(p, 1, 42);
+    pb_u(p, 2, 7);
+    pb_u(p, 3, 2);
+    pb_u(p, 4, 9);
+    pb_u(p, 5, q->all_logits);
+    pb_u(p, 6, N_EMBD);
+    pb_u(p, 8, q->sample);
+    pb_f32(p, 9, q->temperature);
+    pb_u(p, 10, (uint64_t)(int64_t)q->top_k); /* int32: negatives as 10-byte varints */
+    pb_f32(p, 11, q->top_p);
+    pb_f32(p, 12, q->min_p);
+    pb_f32(p, 13, q->repeat_penalty);
+    pb_f32(p, 14, q->presence_penalty);
+    pb_f64(p, 15, q->uniform);
+    tmp.n = 0;
+    for (size_t i = 0; i < q->n_window; i++)
+        pb_raw(&tmp, (uint64_t)(int64_t)q->window[i]);
+    if (q->n_window)
+        pb_bytes(p, 16, tmp.b, tmp.n);
+}
+
+/* Step sampler fields: carried through a round trip (raw protobuf in, our struct out, and
+ * wire_send -> wire_recv), and each out-of-range value refused as a fields reject on receipt
+ * and by wire_send. */
+static void test_step_sample(void *ctx)
+{
+    struct wire_socket *router = wire_socket_create(ctx, ZMQ_ROUTER, NULL);
+    struct wire_socket *dealer = wire_socket_create(ctx, ZMQ_DEALER, NULL);
+    void *raw = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(raw, ZMQ_LINGER, &zero, sizeof zero);
+    CHECK(router && dealer && raw && wire_socket_bind(router, "inproc://sample") == 0 &&
+              zmq_connect(raw, "inproc://sample") == 0 &&
+              wire_socket_connect(dealer, "inproc://sample") == 0,
+          "sample field sockets");
+    static uint8_t tensor[2 * N_EMBD * 4];
+    static int32_t window[WIRE_WINDOW_MAX + 1];
+    static struct raw r;
+    static struct pb pl;
+    for (size_t i = 0; i < sizeof window / sizeof window[0]; i++)
+        window[i] = (int32_t)(i * 7919 % 151936);
+    const struct step_sample good = {.sample = true, .temperature = 0.8f, .top_k = 40,
+                                     .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.1f,
+                                     .presence_penalty = -0.5f, .uniform = 0.999999999,
+                                     .window = window, .n_window = 64};
+    /* raw in: every field arrives as sent */
+    enc_step_sample(&pl, &good);
+    pb_envelope(&r.env, WIRE_VERSION, WIRE_TYPE_STEP, 1, &pl, sizeof tensor);
+    r.tensor_frame = true;
+    r.tensor_n = sizeof tensor;
+    r.extra_frames = 0;
+    struct wire_msg m;
+    int rc = raw_round(router, raw, &r, tensor, &m);
+    const struct wire_step *st = &m.step;
+    CHECK(rc == 0 && st->sample && !st->all_logits && st->temperature == 0.8f &&
+              st->top_k == 40 && st->top_p == 0.95f && st->min_p == 0.05f &&
+              st->repeat_penalty == 1.1f && st->presence_penalty == -0.5f &&
+              st->uniform == 0.999999999 && st->n_window == 64 && st->window &&
+              !memcmp(st->window, window, 64 * sizeof(int32_t)),
+          "step sampler fields carried: rc %d", rc);
+    wire_msg_free(&m);
+    /* wire_send -> wire_recv, the largest window, greedy */
+    struct wire_msg o = {.type = WIRE_TYPE_STEP};
+    o.step = (struct wire_step){.seq_id = 1, .pos = 3, .n_tokens = 2, .step = 5,
+                                .n_embd = N_EMBD, .sample = true, .repeat_penalty = 1.5f,
+                                .window = window, .n_window = WIRE_WINDOW_MAX};
+    o.tensor = tensor;
+    o.tensor_bytes = sizeof tensor;
+    char id[WIRE_ID_MAX];
+    size_t id_len = sizeof id;
+    rc = dealer ? wire_send(dealer, &o, NULL, 0) : -EINVAL;
+    rc = rc ? rc : wire_recv(router, &m, id, &id_len, 2000);
+    CHECK(rc == 0 && m.step.sample && m.step.temperature == 0 && m.step.uniform == 0 &&
+              m.step.repeat_penalty == 1.5f && m.step.n_window == WIRE_WINDOW_MAX &&
+              !memcmp(m.step.window, window, WIRE_WINDOW_MAX * sizeof(int32_t)),
+          "greedy step with a window of %d ids: rc %d", WIRE_WINDOW_MAX, rc);
+    wire_msg_free(&m);
+    /* rejects: one bad value at a time */
+    log_set_level(LOG_LEVEL_ERROR); /* the rejections below warn */
+    int refused = 0, n_bad = 0;
+    for (int k = 0; k < 14; k++) {
+        struct step_sample b = good;
+        int32_t neg[3] = {5, -1, 9};
+        switch (k) {
+        case 0: b.temperature = -0.1f; break;
+        case 1: b.temperature = INFINITY; break;
+        case 2: b.top_k = -1; break;
+        case 3: b.top_p = 1.5f; break;
+        case 4: b.min_p = -0.01f; break;
+        case 5: b.min_p = NAN; break;
+        case 6: b.repeat_penalty = -1; break;
+        case 7: b.presence_penalty = NAN; break;
+        case 8: b.uniform = 1.0; break;
+        case 9: b.uniform = -1e-9; break;
+        case 10: b.window = neg; b.n_window = 3; break;
+        case 11: b.n_window = WIRE_WINDOW_MAX + 1; break;
+        case 12: b.all_logits = true; break;
+        default: b.sample = false; break; /* a window without sample */
+        }
+        enc_step_sample(&pl, &b);
+        pb_envelope(&r.env, WIRE_VERSION, WIRE_TYPE_STEP, 1, &pl, sizeof tensor);
+        struct wire_stats before = *wire_socket_stats(router);
+        rc = raw_round(router, raw, &r, tensor, &m);
+        CHECK(rc == -EPROTO &&
+                  reject_reason(&before, wire_socket_stats(router)) == WIRE_REJECT_FIELDS,
+              "bad step sampler case %d refused on receipt: rc %d", k, rc);
+        wire_msg_free(&m);
+        o.step = (struct wire_step){.n_tokens = 2, .n_embd = N_EMBD, .sample = b.sample,
+                                    .all_logits = b.all_logits, .temperature = b.temperature,
+                                    .top_k = b.top_k, .top_p = b.top_p, .min_p = b.min_p,
+                                    .repeat_penalty = b.repeat_penalty,
+                                    .presence_penalty = b.presence_penalty,
+                                    .uniform = b.uniform, .window = b.window,
+                                    .n_window = b.n_window};
+        int sr = dealer ? wire_send(dealer, &o, NULL, 0) : 0;
+        CHECK(sr == -EINVAL, "bad step sampler case %d refused by wire_send: %d", k, sr);
+        refused += rc == -EPROTO && sr == -EINVAL;
+        n_bad++;
+    }
+    log_set_level(LOG_LEVEL_INFO);
+    MEASURE("step sampler fields: carried (window up to %d ids), %d of %d bad values refused "
+            "on receipt and by wire_send", WIRE_WINDOW_MAX, refused, n_bad);
+    if (raw)
+        zmq_close(raw);
+    wire_socket_destroy(dealer);
+    wire_socket_destroy(router);
+}
+
 /* ---- ZMQ_MAXMSGSIZE ------------------------------------------------------------------------ */
 
 static void test_max_msg_size(void *ctx, const char *dir)
@@ -1491,6 +1651,7 @@ int main(void)
         test_timeouts_and_refusals(ctx, dir);
     test_curve(ctx);
     test_nccl_fields(ctx);
+    test_step_sample(ctx);
     test_fuzz(ctx);
 
     struct stat st;

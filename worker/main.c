@@ -4,7 +4,8 @@
  * budget, where hidden states come from and go to), maps the shared-memory
  * expert stacks read-only, loads its layers onto its backend, and then runs
  * the steps it is sent: hidden states in, its layers, hidden states out to
- * the next worker (or logits to the coordinator from the last one). Experts
+ * the next worker (or logits to the coordinator from the last one, or only the token it
+ * sampled from them when the step asks: model/sampler.h, sampler_sample_given). Experts
  * it does not hold go to the coordinator's CPU pool, one request per layer.
  *
  *   lamina-worker --connect ENDPOINT --index N [--server-key Z85]
@@ -54,6 +55,7 @@
 #include "model/arch.h"
 #include "model/gguf.h"
 #include "model/quant.h"
+#include "model/sampler.h"
 #include "worker/backend.h"
 #include "worker/probe.h"
 
@@ -94,6 +96,8 @@ struct worker {
     bool *trunk_on, *shexp_on;     /* per model layer: placed on the device (plan) */
     struct backend *be;
     float *h, *logits;
+    struct sampler *smp;           /* last worker: samples when a step asks, or NULL */
+    struct sampler_config smp_cfg; /* the values smp was made with */
     struct nccl_lib *nccl;         /* NCCL, when the plan hands hidden states over it */
     struct nccl_comm *nccl_prev;   /* pair with the previous worker (we receive), or NULL */
     struct nccl_comm *nccl_next;   /* pair with the next worker (we send), or NULL */
@@ -547,7 +551,7 @@ static int worker_start(struct worker *w)
  * step's rows to the next worker (as in send); NCCL, the GPU time of the sends. handoff_in:
  * the GPU time of the NCCL receives (with the wait for the previous worker's layers). */
 static void worker_send_timing(struct worker *w, const struct wire_step *st, double recv_wait,
-                               double send_s, double total_s)
+                               double send_s, double total_s, uint64_t sent)
 {
     const struct forward_stats *s = backend_stats(w->be);
     const struct forward_stats *p = &w->prev;
@@ -561,7 +565,7 @@ static void worker_send_timing(struct worker *w, const struct wire_step *st, dou
              "\"experts_cpu_wait\":%.3f,\"shared_expert\":%.3f,\"send\":%.3f,"
              "\"recv_wait\":%.3f,\"total\":%.3f,\"handoff\":%.3f,\"handoff_in\":%.3f},"
              "\"experts\":{\"hit\":%llu,\"paged\":0,\"in_place\":0,\"cpu\":%llu},"
-             "\"bytes\":{\"h2d\":0,\"nccl\":%llu}}",
+             "\"bytes\":{\"h2d\":0,\"nccl\":%llu,\"sent\":%llu}}",
              w->args.index, w->device, (unsigned long long)st->step, (unsigned long long)st->seq_id,
              st->n_tokens, w->l0, w->l1, via, 1e3 * (s->attn - p->attn),
              1e3 * (s->deltanet - p->deltanet), 1e3 * (s->router - p->router),
@@ -570,7 +574,7 @@ static void worker_send_timing(struct worker *w, const struct wire_step *st, dou
              1e3 * total_s, handoff_ms, w->nccl_recv_ms,
              (unsigned long long)(s->expert_rows - p->expert_rows),
              (unsigned long long)(s->remote_rows - p->remote_rows),
-             (unsigned long long)w->nccl_bytes);
+             (unsigned long long)w->nccl_bytes, (unsigned long long)sent);
     w->prev = *s;
     struct wire_msg m = {.type = WIRE_TYPE_TIMING};
     m.timing.json = json;
@@ -590,8 +594,36 @@ static int worker_check_step(struct worker *w, const struct wire_msg *m)
     return 0;
 }
 
-/* Hands the hidden states on, or (last worker) computes the logits and
- * fills *res for the caller to send after its timing line. */
+/* Samples the logits of the step's last row (w->logits, on the host for every backend) with
+ * the coordinator's sampler values, uniform and window, into *id. The sampler is remade when
+ * the values change (once per run in practice). */
+static int worker_sample(struct worker *w, const struct wire_step *st, int32_t *id)
+{
+    const struct sampler_config sc = {.temperature = st->temperature, .top_k = st->top_k,
+                                      .top_p = st->top_p, .min_p = st->min_p,
+                                      .repeat_penalty = st->repeat_penalty,
+                                      .presence_penalty = st->presence_penalty};
+    const struct sampler_config *o = &w->smp_cfg;
+    if (!w->smp || sc.temperature != o->temperature || sc.top_k != o->top_k ||
+        sc.top_p != o->top_p || sc.min_p != o->min_p || sc.repeat_penalty != o->repeat_penalty ||
+        sc.presence_penalty != o->presence_penalty) {
+        sampler_destroy(w->smp);
+        w->smp = sampler_create(&sc); /* the values were checked on receipt */
+        if (!w->smp)
+            return -ENOMEM;
+        w->smp_cfg = sc;
+    }
+    int32_t r = sampler_sample_given(w->smp, w->logits, (int32_t)w->m->hp.n_vocab, st->uniform,
+                                     st->window, st->n_window);
+    if (r < 0)
+        return r;
+    *id = r;
+    return 0;
+}
+
+/* Hands the hidden states on, or (last worker) computes the logits, samples them when the
+ * step asks, and fills *res (the token alone, or the logits) for the caller to send after its
+ * timing line. */
 static int worker_finish_step(struct worker *w, const struct wire_step *st, struct wire_msg *res)
 {
     const size_t n = w->m->hp.n_embd;
@@ -618,6 +650,15 @@ static int worker_finish_step(struct worker *w, const struct wire_step *st, stru
     *res = (struct wire_msg){.type = WIRE_TYPE_RESULT};
     res->result = (struct wire_result){.seq_id = st->seq_id, .step = st->step, .n_rows = rows,
                                        .n_vocab = w->m->hp.n_vocab, .token = -1};
+    if (st->sample) {
+        int32_t id = 0;
+        rc = worker_sample(w, st, &id);
+        if (rc)
+            return rc;
+        res->result.n_rows = 0;
+        res->result.token = id;
+        return 0;
+    }
     res->tensor = w->logits;
     res->tensor_bytes = (size_t)rows * w->m->hp.n_vocab * sizeof(float);
     return 0;
@@ -665,7 +706,12 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
         return rc;
     double t2 = worker_now();
     /* the timing line goes first, so the coordinator has it when the result arrives */
-    worker_send_timing(w, st, recv_wait, t2 - t1, t2 - t0 + recv_wait);
+    /* rows or logits this step sends over ZeroMQ: none after an NCCL hand-off, none but a
+     * token after sampling here */
+    const uint64_t sent = w->is_last ? res.tensor_bytes
+                          : w->nccl_next ? 0
+                                         : (uint64_t)st->n_tokens * w->m->hp.n_embd * sizeof(float);
+    worker_send_timing(w, st, recv_wait, t2 - t1, t2 - t0 + recv_wait, sent);
     return res.type == WIRE_TYPE_RESULT ? worker_send(w, w->coord, &res) : 0;
 }
 
@@ -790,6 +836,7 @@ static void worker_cleanup(struct worker *w)
     free(w->shexp_on);
     free(w->h);
     free(w->logits);
+    sampler_destroy(w->smp);
     shm_destroy(w->shm);
     arch_free(w->m);
     gguf_close(w->g);
