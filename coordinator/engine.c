@@ -9,6 +9,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "coordinator/planner.h"
 #include "kernels/cpu/threadpool.h"
 #include "worker/backend.h"
 #include "worker/forward.h"
@@ -26,6 +27,8 @@ struct engine {
     uint32_t B;
     float *h;                  /* B rows of n_embd */
     int32_t *window;           /* cluster: CLUSTER_WINDOW_MAX penalty ids for a sampling step */
+    uint64_t *heat;            /* cfg.record_heat: n_layer x n_expert routing counts */
+    uint64_t heat_tokens;      /* tokens those counts come from */
 };
 
 static int engine_build(struct engine *e)
@@ -39,6 +42,17 @@ static int engine_build(struct engine *e)
                                 .kv_f16 = cfg->kv_f16, .max_batch = e->B};
     if (cfg->cluster || cfg->backend) /* only embeds here: a one-layer range keeps it small */
         fc.layer_end = 1;
+    if (cfg->record_heat) {
+        if (cfg->cluster || cfg->backend) {
+            log_error("--record-heat counts the routing of the in-process CPU engine: run with "
+                      "--inproc and without --backend");
+            return -EINVAL;
+        }
+        e->heat = calloc((size_t)e->m->hp.n_layer * e->m->hp.n_expert, sizeof(uint64_t));
+        if (!e->heat)
+            return -ENOMEM;
+        fc.heat = e->heat;
+    }
     e->fw = forward_create(&fc);
     if (!e->fw)
         return -ENOMEM;
@@ -117,9 +131,23 @@ void engine_destroy(struct engine *e)
     threadpool_destroy(e->pool);
     free(e->h);
     free(e->window);
+    free(e->heat);
     arch_free(e->m);
     gguf_close(e->g);
     free(e);
+}
+
+int engine_save_heat(struct engine *e)
+{
+    if (!e->heat)
+        return 0;
+    const struct planner_heat h = {.n_layer = e->m->hp.n_layer, .n_expert = e->m->hp.n_expert,
+                                   .tokens = e->heat_tokens, .counts = e->heat};
+    int rc = planner_heat_save(e->cfg.record_heat, &h, "recorded");
+    if (!rc)
+        log_info("routing counts of %llu tokens x %u layers x %u experts written to %s",
+                 (unsigned long long)e->heat_tokens, h.n_layer, h.n_expert, e->cfg.record_heat);
+    return rc;
 }
 
 const struct gguf *engine_gguf(const struct engine *e)
@@ -182,6 +210,7 @@ int engine_eval(struct engine *e, const int32_t *ids, uint32_t n, bool all, floa
         const uint32_t c = n - s < e->B ? n - s : e->B;
         rc = engine_pass(e, ids + s, c, all, s + c == n, all ? out + (size_t)s * nv : out);
         e->pos += rc ? 0 : c;
+        e->heat_tokens += rc || !e->heat ? 0 : c;
     }
     return rc;
 }

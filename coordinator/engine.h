@@ -31,6 +31,9 @@ struct engine_config {
     const char *backend;             /* in this process without workers: a worker backend
                                         ("cuda:0") runs every layer; NULL: the CPU forward */
     void (*on_cluster)(struct cluster *c); /* told the live cluster, and NULL before it goes */
+    const char *record_heat;         /* count the router's picks per (layer, expert) over every
+                                        token run and write them as a heat file here at
+                                        engine_save_heat (in-process CPU engine only); NULL */
 };
 
 struct engine;
@@ -39,6 +42,11 @@ struct engine;
  * forward or the cluster. NULL after logging why. */
 struct engine *engine_create(const struct engine_config *cfg);
 void engine_destroy(struct engine *e);
+
+/* Writes the routing counts to cfg->record_heat (see planner_heat_save; the
+ * token count is every token run through the layers). 0 when nothing was
+ * asked; -EIO (logged) when the file cannot be written. */
+int engine_save_heat(struct engine *e);
 
 /* Borrowed views, valid until destroy. */
 const struct gguf *engine_gguf(const struct engine *e);

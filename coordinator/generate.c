@@ -42,7 +42,8 @@ static int generate_load(struct generate_job *job)
     struct engine_config ec = {.model_path = cfg->model_path, .n_threads = cfg->n_threads,
                                .n_ctx = cfg->n_ctx, .n_batch = cfg->n_batch,
                                .kv_f16 = cfg->kv_f16, .progress = true,
-                               .cluster = cfg->cluster, .on_cluster = cfg->on_cluster};
+                               .cluster = cfg->cluster, .on_cluster = cfg->on_cluster,
+                               .record_heat = cfg->record_heat};
     job->eng = engine_create(&ec);
     if (!job->eng)
         return -EINVAL;
@@ -184,6 +185,7 @@ int generate_run(const struct generate_config *cfg, struct generate_stats *st)
     rc = rc ? rc : generate_prompt_ids(&job);
     rc = rc ? rc : generate_prefill(&job, st);
     rc = rc ? rc : generate_decode(&job, st);
+    rc = rc ? rc : engine_save_heat(job.eng);
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru) == 0)
         st->peak_rss_kb = ru.ru_maxrss;

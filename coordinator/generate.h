@@ -31,6 +31,7 @@ struct generate_config {
     bool ignore_eos;             /* keep generating past end-of-generation tokens */
     bool echo_prompt;            /* print the prompt before the generated text */
     const char *dump_logits;     /* write prompt logits as .npy here, or NULL */
+    const char *record_heat;     /* write the routing counts as a heat file here, or NULL */
     struct sampler_config sampler;
     /* Multi-process: the cluster to build (model fields are filled in by
      * generate); NULL runs every layer in this process (--inproc). */

@@ -59,6 +59,8 @@ static const char usage[] =
     "  --no-special            do not turn special-token texts in the prompt into their ids\n"
     "  --no-echo               do not print the prompt\n"
     "  --dump-logits OUT.npy   write float32 logits of every prompt position\n"
+    "  --record-heat OUT.json  count the router's picks per layer and expert (with --inproc)\n"
+    "                          and write them as a heat file for --heat\n"
     "  --devices LIST          one worker per entry, e.g. cpu,cpu or cuda:0,cuda:1\n"
     "                          (default: cpu); GPUs are numbered in PCI bus order\n"
     "  --gpus LIST             same as --devices cuda:LIST, e.g. --gpus 0,1\n"
@@ -86,7 +88,7 @@ static const char usage[] =
     "lamina inspect FILE\n"
     "lamina bench -m FILE [-p 512] [-n 128] [-r 5] [--threads N] [--json] [--no-membw]\n"
     "             [--inproc [--backend cuda:N] | --devices LIST ...: the worker options of run]\n"
-    "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N]\n"
+    "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N] [--record-heat OUT.json]\n"
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
     "                 [--threads N] -o FILE\n"
@@ -456,6 +458,8 @@ static int run_parse_one(struct cli *c, const char *a, struct run_opts *o)
         return g->echo_prompt = false, 0;
     if (!strcmp(a, "--dump-logits"))
         return cli_value(c, &g->dump_logits);
+    if (!strcmp(a, "--record-heat"))
+        return cli_value(c, &g->record_heat);
     bool hit;
     int rc = run_parse_sampler(c, a, &g->sampler, &hit);
     if (!hit)
@@ -665,6 +669,8 @@ static int cmd_perplexity(struct cli *c)
             rc = cli_int(c, 1, 1 << 30, &x) ? -EINVAL : (pc.max_chunks = (uint32_t)x, 0);
         else if (!strcmp(a, "-t") || !strcmp(a, "--threads"))
             rc = cli_int(c, 1, 1024, &pc.n_threads);
+        else if (!strcmp(a, "--record-heat"))
+            rc = cli_value(c, &pc.record_heat);
         else
             rc = cli_fail(c, "unknown option %s", a);
     }

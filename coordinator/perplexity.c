@@ -82,7 +82,7 @@ static int ppl_setup(struct ppl_job *j, const struct perplexity_config *cfg)
         return -EIO;
     struct engine_config ec = {.model_path = cfg->model_path, .n_threads = cfg->n_threads,
                                .n_ctx = cfg->n_ctx, .n_batch = cfg->n_ctx, .kv_f16 = false,
-                               .cluster = cfg->cluster};
+                               .cluster = cfg->cluster, .record_heat = cfg->record_heat};
     j->eng = engine_create(&ec);
     j->m = j->eng ? engine_model(j->eng) : NULL;
     struct tokenizer_config tc = {.gguf = j->eng ? engine_gguf(j->eng) : NULL};
@@ -126,6 +126,7 @@ int perplexity_run(const struct perplexity_config *cfg, struct perplexity_result
         out->n_chunks = n_chunks;
         out->n_scored = count;
         out->seconds = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+        rc = engine_save_heat(j.eng);
     }
     free(j.logits);
     free(j.ids);

@@ -23,6 +23,7 @@ struct perplexity_config {
     int n_threads;           /* <= 0: physical cores */
     bool print_chunks;       /* print the running estimate per chunk (stdout) */
     struct cluster_config *cluster; /* workers, or NULL: in-process */
+    const char *record_heat; /* write the routing counts as a heat file here, or NULL */
 };
 
 struct perplexity_result {
