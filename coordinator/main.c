@@ -95,7 +95,7 @@ static const char usage[] =
     "lamina plan -m FILE --device-mem SIZE[,..] [--devices LIST] [--heat FILE] [--place SPEC]\n"
     "            [--layers auto|LIST] [-c N] [--kv-type f16|f32] [-b N] [--margin PCT]\n"
     "            [--device-bw GB/s[,..]] [--path-bw GB/s[,..]] [--host-bw GB/s]\n"
-    "            [--dense-miss] [--explain] [--each-expert]\n"
+    "            [--dense-miss] [--explain] [--each-expert] [--probe auto|off|FIGURES]\n"
     "  --place auto|off|LIST   e.g. lmhead=0,dnproj=0:0-19+1:20-39,experts=all (pieces: lmhead,\n"
     "                          attn, dnproj, proj, shexp, experts; targets: all, none, auto,\n"
     "                          DEV or DEV:N-M joined by +; see coordinator/planner.h)\n"
@@ -742,7 +742,7 @@ static int cmd_plan(struct cli *c)
 {
     struct planner_config pc = {.kv_f16 = true};
     const char *model = NULL, *devices = "cpu", *mems = NULL, *bws = NULL, *paths = NULL;
-    const char *heat = NULL, *kv = "f16";
+    const char *heat = NULL, *kv = "f16", *probe = NULL;
     bool explain = false, each = false;
     float f;
     int rc = 0, x;
@@ -777,6 +777,8 @@ static int cmd_plan(struct cli *c)
                                          : (pc.margin_frac = f > 0 ? f / 100.0 : -1.0, 0);
         else if (!strcmp(a, "--dense-miss"))
             pc.dense_miss_ratio = true;
+        else if (!strcmp(a, "--probe"))
+            rc = cli_value(c, &probe);
         else if (!strcmp(a, "--explain"))
             explain = true;
         else if (!strcmp(a, "--each-expert"))
@@ -799,9 +801,11 @@ static int cmd_plan(struct cli *c)
     struct planner_plan *p = NULL;
     rc = rc ? rc : m ? 0 : -EINVAL;
     rc = rc || !heat ? rc : planner_heat_load(heat, &h);
-    if (!rc && pc.host_bw == 0)
-        pc.host_bw = planner_probe_host_bandwidth(0);
     pc.model = m;
+    if (!rc && probe) /* the devices' own speeds (cards of this host), figures, or "off" */
+        rc = planner_probe_devices(&pc, probe, 0, true);
+    else if (!rc && pc.host_bw == 0)
+        pc.host_bw = planner_probe_host_bandwidth(0);
     pc.heat = h;
     rc = rc ? rc : planner_build(&pc, &p);
     if (!rc && explain)
