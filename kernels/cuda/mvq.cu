@@ -81,7 +81,8 @@ template <int TYPE>
 __device__ __forceinline__ void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[9],
                                            uint32_t *shift)
 {
-    const uintptr_t at = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(b) * Blk<TYPE>::BYTES;
+    const uintptr_t at =
+        reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(b) * Blk<TYPE>::BYTES;
     const uint32_t *p = reinterpret_cast<const uint32_t *>(at & ~static_cast<uintptr_t>(3));
     *shift = static_cast<uint32_t>(at & 3) * 8;
 #pragma unroll
@@ -244,20 +245,29 @@ __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
     }
 }
 
+/* Two blocks per SM of the current device: the blocks a launch should have
+ * (looked up once; 264, an H200's, if the query fails). */
+uint32_t want_blocks()
+{
+    static int sms = 0;
+    if (!sms) {
+        int dev = 0, n = 0;
+        sms = cudaGetDevice(&dev) == cudaSuccess &&
+                      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) ==
+                          cudaSuccess && n > 0
+                  ? n
+                  : 132;
+    }
+    return 2u * static_cast<uint32_t>(sms);
+}
+
 template <int TYPE, int G, int U, int R>
 int go(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
 {
     const uint32_t rows_per_block = (kThreads / G) * R;
     const uint32_t tiles = (a.n_rows + rows_per_block - 1) / rows_per_block;
     /* one product: at most two blocks per SM, each looping over tiles */
-    static int sms = 0;
-    if (!sms) {
-        int dev = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-            sms = 132;
-    }
-    const uint32_t cap = jobs == 1 ? 2u * static_cast<uint32_t>(sms) : tiles;
+    const uint32_t cap = jobs == 1 ? want_blocks() : tiles;
     const dim3 grid(tiles < cap ? tiles : cap, jobs);
     const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
     mvq_kernel<TYPE, G, U, R><<<grid, kThreads, smem, stream>>>(a);
@@ -272,7 +282,7 @@ int go(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
 /* Lanes per row from the blocks per row; blocks per lane per pass U (all
  * of a row's blocks in one pass up to 8 per lane) and rows per group R
  * with U * R = 8 loads in flight per lane, fewer rows where the launch
- * would not give each SM of an H200 (132) two blocks. */
+ * would not give each SM of the device two blocks. */
 template <int TYPE>
 int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
 {
@@ -281,17 +291,19 @@ int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     const int u = per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 8;
     const uint64_t groups = static_cast<uint64_t>(a.n_rows) * jobs;
     const auto blocks = [&](int r) { return groups / ((kThreads / g) * r); };
+    const uint64_t want = want_blocks();
     int r = 8 / u;
     if (jobs > 1) {
-        while (r > 1 && blocks(r) < 264)
+        while (r > 1 && blocks(r) < want)
             r /= 2;
     } else { /* blocks loop over tiles: the largest tiles that still share out evenly */
         int best = r;
         double best_eff = 0.0;
         for (int rr = r; rr >= 1; rr /= 2) {
             const double t = static_cast<double>(blocks(rr) ? blocks(rr) : 1);
-            const double waves = t < 264 ? 1.0 : static_cast<double>((blocks(rr) + 263) / 264);
-            const double eff = t < 264 ? 1.0 : t / (waves * 264.0);
+            const double waves =
+                t < want ? 1.0 : static_cast<double>((blocks(rr) + want - 1) / want);
+            const double eff = t < want ? 1.0 : t / (waves * want);
             if (eff > best_eff + 0.1) {
                 best = rr;
                 best_eff = eff;

@@ -105,8 +105,8 @@ extern "C" int cuda_sgemm_nt(const float *d_w, size_t row_bytes, uint64_t n_rows
         log_error("cuda_sgemm_nt: %u activation rows exceed the grid", S);
         return -EINVAL;
     }
-    const bool vec = ((reinterpret_cast<uintptr_t>(d_w) | reinterpret_cast<uintptr_t>(d_X)) & 15) == 0 &&
-                     row_bytes % 16 == 0 && ldx % 4 == 0;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(d_w) | reinterpret_cast<uintptr_t>(d_X);
+    const bool vec = (addr & 15) == 0 && row_bytes % 16 == 0 && ldx % 4 == 0;
     sgemm_nt_kernel<<<grid, kThreads, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
                                                    (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
     const cudaError_t e = cudaGetLastError();
