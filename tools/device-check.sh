@@ -122,15 +122,31 @@ bench() {
 
 # Placement benchmark (issue 5): tools/bench-place.sh at the budgets in
 # PLACE_BUDGETS (default 8G), llama-bench --n-cpu-moe where a binary is there.
+# PLACE_ZIPF=S: a model whose routing is skewed (gen-model --heat zipf:S, in
+# place of the uniform one: the disk holds one 42 GB file), its heat recorded
+# by `lamina run --inproc --record-heat` over PLACE_HEAT_TOKENS generated
+# tokens (default 128) and given to every plan (auto can only beat off when
+# experts differ in value). PLACE_SHAPE (default 80b-a3b) and BIN (default
+# .devbin) let the flow run elsewhere (e.g. DEVICE=cpu on a small shape).
 place() {
-    local m=.models/q3n-80b-q4_0.gguf
+    local shape=${PLACE_SHAPE:-80b-a3b} bin=${BIN:-.devbin} m heat=""
+    m=.models/q3n-${shape}-q4_0${PLACE_ZIPF:+-zipf$PLACE_ZIPF}.gguf
     mkdir -p .models
-    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
-        --seed 1 --threads 14 -o $m 2>&1 | tail -2
-    .devbin/lamina-worker --probe cuda:0 | tee -a "$OUT/machine.txt"
-    OUT=$OUT/place BUDGETS="${PLACE_BUDGETS:-8G}" \
+    if [ ! -f "$m" ]; then
+        [ -n "${PLACE_ZIPF:-}" ] && rm -f .models/q3n-"${shape}"-q4_0.gguf
+        "$bin"/lamina gen-model --arch qwen3next --shape "$shape" --type q4_0 --seed 1 \
+            ${PLACE_ZIPF:+--heat zipf:$PLACE_ZIPF} --threads "$(nproc)" -o "$m" 2>&1 | tail -2
+    fi
+    if [ -n "${PLACE_ZIPF:-}" ]; then
+        heat=$OUT/heat-zipf$PLACE_ZIPF.json
+        "$bin"/lamina run -m "$m" -p "The quick brown fox" -n "${PLACE_HEAT_TOKENS:-128}" \
+            --ignore-eos --inproc --record-heat "$heat" >/dev/null 2>"$OUT/heat.log" ||
+            { echo "place: recording the heat failed"; tail -3 "$OUT/heat.log"; return 1; }
+    fi
+    [ "${DEVICE:-cuda:0}" = cpu ] || "$bin"/lamina-worker --probe cuda:0 | tee -a "$OUT/machine.txt"
+    OUT=$OUT/place BUDGETS="${PLACE_BUDGETS:-8G}" HEAT=$heat \
         LLAMA_BENCH=$([ -x .peerbuild/bin/llama-bench ] && echo "$ROOT/.peerbuild/bin/llama-bench") \
-        tools/bench-place.sh $m .devbin
+        tools/bench-place.sh "$m" "$bin"
 }
 
 profile() {
