@@ -101,14 +101,25 @@ cuda: $(CU_OBJS)
 
 # The README's first command: a small synthetic qwen3next model, then text from a
 # coordinator and two CPU workers (half the experts on the coordinator's CPU pool).
-DEMO_MODEL := models/demo-qwen3next-tiny-q8_0.gguf
-$(DEMO_MODEL): | $(BUILD)/lamina
+# With the project's shared fixtures next to the clone, the small trained
+# qwen3next model (Python source) writes a continuation that reads as code;
+# else a synthetic model with random weights (random text) stands in.
+TRAINED_MODEL := ../shared/fixtures/small-model/qwen3next-small-q8_0.gguf
+SYNTH_MODEL := models/demo-qwen3next-tiny-q8_0.gguf
+$(SYNTH_MODEL): | $(BUILD)/lamina
 	@mkdir -p models
 	$(BUILD)/lamina gen-model --arch qwen3next --shape tiny --type q8_0 --heat zipf:1.0 --seed 7 -o $@
 
-demo: all $(DEMO_MODEL)
-	$(BUILD)/lamina run -m $(DEMO_MODEL) -p "The quick brown fox" -n 48 --seed 1 \
+ifneq ($(wildcard $(TRAINED_MODEL)),)
+demo: all
+	$(BUILD)/lamina run -m $(TRAINED_MODEL) \
+		-p "$$(printf 'import os\ndef list_files(directory):\n    """')" \
+		-n 48 --greedy --devices cpu,cpu --resident 50%
+else
+demo: all $(SYNTH_MODEL)
+	$(BUILD)/lamina run -m $(SYNTH_MODEL) -p "The quick brown fox" -n 48 --seed 1 \
 		--devices cpu,cpu --resident 50%
+endif
 
 test: all
 	@BUILD=$(BUILD) sh tests/run.sh $(TESTS)
