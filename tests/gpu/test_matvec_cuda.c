@@ -35,39 +35,11 @@
 #include "kernels/cuda/ops.h"
 #include "model/quant.h"
 #include "tests/check.h"
+#include "tests/gpu/gpu_check.h"
 
 #define TOL 1e-5      /* allowed error against the exact dot, relative to sum |w_i x_i| */
 #define TWIN_TOL 1e-2 /* against the CPU twin, which may round activations to int8 */
 #define POISON 0xFFFFFFFFu /* NaN bits written over outputs before each run */
-
-/* A failed CUDA call ends the test: nothing after it can be trusted. */
-#define CU(expr)                                                                                   \
-    do {                                                                                           \
-        cudaError_t cu_err_ = (expr);                                                              \
-        if (cu_err_ != cudaSuccess) {                                                              \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,                   \
-                    cudaGetErrorString(cu_err_));                                                  \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-
-struct rng {
-    uint64_t s;
-};
-
-static uint64_t rng_next(struct rng *r)
-{
-    r->s ^= r->s << 13;
-    r->s ^= r->s >> 7;
-    r->s ^= r->s << 17;
-    return r->s;
-}
-
-/* Uniform in [-1, 1). */
-static float rng_float(struct rng *r)
-{
-    return (float)((double)(rng_next(r) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-}
 
 static const uint32_t types[] = {QUANT_TYPE_F32,  QUANT_TYPE_F16,  QUANT_TYPE_BF16,
                                  QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_0, QUANT_TYPE_Q4_K,

@@ -34,34 +34,12 @@
 #include "kernels/cuda/ops.h"
 #include "model/sampler.h"
 #include "tests/check.h"
+#include "tests/gpu/gpu_check.h"
 
 #define BIG 151936
 #define EPS 1e-5      /* boundary tolerance, relative to the total weight */
 #define WINDOW 80     /* d_recent slots: the 64 of the window, then padding */
 #define POISON 0xFF   /* byte written over the token before each run: -1 */
-
-/* A failed CUDA call ends the test: nothing after it can be trusted. */
-#define CU(expr)                                                                                   \
-    do {                                                                                           \
-        cudaError_t cu_err_ = (expr);                                                              \
-        if (cu_err_ != cudaSuccess) {                                                              \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,                   \
-                    cudaGetErrorString(cu_err_));                                                  \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-
-struct rng {
-    uint64_t s;
-};
-
-static uint64_t rng_next(struct rng *r)
-{
-    r->s ^= r->s << 13;
-    r->s ^= r->s >> 7;
-    r->s ^= r->s << 17;
-    return r->s;
-}
 
 /* Uniform in [0, 1). */
 static double rng_unit(struct rng *r)
