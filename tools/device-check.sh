@@ -17,6 +17,7 @@
 #     profile  the same model with LAMINA_CUDA_PROFILE=1: kernels one by one,
 #              time per kernel kind (decode and prefill) in $OUT/profile.txt
 #     place    the placement benchmark (tools/bench-place.sh) at PLACE_BUDGETS
+#     cards    one card against two (tools/bench-cards.sh, issue 6; two GPUs)
 #     llama    run llama-bench -ngl 99 on the same file, from
 #              .peerbuild/bin/llama-bench: llama.cpp built by hand from its
 #              public source on that machine (nothing here builds it)
@@ -155,6 +156,18 @@ place() {
         tools/bench-place.sh "$m" "$bin"
 }
 
+# Issue 6's runs (tools/bench-cards.sh): one card against two on the 80b-a3b q4_0 model at
+# CARDS_RUNS (default: all of bench-cards.sh's runs); the table, the per-worker summaries and the
+# timing dumps (dumps.tar.gz) come back in $OUT.
+cards() {
+    local m=.models/q3n-80b-q4_0.gguf
+    mkdir -p .models
+    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
+        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    OUT=/tmp/cards RUNS="${CARDS_RUNS:-}" tools/bench-cards.sh $m .devbin
+    cp /tmp/cards/cards.md /tmp/cards/summaries.md /tmp/cards/dumps.tar.gz "$OUT"/
+}
+
 profile() {
     local m=.models/q3n-80b-q4_0.gguf
     LAMINA_CUDA_PROFILE=1 LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 16 -r 1 \
@@ -179,13 +192,14 @@ run)
         bench) bench ;;
         profile) profile ;;
         place) place ;;
+        cards) cards ;;
         llama) llama_bench ;;
         *) echo "device-check: unknown step $step" ;;
         esac
     done
     ;;
 *)
-    echo "usage: tools/device-check.sh stage | run [tests] [bench] [profile] [place] [llama]" >&2
+    echo "usage: tools/device-check.sh stage | run [tests] [bench] [profile] [place] [cards] [llama]" >&2
     exit 2
     ;;
 esac

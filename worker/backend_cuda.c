@@ -1109,10 +1109,10 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     for (uint32_t l = c->l0; l < c->l1; l++) {
         const struct cb_layer *L = &c->layers[l - c->l0];
         /* the first layer normalises h; the others got c->xa from the
-         * previous layer's combine */
+         * previous layer's combine, the same bits (cuda_rmsnorm_wide) */
         int rc = l > c->l0 ? 0
-                           : CB_K(c, "norm", cuda_rmsnorm(c->xa, n, c->h, n, L->attn_norm, n, S,
-                                                          hp->eps, c->stream));
+                           : CB_K(c, "norm", cuda_rmsnorm_wide(c->xa, c->h, L->attn_norm, n, S,
+                                                               hp->eps, c->stream));
         if (!rc)
             rc = L->ly->recurrent ? cb_deltanet(c, L, S) : cb_attention(c, L, S, pos0);
         rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm, n,

@@ -12,18 +12,15 @@
  *   out = sum_{i<k, ascending} w[s*k + i] * Y[(s*k + i)*n + j]
  *       + sigmoid(shexp_gate . f[s]) * so[s*n + j]      (when so; gate 1 without shexp_gate)
  *   h[s*n + j] += out
- * Grid (column blocks of 1024, S), 256 threads each owning 4 columns
- * 256 apart. Products and sums are rounded separately (__fmul_rn /
- * __fadd_rn, no FMA) in the CPU's order, so without the shared-expert gate
- * the result is bit-identical to the CPU's; the gate's dot product is a
- * fixed block tree (each column block recomputes it identically), so it
- * differs from the CPU's serial sum by a few ulp.
+ * One block per token, cuda_norm_wide_threads(n) threads striding over the
+ * columns. Products and sums are rounded separately (__fmul_rn / __fadd_rn,
+ * no FMA) in the CPU's order, so without the shared-expert gate the result
+ * is bit-identical to the CPU's; the gate's dot product is a fixed block
+ * tree, so it differs from the CPU's serial sum by a few ulp.
  */
 #include "kernels/cuda/ops.h"
 
 #include "kernels/cuda/ops_device.cuh"
-
-enum { COMBINE_THREADS = 256, COMBINE_COLS = 4 };
 
 static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t rows, float *act)
 {
@@ -36,41 +33,17 @@ static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t row
     }
 }
 
-static __global__ void moe_combine_kernel(float *h, const float *Y, const float *w, uint32_t k,
-                                          const float *so, const float *gate, const float *f,
-                                          uint32_t n)
-{
-    __shared__ float s_tmp[32];
-    const size_t s = blockIdx.y;
-    float gs = 1.0f;
-    if (so && gate) {
-        float d = 0.0f;
-        for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
-            d += gate[j] * f[s * n + j];
-        d = ops_block_sum(d, s_tmp);
-        gs = 1.0f / (1.0f + expf(-d));
-    }
-#pragma unroll
-    for (int c = 0; c < COMBINE_COLS; c++) {
-        const uint32_t j = blockIdx.x * COMBINE_THREADS * COMBINE_COLS + c * COMBINE_THREADS +
-                           threadIdx.x;
-        if (j >= n)
-            break;
-        float out = 0.0f;
-        for (uint32_t i = 0; i < k; i++)
-            out = __fadd_rn(out, __fmul_rn(w[s * k + i], Y[(s * k + i) * n + j]));
-        if (so)
-            out = __fadd_rn(out, __fmul_rn(gs, so[s * n + j]));
-        h[s * n + j] = __fadd_rn(h[s * n + j], out);
-    }
-}
-
-/* moe_combine for row blockIdx.x followed by the next layer's RMSNorm of h
- * into y. Each element's arithmetic is moe_combine_kernel's (h bit for bit;
- * the up to 16 expert rows of a column loaded before they are summed in
- * order); the norm's f32 sum of squares runs over this kernel's wider block
- * (2 columns a thread), a few ulp from cuda_rmsnorm's. f is read (shared-
- * expert gate) before any y is written: y may be f. */
+/* moe_combine for row blockIdx.x, and with NORM the next layer's RMSNorm of
+ * h into y. The two launchers run this one kernel with the same block width
+ * (combine_threads), so h is the same bit for bit with and without the
+ * norm, and so is the shared-expert gate's dot product: a layer range that
+ * ends at layer l (no next norm here) hands on exactly the h that one range
+ * over l and l + 1 computes. The up to 16 expert rows of a column are loaded
+ * before they are summed in order. The norm's f32 sum of squares is the
+ * same loop as cuda_rmsnorm_wide's (norm.cu), so a range's first layer
+ * normalises h as the previous layer's combine would have. f is read
+ * (shared-expert gate) before any y is written: y may be f. */
+template <bool NORM>
 static __global__ void __launch_bounds__(1024)
     moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
                             const float *gate, const float *f, uint32_t n, const float *nw,
@@ -109,6 +82,8 @@ static __global__ void __launch_bounds__(1024)
         hr[j] = v;
         sum += v * v;
     }
+    if (!NORM)
+        return;
     sum = ops_block_sum(sum, s_tmp);
     const float scale = 1.0f / sqrtf(sum / (float)n + eps);
     for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
@@ -137,7 +112,7 @@ extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, 
                                 uint32_t n, uint32_t S, cudaStream_t stream)
 {
     if (!d_h || (k && (!d_Y || !d_w)) || n == 0 || (d_so && d_shexp_gate && !d_f) ||
-        S > 65535) {
+        S > INT32_MAX) {
         log_error("cuda_moe_combine: bad arguments (h %p, Y %p, w %p, k %u, so %p, gate %p, "
                   "f %p, n %u, S %u)",
                   (void *)d_h, (const void *)d_Y, (const void *)d_w, k, (const void *)d_so,
@@ -146,10 +121,8 @@ extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, 
     }
     if (S == 0)
         return 0;
-    const unsigned int per_block = COMBINE_THREADS * COMBINE_COLS;
-    const dim3 grid((n + per_block - 1) / per_block, S);
-    moe_combine_kernel<<<grid, COMBINE_THREADS, 0, stream>>>(d_h, d_Y, d_w, k, d_so,
-                                                             d_shexp_gate, d_f, n);
+    moe_combine_norm_kernel<false><<<S, cuda_norm_wide_threads(n), 0, stream>>>(
+        d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, nullptr, 0.0f, nullptr);
     return OPS_LAUNCH_CHECK("cuda_moe_combine");
 }
 
@@ -169,10 +142,7 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
     }
     if (S == 0)
         return 0;
-    /* two columns a thread, 32..1024 threads */
-    unsigned int t = (n / 2 + 31) / 32 * 32;
-    t = t < 32 ? 32 : t > 1024 ? 1024 : t;
-    moe_combine_norm_kernel<<<S, t, 0, stream>>>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
+    moe_combine_norm_kernel<true><<<S, cuda_norm_wide_threads(n), 0, stream>>>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
                                                  d_norm_w, eps, d_y);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_norm");
 }

@@ -86,6 +86,23 @@ extern "C" int cuda_rmsnorm(float *d_y, size_t y_stride, const float *d_x, size_
     return OPS_LAUNCH_CHECK("cuda_rmsnorm");
 }
 
+extern "C" unsigned int cuda_norm_wide_threads(uint32_t n)
+{
+    unsigned int t = (n / 2 + 31) / 32 * 32;
+    return t < 32 ? 32 : t > 1024 ? 1024 : t;
+}
+
+extern "C" int cuda_rmsnorm_wide(float *d_y, const float *d_x, const float *d_w, uint32_t n,
+                                 uint32_t rows, float eps, cudaStream_t stream)
+{
+    int rc = norm_check("cuda_rmsnorm_wide", d_y, d_x, n, rows);
+    if (rc || rows == 0)
+        return rc;
+    norm_rows_kernel<false><<<rows, cuda_norm_wide_threads(n), 0, stream>>>(
+        d_y, n, (float *)d_x, n, nullptr, d_w, n, eps);
+    return OPS_LAUNCH_CHECK("cuda_rmsnorm_wide");
+}
+
 extern "C" int cuda_add_rmsnorm(float *d_h, const float *d_delta, float *d_y, const float *d_w,
                                 uint32_t n, uint32_t rows, float eps, cudaStream_t stream)
 {

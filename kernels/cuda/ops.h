@@ -23,6 +23,18 @@ extern "C" {
 int cuda_rmsnorm(float *d_y, size_t y_stride, const float *d_x, size_t x_stride,
                  const float *d_w, uint32_t n, uint32_t rows, float eps, cudaStream_t stream);
 
+/* cuda_rmsnorm over contiguous rows, launched as cuda_moe_combine_norm's norm
+ * (cuda_norm_wide_threads(n) threads, the same loop): the same bits as the
+ * norm that a layer's combine computes for the next layer. The first layer of
+ * a range normalises its input with it, so that cutting the layers into ranges
+ * never changes a bit. */
+int cuda_rmsnorm_wide(float *d_y, const float *d_x, const float *d_w, uint32_t n, uint32_t rows,
+                      float eps, cudaStream_t stream);
+
+/* Block width of the row kernels of combine.cu and cuda_rmsnorm_wide: two
+ * columns a thread, 32..1024 threads. */
+unsigned int cuda_norm_wide_threads(uint32_t n);
+
 /* Fused residual + norm: h[r] += delta[r]; y[r] = rmsnorm(h[r]) * w (rows of n,
  * contiguous). delta may be NULL (norm only). */
 int cuda_add_rmsnorm(float *d_h, const float *d_delta, float *d_y, const float *d_w, uint32_t n,
@@ -98,9 +110,8 @@ int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                      cudaStream_t stream);
 
 /* cuda_moe_combine (the same h, bit for bit), then y[s] = rmsnorm(h[s]) *
- * norm_w (norm_w may be NULL: no weight) as cuda_rmsnorm computes it but for
- * the order of the f32 sum of squares: the two launches in one. y may be f
- * (f is read first). */
+ * norm_w (norm_w may be NULL: no weight), bit for bit as cuda_rmsnorm_wide
+ * computes it: the two launches in one. y may be f (f is read first). */
 int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                           const float *d_so, const float *d_shexp_gate, const float *d_f,
                           uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
