@@ -1,5 +1,6 @@
 /*
- * bench: pp/tg throughput with median and spread (see bench.h).
+ * bench: pp/tg throughput with median and spread, one sequence or several in
+ * flight (see bench.h).
  */
 #include "coordinator/bench.h"
 
@@ -15,7 +16,10 @@
 #include "model/gguf.h"
 #include "coordinator/engine.h"
 #include "coordinator/planner.h"
+#include "kernels/cpu/threadpool.h"
 #include "model/quant.h"
+#include "model/sampler.h"
+#include "worker/forward.h"
 
 
 struct bench_job {
@@ -144,8 +148,290 @@ static void bench_print(struct bench_job *j, double pp_med, double pp_spr, doubl
     engine_print_summary(j->eng, stdout);
 }
 
+/* ---- --parallel: several sequences through the workers' pipeline ---- */
+
+/* One sequence of a parallel run. */
+struct bench_seq {
+    uint64_t rng;          /* its prompt ids: seed + its index */
+    uint32_t pos;          /* positions consumed */
+    uint32_t fed;          /* prompt ids sent so far */
+    uint32_t gen;          /* decode steps done */
+    int32_t *tokens;       /* t0 (from the prefill) .. t_n_gen */
+    float *logits;         /* n_vocab, when the coordinator samples */
+    uint64_t fnv;          /* FNV-1a of every logits byte that came back */
+    double t_done;         /* when its phase ended */
+};
+
+struct bench_par {
+    const struct bench_config *cfg;
+    struct gguf *g;
+    struct arch_model *m;
+    struct threadpool *pool;
+    struct forward *fw;    /* embeddings only (one layer's scratch) */
+    struct cluster *cl;
+    struct cluster_config cc;
+    struct sampler *smp;   /* greedy, for logits that come here */
+    struct cluster_sample cs;
+    bool logits_here;      /* --sample-on coordinator */
+    float *h;              /* max_batch rows */
+    int32_t *ids;          /* max_batch ids */
+    struct bench_seq *seq; /* parallel entries */
+};
+
+static void bench_par_destroy(struct bench_par *b)
+{
+    if (b->cl && b->cfg->on_cluster)
+        b->cfg->on_cluster(NULL);
+    cluster_destroy(b->cl);
+    for (uint32_t s = 0; b->seq && s < b->cfg->parallel; s++) {
+        free(b->seq[s].tokens);
+        free(b->seq[s].logits);
+    }
+    free(b->seq);
+    free(b->h);
+    free(b->ids);
+    sampler_destroy(b->smp);
+    forward_destroy(b->fw);
+    threadpool_destroy(b->pool);
+    arch_free(b->m);
+    gguf_close(b->g);
+}
+
+static int bench_par_setup(struct bench_par *b)
+{
+    const struct bench_config *cfg = b->cfg;
+    const uint32_t B = cfg->n_batch ? cfg->n_batch : 256, N = cfg->parallel;
+    struct gguf_config gc = {.path = cfg->model_path};
+    b->g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = b->g};
+    b->m = b->g ? arch_load(&ac) : NULL;
+    if (!b->m)
+        return -EINVAL;
+    gguf_prefault(b->g, true);
+    struct threadpool_config pc = {.n_threads = 1};
+    b->pool = threadpool_create(&pc);
+    const uint32_t ctx = cfg->n_prompt + cfg->n_gen + 1;
+    struct forward_config fc = {.model = b->m, .pool = b->pool, .layer_end = 1, .n_ctx = ctx,
+                                .kv_f16 = cfg->kv_f16, .max_batch = B};
+    b->fw = b->pool ? forward_create(&fc) : NULL;
+    struct sampler_config greedy = {0};
+    b->smp = sampler_create(&greedy);
+    b->h = malloc((size_t)B * b->m->hp.n_embd * sizeof(float));
+    b->ids = malloc((size_t)B * sizeof(int32_t));
+    b->seq = calloc(N, sizeof(*b->seq));
+    if (!b->fw || !b->smp || !b->h || !b->ids || !b->seq)
+        return -ENOMEM;
+    b->cc = *cfg->cluster;
+    b->logits_here = b->cc.coordinator_samples;
+    for (uint32_t s = 0; s < N; s++) {
+        b->seq[s].tokens = malloc(((size_t)cfg->n_gen + 1) * sizeof(int32_t));
+        b->seq[s].logits = b->logits_here ? malloc(b->m->hp.n_vocab * sizeof(float)) : NULL;
+        if (!b->seq[s].tokens || (b->logits_here && !b->seq[s].logits))
+            return -ENOMEM;
+    }
+    b->cs = (struct cluster_sample){.cfg = greedy};
+    b->cc.model_path = cfg->model_path;
+    b->cc.gguf = b->g;
+    b->cc.model = b->m;
+    b->cc.n_ctx = ctx;
+    b->cc.kv_f16 = cfg->kv_f16;
+    b->cc.max_batch = B;
+    b->cc.n_seq = N;
+    b->cl = cluster_create(&b->cc);
+    if (!b->cl)
+        return -EIO;
+    if (cfg->on_cluster)
+        cfg->on_cluster(b->cl);
+    return 0;
+}
+
+static uint32_t bench_seq_rand(struct bench_seq *q, uint32_t n)
+{
+    q->rng = q->rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)((q->rng >> 33) % n);
+}
+
+/* Sends sequence s's next step: the next chunk of its prompt, or its last token. */
+static int bench_par_submit(struct bench_par *b, uint32_t s)
+{
+    struct bench_seq *q = &b->seq[s];
+    const uint32_t nv = b->m->hp.n_vocab, B = b->cc.max_batch;
+    uint32_t n = 1;
+    if (q->fed < b->cfg->n_prompt) {
+        n = b->cfg->n_prompt - q->fed < B ? b->cfg->n_prompt - q->fed : B;
+        for (uint32_t i = 0; i < n; i++)
+            b->ids[i] = (int32_t)bench_seq_rand(q, nv);
+        q->fed += n;
+    } else {
+        b->ids[0] = q->tokens[q->gen];
+    }
+    int rc = forward_embed(b->fw, b->ids, n, b->h);
+    rc = rc ? rc : cluster_submit(b->cl, s, b->h, n, q->pos, false,
+                                  b->logits_here ? NULL : &b->cs, q->logits);
+    q->pos += n;
+    return rc;
+}
+
+/* The token a step of sequence s gave (sampled by the worker, or here from its logits). */
+static int bench_par_token(struct bench_par *b, uint32_t s, int32_t worker_token, int32_t *t)
+{
+    struct bench_seq *q = &b->seq[s];
+    if (!b->logits_here) {
+        *t = worker_token;
+        return 0;
+    }
+    const uint32_t nv = b->m->hp.n_vocab;
+    const uint8_t *p = (const uint8_t *)q->logits;
+    for (size_t i = 0; i < (size_t)nv * sizeof(float); i++)
+        q->fnv = (q->fnv ^ p[i]) * 1099511628211ull;
+    *t = sampler_sample_given(b->smp, q->logits, (int32_t)nv, 0.0, NULL, 0);
+    return *t < 0 ? *t : 0;
+}
+
+/* Runs every sequence's prefill (generate false) or its n_gen decode steps, all in flight;
+ * t_done of each when it ended. */
+static int bench_par_phase(struct bench_par *b, bool generate)
+{
+    const uint32_t N = b->cfg->parallel, np = b->cfg->n_prompt, ng = b->cfg->n_gen;
+    int rc = 0;
+    for (uint32_t s = 0; s < N && !rc; s++) {
+        if (!generate && np == 0) { /* no prompt: a random first token */
+            b->seq[s].tokens[0] = (int32_t)bench_seq_rand(&b->seq[s], b->m->hp.n_vocab);
+            b->seq[s].t_done = bench_now();
+        } else if (!generate || ng) {
+            rc = bench_par_submit(b, s);
+        }
+    }
+    while (!rc && cluster_in_flight(b->cl)) {
+        uint32_t s;
+        int32_t wt = -1, t;
+        rc = cluster_wait(b->cl, &s, &wt);
+        rc = rc ? rc : bench_par_token(b, s, wt, &t);
+        if (rc)
+            break;
+        struct bench_seq *q = &b->seq[s];
+        const bool more = generate ? ++q->gen < ng : q->fed < np;
+        if (generate || !more)
+            q->tokens[q->gen] = t; /* the last prefill chunk gives t0 */
+        if (more)
+            rc = bench_par_submit(b, s);
+        else
+            q->t_done = bench_now();
+    }
+    return rc;
+}
+
+static int bench_par_dump(struct bench_par *b)
+{
+    FILE *f = fopen(b->cfg->dump_tokens, "w");
+    if (!f) {
+        log_error("cannot write %s: %s", b->cfg->dump_tokens, strerror(errno));
+        return -EIO;
+    }
+    for (uint32_t s = 0; s < b->cfg->parallel; s++) {
+        fprintf(f, "seq %u:", s);
+        for (uint32_t i = 0; i <= b->cfg->n_gen; i++)
+            fprintf(f, " %d", b->seq[s].tokens[i]);
+        if (b->logits_here)
+            fprintf(f, " logits %016llx", (unsigned long long)b->seq[s].fnv);
+        fprintf(f, "\n");
+    }
+    return fclose(f) ? -EIO : 0;
+}
+
+/* One repetition: tok/s of prefill and generation, in total and per sequence (mean). */
+static int bench_par_rep(struct bench_par *b, double *pp, double *pp_seq, double *tg,
+                         double *tg_seq)
+{
+    const struct bench_config *cfg = b->cfg;
+    const uint32_t N = cfg->parallel;
+    for (uint32_t s = 0; s < N; s++)
+        b->seq[s] = (struct bench_seq){.rng = cfg->seed + s, .tokens = b->seq[s].tokens,
+                                       .logits = b->seq[s].logits,
+                                       .fnv = 14695981039346656037ull};
+    double t0 = bench_now();
+    int rc = bench_par_phase(b, false);
+    double t1 = bench_now(), ps = 0;
+    for (uint32_t s = 0; s < N; s++)
+        ps += cfg->n_prompt / (b->seq[s].t_done - t0 + 1e-9);
+    *pp = N * cfg->n_prompt / (t1 - t0);
+    *pp_seq = ps / N;
+    rc = rc ? rc : bench_par_phase(b, true);
+    double t2 = bench_now(), gs = 0;
+    for (uint32_t s = 0; s < N; s++)
+        gs += cfg->n_gen / (b->seq[s].t_done - t1 + 1e-9);
+    *tg = N * cfg->n_gen / (t2 - t1);
+    *tg_seq = gs / N;
+    return rc;
+}
+
+static void bench_par_print(struct bench_par *b, double st[4][2])
+{
+    const struct bench_config *cfg = b->cfg;
+    const struct arch_model *m = b->m;
+    const char *backend = cfg->cluster->backends[0];
+    const uint32_t N = cfg->parallel;
+    if (cfg->json) {
+        printf("{\"model\":\"%s\",\"arch\":\"%s\",\"backend\":\"%s\",\"workers\":%d,"
+               "\"parallel\":%u,\"pp\":%u,\"pp_tps\":%.3f,\"pp_spread\":%.3f,"
+               "\"pp_seq_tps\":%.3f,\"pp_seq_spread\":%.3f,\"tg\":%u,\"tg_tps\":%.3f,"
+               "\"tg_spread\":%.3f,\"tg_seq_tps\":%.3f,\"tg_seq_spread\":%.3f,\"reps\":%u}\n",
+               cfg->model_path, m->hp.arch_name, backend, cfg->cluster->n_workers, N,
+               cfg->n_prompt, st[0][0], st[0][1], st[1][0], st[1][1], cfg->n_gen, st[2][0],
+               st[2][1], st[3][0], st[3][1], cfg->reps);
+        return;
+    }
+    printf("| model | size | backend | workers | test | t/s |\n");
+    printf("| --- | ---: | --- | ---: | ---: | ---: |\n");
+    const double gib = gguf_file_size(b->g) / 1073741824.0;
+    const char *what[4] = {"pp", "pp", "tg", "tg"};
+    for (int k = 0; k < 4; k++) {
+        const uint32_t len = k < 2 ? cfg->n_prompt : cfg->n_gen;
+        if (len)
+            printf("| %s %u layers | %.2f GiB | %s | %d | %s%u x%u%s | %.2f +- %.2f |\n",
+                   m->hp.arch_name, m->hp.n_layer, gib, backend, cfg->cluster->n_workers,
+                   what[k], len, N, k % 2 ? " per seq" : "", st[k][0], st[k][1]);
+    }
+    printf("\n");
+    cluster_print_summary(b->cl, stdout);
+}
+
+static int bench_run_parallel(const struct bench_config *cfg)
+{
+    struct bench_par b = {.cfg = cfg};
+    int rc = cfg->cluster && cfg->parallel && cfg->parallel <= CLUSTER_SEQ_MAX ? 0 : -EINVAL;
+    if (rc)
+        log_error("--parallel %u needs workers and 1..%d sequences", cfg->parallel,
+                  CLUSTER_SEQ_MAX);
+    rc = rc ? rc : bench_par_setup(&b);
+    double *v[4];
+    for (int k = 0; k < 4; k++)
+        v[k] = calloc(cfg->reps + 1, sizeof(double));
+    for (int k = 0; k < 4 && !rc; k++)
+        rc = v[k] ? 0 : -ENOMEM;
+    double x[4];
+    if (!rc) /* warm-up: page in the weights, settle the caches */
+        rc = bench_par_rep(&b, &x[0], &x[1], &x[2], &x[3]);
+    for (uint32_t r = 0; r < cfg->reps && !rc; r++)
+        rc = bench_par_rep(&b, &v[0][r], &v[1][r], &v[2][r], &v[3][r]);
+    if (!rc && cfg->dump_tokens)
+        rc = bench_par_dump(&b);
+    if (!rc) {
+        double st[4][2];
+        for (int k = 0; k < 4; k++)
+            bench_stats(v[k], cfg->reps, &st[k][0], &st[k][1]);
+        bench_par_print(&b, st);
+    }
+    for (int k = 0; k < 4; k++)
+        free(v[k]);
+    bench_par_destroy(&b);
+    return rc;
+}
+
 int bench_run(const struct bench_config *cfg)
 {
+    if (cfg->parallel)
+        return bench_run_parallel(cfg);
     struct bench_job j = {.cfg = cfg};
     int rc = cfg->reps ? bench_setup(&j) : -EINVAL;
     double *pp = calloc(cfg->reps + 1, sizeof(double)), *tg = calloc(cfg->reps + 1, sizeof(double));

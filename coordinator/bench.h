@@ -6,6 +6,13 @@
  * put against its roofline. Random token ids are fed (as llama-bench does)
  * so that expert routing varies from token to token.
  *
+ * --parallel N (cluster only) runs N sequences at once through the workers' pipeline: each
+ * prefills n_prompt random ids (its own stream: seed + its index) and then generates n_gen
+ * tokens greedily, each fed back as the next input; every sequence keeps one step in flight,
+ * so worker 0 runs one sequence's step while worker 1 runs another's. It reports prefill and
+ * generation throughput in total and per sequence. Sequence s of a run with seed S sees the
+ * same ids, and so generates the same tokens, as sequence 0 of a run with seed S + s.
+ *
  * Called from the coordinator's main thread.
  */
 #ifndef COORDINATOR_BENCH_H
@@ -30,6 +37,12 @@ struct bench_config {
     struct cluster_config *cluster; /* workers (--devices), or NULL: in-process */
     const char *backend;            /* in-process worker backend ("cuda:0"), or NULL: CPU */
     void (*on_cluster)(struct cluster *c);
+    uint32_t parallel;     /* sequences in flight at once, 1..CLUSTER_SEQ_MAX (needs cluster);
+                              0: the one-sequence pp and tg tests */
+    const char *dump_tokens; /* --parallel: each sequence's generated tokens of the last rep,
+                                one line per sequence ("seq S: T0 T1 ..."), with an FNV-1a
+                                hash of its logits bytes when they came to this process
+                                (--sample-on coordinator); NULL: none */
 };
 
 /* Runs and prints the results to stdout. Returns 0 or a negative errno. */

@@ -85,6 +85,17 @@ struct cluster {
     FILE *timings;
     volatile sig_atomic_t interrupted;
     double pool_busy_prev;
+    struct cl_flight {                  /* per sequence slot: its step in flight */
+        bool busy;
+        uint64_t step;                  /* the step number it was sent as */
+        uint32_t n;                     /* rows */
+        uint32_t want_rows;             /* logits rows expected (0: a sampled token) */
+        float *logits;                  /* where they go: borrowed from cluster_submit */
+        int32_t token;                  /* the token, once it came */
+        double t_start;                 /* when it was sent */
+    } fl[CLUSTER_SEQ_MAX];
+    uint32_t n_seq;                     /* sequence slots of every worker */
+    uint32_t n_flight;                  /* sequences with a step in flight */
 };
 
 static double cl_now(void)
@@ -354,7 +365,7 @@ static int cl_plan(struct cluster *c)
     struct planner_config pc = {.model = m, .n_devices = c->n, .heat = heat,
                                 .place = c->cfg.place, .layers = c->cfg.layers,
                                 .n_ctx = c->cfg.n_ctx, .kv_f16 = c->cfg.kv_f16,
-                                .max_batch = c->cfg.max_batch};
+                                .max_batch = c->cfg.max_batch, .n_seq = c->n_seq};
     for (int i = 0; i < c->n; i++) {
         pc.devices[i] = (struct planner_device){
             .name = c->cfg.backends[i], .budget = c->cfg.device_mem[i],
@@ -673,12 +684,14 @@ static int cl_expert_request(struct cluster *c, int i, const struct wire_msg *m)
     const struct cluster_worker *w = &c->w[i];
     const struct arch_hparams *hp = &c->cfg.model->hp;
     uint64_t rows = m->tensor_bytes / (hp->n_embd * sizeof(float));
-    if (r->layer < w->l0 || r->layer >= w->l1 || r->n_embd != hp->n_embd ||
-        r->step != c->step) {
+    bool in_flight = false; /* any sequence's step: the request carries all it needs */
+    for (uint32_t s = 0; s < c->n_seq; s++)
+        in_flight |= c->fl[s].busy && c->fl[s].step == r->step;
+    if (r->layer < w->l0 || r->layer >= w->l1 || r->n_embd != hp->n_embd || !in_flight) {
         log_error("worker %d sent an expert request for layer %u, step %llu, width %u; "
-                  "expected its layers %u-%u, step %llu, width %u", i, r->layer,
-                  (unsigned long long)r->step, r->n_embd, w->l0, w->l1 - 1,
-                  (unsigned long long)c->step, hp->n_embd);
+                  "expected its layers %u-%u, a step in flight (%u, the last %llu), width %u",
+                  i, r->layer, (unsigned long long)r->step, r->n_embd, w->l0, w->l1 - 1,
+                  c->n_flight, (unsigned long long)c->step, hp->n_embd);
         return -EPROTO;
     }
     int rc = expert_pool_run(c->pool, r->layer, r->experts, r->counts, (uint32_t)r->n_experts,
@@ -696,9 +709,31 @@ static int cl_expert_request(struct cluster *c, int i, const struct wire_msg *m)
 /* What one received message means for the step in flight. */
 enum cl_event { CL_NONE, CL_RESULT, CL_FAIL };
 
+/* A result of the last worker for sequence *seq's step in flight: stored in its slot. */
+static enum cl_event cl_result(struct cluster *c, int i, const struct wire_msg *m,
+                               uint32_t *seq)
+{
+    const struct wire_result *r = &m->result;
+    struct cl_flight *f = r->seq_id < c->n_seq ? &c->fl[r->seq_id] : NULL;
+    /* a token for a sampling step (wire.c checked it is below n_vocab), else logits */
+    if (i != c->n - 1 || !f || !f->busy || r->step != f->step ||
+        r->n_vocab != c->cfg.model->hp.n_vocab ||
+        (!f->want_rows ? r->token < 0 || m->tensor : r->n_rows != f->want_rows || !m->tensor)) {
+        log_warn("dropping a result from worker %d for sequence %llu, step %llu, that matches "
+                 "no step in flight", i, (unsigned long long)r->seq_id,
+                 (unsigned long long)r->step);
+        return CL_NONE;
+    }
+    if (f->want_rows)
+        memcpy(f->logits, m->tensor, m->tensor_bytes);
+    else
+        f->token = r->token;
+    *seq = (uint32_t)r->seq_id;
+    return CL_RESULT;
+}
+
 static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
-                               struct wire_msg *m, float *logits, uint32_t want_rows,
-                               int32_t *token, int *rc)
+                               struct wire_msg *m, uint32_t *seq, int *rc)
 {
     bool wd = false;
     int i = cl_worker_of(c, id, id_len, &wd);
@@ -727,20 +762,7 @@ static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
         *rc = -EIO;
         return CL_FAIL;
     case WIRE_TYPE_RESULT:
-        /* a token for a sampling step (wire.c checked it is below n_vocab), else logits */
-        if (i != c->n - 1 || m->result.step != c->step ||
-            m->result.n_vocab != c->cfg.model->hp.n_vocab ||
-            (token ? m->result.token < 0 || m->tensor
-                   : m->result.n_rows != want_rows || !m->tensor)) {
-            log_warn("dropping a result from worker %d that does not match step %llu", i,
-                     (unsigned long long)c->step);
-            return CL_NONE;
-        }
-        if (token)
-            *token = m->result.token;
-        else
-            memcpy(logits, m->tensor, m->tensor_bytes);
-        return CL_RESULT;
+        return cl_result(c, i, m, seq);
     default:
         log_warn("dropping an unexpected %s message from worker %d", wire_msg_type_name(m->type),
                  i);
@@ -783,20 +805,22 @@ static int cl_check_alive(struct cluster *c)
     return c->interrupted ? -EINTR : 0;
 }
 
-/* The coordinator's timing line of a step: wall time, CPU pool busy time,
- * and the rest (waiting for workers). */
-static void cl_coordinator_timing(struct cluster *c, uint32_t n, double step_s)
+/* The coordinator's timing line of a step that came back: wall time from its send, CPU pool
+ * busy time since the previous result (with several steps in flight, for all of them), and
+ * the rest (waiting for workers). */
+static void cl_coordinator_timing(struct cluster *c, uint32_t seq, double now)
 {
+    const struct cl_flight *f = &c->fl[seq];
     const double busy = expert_pool_busy_s(c->pool);
-    const double pool_s = busy - c->pool_busy_prev;
+    const double pool_s = busy - c->pool_busy_prev, step_s = now - f->t_start;
     c->pool_busy_prev = busy;
     if (!c->timings)
         return;
     fprintf(c->timings,
-            "{\"coordinator\":true,\"step\":%llu,\"seq\":0,\"tokens\":%u,\"ms\":{\"step\":%.3f,"
+            "{\"coordinator\":true,\"step\":%llu,\"seq\":%u,\"tokens\":%u,\"ms\":{\"step\":%.3f,"
             "\"cpu_pool_busy\":%.3f,\"queue_wait\":%.3f}}\n",
-            (unsigned long long)c->step, n, 1e3 * step_s, 1e3 * pool_s,
-            1e3 * (step_s - pool_s));
+            (unsigned long long)f->step, seq, f->n, 1e3 * step_s, 1e3 * pool_s,
+            1e3 * (step_s > pool_s ? step_s - pool_s : 0.0));
 }
 
 /* A worker's connection vanished: wait briefly for its exit to name it. */
@@ -813,22 +837,28 @@ static int cl_wait_exit(struct cluster *c)
     return -ECONNRESET;
 }
 
-/* One step; with smp the last worker samples and *token receives its pick, else logits. */
-static int cl_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
-                   const struct cluster_sample *smp, float *logits, int32_t *token)
+/* Sends sequence seq's next step (cluster_submit). */
+static int cl_submit(struct cluster *c, uint32_t seq, const float *h, uint32_t n, uint32_t pos,
+                     bool all_logits, const struct cluster_sample *smp, float *logits)
 {
     const struct arch_hparams *hp = &c->cfg.model->hp;
     if (n == 0 || n > c->cfg.max_batch)
         return -EINVAL;
+    if (seq >= c->n_seq) {
+        log_error("sequence %u refused: the cluster has %u sequence slot%s (0-%u)", seq, c->n_seq,
+                  c->n_seq == 1 ? "" : "s", c->n_seq - 1);
+        return -EINVAL;
+    }
+    ASSERT(!c->fl[seq].busy); /* a sequence's next step needs its previous result */
     c->step++;
     const double now = cl_now();
     for (int i = 0; i < c->n; i++) /* silence between steps is not a failure */
         c->w[i].progress_time = c->w[i].last_heartbeat = now;
     struct wire_msg m = {.type = WIRE_TYPE_STEP};
-    m.step = (struct wire_step){.seq_id = 0, .pos = pos, .n_tokens = n, .step = c->step,
+    m.step = (struct wire_step){.seq_id = seq, .pos = pos, .n_tokens = n, .step = c->step,
                                 .all_logits = all_logits, .n_embd = hp->n_embd};
     if (smp) {
-        ASSERT(!all_logits && token && smp->n_window <= CLUSTER_WINDOW_MAX);
+        ASSERT(!all_logits && smp->n_window <= CLUSTER_WINDOW_MAX);
         const struct sampler_config *sc = &smp->cfg;
         m.step.sample = true;
         m.step.temperature = sc->temperature;
@@ -840,6 +870,8 @@ static int cl_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, 
         m.step.uniform = smp->uniform;
         m.step.window = smp->window;
         m.step.n_window = smp->n_window;
+    } else {
+        ASSERT(logits);
     }
     m.tensor = h;
     m.tensor_bytes = (size_t)n * hp->n_embd * sizeof(float);
@@ -849,10 +881,23 @@ static int cl_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, 
                   strerror(-rc));
         return rc;
     }
-    const uint32_t want = all_logits ? n : 1;
-    const double t_start = cl_now();
+    c->fl[seq] = (struct cl_flight){.busy = true, .step = c->step, .n = n,
+                                    .want_rows = smp ? 0 : all_logits ? n : 1,
+                                    .logits = logits, .token = -1, .t_start = cl_now()};
+    c->n_flight++;
+    return 0;
+}
+
+/* Serves the workers (expert requests, timings, heartbeats) until a step in flight comes
+ * back; *seq gets its sequence. */
+static int cl_wait(struct cluster *c, uint32_t *seq)
+{
+    if (!c->n_flight) {
+        log_error("no step in flight to wait for");
+        return -EINVAL;
+    }
     for (;;) {
-        rc = cl_check_alive(c);
+        int rc = cl_check_alive(c);
         if (rc)
             return rc;
         char id[WIRE_ID_MAX];
@@ -863,10 +908,12 @@ static int cl_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, 
             continue;
         if (rc)
             return rc;
-        enum cl_event ev = cl_handle(c, id, id_len, &r, logits, want, smp ? token : NULL, &rc);
+        enum cl_event ev = cl_handle(c, id, id_len, &r, seq, &rc);
         wire_msg_free(&r);
         if (ev == CL_RESULT) {
-            cl_coordinator_timing(c, n, cl_now() - t_start);
+            cl_coordinator_timing(c, *seq, cl_now());
+            c->fl[*seq].busy = false;
+            c->n_flight--;
             return 0;
         }
         if (ev == CL_FAIL && rc == -EHOSTUNREACH) /* its connection is gone: name how it ended */
@@ -874,6 +921,19 @@ static int cl_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, 
         if (ev == CL_FAIL)
             return rc;
     }
+}
+
+/* One step of sequence 0 with nothing else in flight: submit, then wait for it. */
+static int cl_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
+                   const struct cluster_sample *smp, float *logits, int32_t *token)
+{
+    ASSERT(c->n_flight == 0);
+    uint32_t seq;
+    int rc = cl_submit(c, 0, h, n, pos, all_logits, smp, logits);
+    rc = rc ? rc : cl_wait(c, &seq);
+    if (!rc && token)
+        *token = c->fl[0].token;
+    return rc;
 }
 
 int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bool all_logits,
@@ -885,7 +945,37 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
 int cluster_step_sample(struct cluster *c, const float *h, uint32_t n, uint32_t pos,
                         const struct cluster_sample *smp, int32_t *token)
 {
+    ASSERT(token);
     return cl_step(c, h, n, pos, false, smp, NULL, token);
+}
+
+int cluster_submit(struct cluster *c, uint32_t seq, const float *h, uint32_t n, uint32_t pos,
+                   bool all_logits, const struct cluster_sample *smp, float *logits)
+{
+    if (seq < c->n_seq && c->fl[seq].busy) {
+        log_error("sequence %u already has step %llu in flight", seq,
+                  (unsigned long long)c->fl[seq].step);
+        return -EBUSY;
+    }
+    return cl_submit(c, seq, h, n, pos, all_logits, smp, logits);
+}
+
+int cluster_wait(struct cluster *c, uint32_t *seq, int32_t *token)
+{
+    int rc = cl_wait(c, seq);
+    if (!rc && token)
+        *token = c->fl[*seq].token;
+    return rc;
+}
+
+uint32_t cluster_in_flight(const struct cluster *c)
+{
+    return c->n_flight;
+}
+
+uint32_t cluster_n_seq(const struct cluster *c)
+{
+    return c->n_seq;
 }
 
 int cluster_reset(struct cluster *c)
@@ -976,7 +1066,8 @@ static int cl_send_plan(struct cluster *c, int i)
         .n_layers_total = m->hp.n_layer, .residency = res, .n_residency = nl,
         .backend = c->cfg.backends[i] ? c->cfg.backends[i] : "cpu",
         .device_mem_budget = c->cfg.device_mem[i], .n_ctx = c->cfg.n_ctx,
-        .kv_f16 = c->cfg.kv_f16, .max_batch = c->cfg.max_batch, .n_threads = (uint32_t)threads,
+        .kv_f16 = c->cfg.kv_f16, .max_batch = c->cfg.max_batch, .n_seq = c->n_seq,
+        .n_threads = (uint32_t)threads,
         .next_endpoint = i + 1 < c->n ? c->data_ep[i + 1] : "",
         .listen_endpoint = i > 0 ? c->data_ep[i] : "", .is_last = i == c->n - 1,
         .n_embd = m->hp.n_embd, .n_vocab = m->hp.n_vocab, .lmhead = w->lmhead};
@@ -1055,8 +1146,10 @@ static int cl_start(struct cluster *c)
 
 struct cluster *cluster_create(const struct cluster_config *cfg)
 {
-    if (cfg->n_workers < 1 || cfg->n_workers > CLUSTER_MAX_WORKERS || cfg->max_batch == 0) {
-        log_error("bad cluster config: %d workers, batch %u", cfg->n_workers, cfg->max_batch);
+    if (cfg->n_workers < 1 || cfg->n_workers > CLUSTER_MAX_WORKERS || cfg->max_batch == 0 ||
+        cfg->n_seq > CLUSTER_SEQ_MAX) {
+        log_error("bad cluster config: %d workers, batch %u, %u sequences (at most %d)",
+                  cfg->n_workers, cfg->max_batch, cfg->n_seq, CLUSTER_SEQ_MAX);
         return NULL;
     }
     struct cluster *c = calloc(1, sizeof(*c));
@@ -1066,6 +1159,7 @@ struct cluster *cluster_create(const struct cluster_config *cfg)
     if (c->cfg.hang_timeout_s <= 0)
         c->cfg.hang_timeout_s = 30;
     c->n = cfg->n_workers;
+    c->n_seq = cfg->n_seq ? cfg->n_seq : 1;
     for (int i = 0; i < c->n; i++)
         c->w[i].index = i;
     if (cl_start(c)) {

@@ -6,9 +6,9 @@
  * parent-death signal) or waits for workers started elsewhere, splits the
  * layers between them, tells each its plan, and then runs steps: hidden
  * states to worker 0, expert requests answered from the CPU pool, logits back
- * from the last worker (or only the token it sampled, cluster_step_sample). It notices a worker that dies (its exit) or stops
- * answering (no heartbeat for 2 s, or no progress for hang_timeout), fails
- * the step with an error naming it, and on destroy shuts every worker down,
+ * from the last worker (or only the token it sampled, cluster_step_sample). It
+ * notices a worker that dies (its exit) or stops answering (no heartbeat for
+ * 2 s, or no progress for hang_timeout), fails the step with an error naming it, and on destroy shuts every worker down,
  * kills what is left, unlinks the segment and removes the runtime directory.
  *
  * Hand-off of hidden states between consecutive workers (cfg.handoff): "zmq" sends them in
@@ -17,7 +17,20 @@
  * starts), ZeroMQ elsewhere, and is refused when there is no such pair or NCCL does not load;
  * "auto" is "nccl" where it can be and "zmq" otherwise, saying so in the log. The coordinator
  * makes one NCCL unique id per pair and sends it in both workers' plans (ipc/nccl.h); the
- * pair's bootstrap then runs on a thread of this process until both have joined.
+ * pair's bootstrap then runs on a thread of this process until both have joined. NCCL sends
+ * and receives of a pair match in the order they are posted, not by sequence: with several
+ * steps in flight this stays correct only because every worker runs its steps FIFO in the
+ * order the previous one handed them on (one ordered ZeroMQ stream per pair), so the n-th
+ * send of worker i meets the n-th receive of worker i + 1. No worker may reorder steps.
+ *
+ * Several sequences (cfg.n_seq slots on every worker) can have a step in flight at once:
+ * cluster_submit sends sequence s's next step to worker 0 and returns; cluster_wait serves
+ * the workers (CPU-pool expert requests of any step in flight, timings, heartbeats) until one
+ * comes back and names its sequence. Each worker runs the steps it receives one at a time, in
+ * order, and hands each on as it finishes, so the workers form a pipeline: worker 0 runs
+ * sequence B's step while worker 1 runs sequence A's. One sequence has at most one step in
+ * flight (its next step needs the previous result). cluster_step and cluster_step_sample are
+ * one step of sequence 0 with nothing else in flight.
  *
  * Called from the coordinator's main thread only; it owns the ZeroMQ
  * context it creates.
@@ -36,6 +49,7 @@
 
 #define CLUSTER_MAX_WORKERS 64
 #define CLUSTER_WINDOW_MAX WIRE_WINDOW_MAX /* longest penalty window a step can carry, ids */
+#define CLUSTER_SEQ_MAX WIRE_SEQ_MAX       /* most sequences in flight at once */
 
 struct cluster_config {
     const char *model_path;        /* GGUF path the workers open */
@@ -65,6 +79,8 @@ struct cluster_config {
     bool coordinator_samples;      /* --sample-on coordinator: never ask the last worker to
                                       sample (engine.h); default false: it samples when the
                                       coordinator needs no logits */
+    uint32_t n_seq;                /* sequence slots (KV cache and DeltaNet state each, charged
+                                      to every worker's budget), 0..CLUSTER_SEQ_MAX; 0 means 1 */
 };
 
 /* What the last worker needs to sample a step's last row as the coordinator's sampler would
@@ -101,7 +117,27 @@ int cluster_step(struct cluster *c, const float *h, uint32_t n, uint32_t pos, bo
 int cluster_step_sample(struct cluster *c, const float *h, uint32_t n, uint32_t pos,
                         const struct cluster_sample *smp, int32_t *token);
 
-/* Starts sequence 0 over on every worker. */
+/* Sends step n rows of hidden states h (positions pos..pos+n-1 of sequence seq) to worker
+ * 0 and returns without waiting; h and smp's window are borrowed for the call only. With smp
+ * the last worker samples the last row (as cluster_step_sample) and cluster_wait gives the
+ * token; else the logits of the last row (all n rows with all_logits) are written into
+ * logits, borrowed until cluster_wait names seq. Position 0 starts the slot over. Returns 0,
+ * -EINVAL (logged) for seq >= n_seq or n outside 1..max_batch, -EBUSY (logged) when seq has
+ * a step in flight, or a send failure. */
+int cluster_submit(struct cluster *c, uint32_t seq, const float *h, uint32_t n, uint32_t pos,
+                   bool all_logits, const struct cluster_sample *smp, float *logits);
+
+/* Waits for any step in flight to come back, serving the workers meanwhile; *seq gets its
+ * sequence and, for a sampling step, *token its token (token may be NULL otherwise). Errors
+ * as cluster_step, or -EINVAL (logged) when nothing is in flight. After an error the cluster
+ * is to be destroyed. */
+int cluster_wait(struct cluster *c, uint32_t *seq, int32_t *token);
+
+/* Steps in flight now; sequence slots of the cluster. */
+uint32_t cluster_in_flight(const struct cluster *c);
+uint32_t cluster_n_seq(const struct cluster *c);
+
+/* Starts every sequence over on every worker. */
 int cluster_reset(struct cluster *c);
 
 /* Prints the per-worker summary table of the steps so far. */

@@ -88,6 +88,12 @@ static const char usage[] =
     "lamina inspect FILE\n"
     "lamina bench -m FILE [-p 512] [-n 128] [-r 5] [--threads N] [--json] [--no-membw]\n"
     "             [--inproc [--backend cuda:N] | --devices LIST ...: the worker options of run]\n"
+    "             [--parallel N [--dump-tokens FILE]] [--seed N]\n"
+    "  --parallel N            N sequences (1..64) in flight through the workers at once: each\n"
+    "                          prefills -p random ids (its own: seed + its index), then\n"
+    "                          generates -n tokens greedily; total and per-sequence tok/s\n"
+    "  --dump-tokens FILE      with --parallel: each sequence's tokens of the last rep\n"
+    "  --seed N                seed of the random ids (default 1234)\n"
     "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N] [--record-heat OUT.json]\n"
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type f32|f16|q8_0|q4_0|q4_k [--heat zipf:S] [--seed N]\n"
@@ -698,6 +704,7 @@ static int cmd_bench(struct cli *c)
     struct run_opts o = {.cl = {.spawn = true}};
     bool hit;
     int rc = 0, x;
+    long long seed;
     while (c->i < c->argc && !rc) {
         const char *a = c->argv[c->i++];
         if (!strcmp(a, "-m") || !strcmp(a, "--model"))
@@ -718,11 +725,22 @@ static int cmd_bench(struct cli *c)
             bc.membw = false;
         else if (!strcmp(a, "--backend"))
             rc = cli_value(c, &bc.backend);
+        else if (!strcmp(a, "--parallel"))
+            rc = cli_int(c, 1, CLUSTER_SEQ_MAX, &x) ? -EINVAL : (bc.parallel = (uint32_t)x, 0);
+        else if (!strcmp(a, "--dump-tokens"))
+            rc = cli_value(c, &bc.dump_tokens);
+        else if (!strcmp(a, "--seed"))
+            rc = cli_long(c, 0, LLONG_MAX, &seed) ? -EINVAL : (bc.seed = (uint64_t)seed, 0);
         else if ((rc = run_parse_cluster(c, a, &o, &hit)) == 0 && !hit)
             rc = cli_fail(c, "unknown option %s", a);
     }
     if (!rc && bc.backend && !o.inproc)
         rc = cli_fail(c, "%s", "--backend runs every layer in this process: add --inproc");
+    if (!rc && bc.parallel && o.inproc)
+        rc = cli_fail(c, "%s", "--parallel runs several sequences through the workers' "
+                      "pipeline: it has no --inproc form (use --devices)");
+    if (!rc && bc.dump_tokens && !bc.parallel)
+        rc = cli_fail(c, "%s", "--dump-tokens writes the tokens of --parallel sequences");
     if (!rc && bc.backend && !main_device_ok(bc.backend))
         rc = cli_fail(c, "backend '%s' is not available in this build", bc.backend);
     if (!rc && !o.inproc) {

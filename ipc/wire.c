@@ -219,6 +219,9 @@ static bool wire_check_load_plan(const struct wire_load_plan *p, struct wire_ver
         return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan n_embd %u n_vocab %u n_ctx %u "
                          "max_batch %u: none may be 0", p->n_embd, p->n_vocab, p->n_ctx,
                          p->max_batch);
+    if (p->n_seq > WIRE_SEQ_MAX)
+        return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan n_seq %u: at most %d sequence slots",
+                         p->n_seq, WIRE_SEQ_MAX);
     if (p->is_last && p->next_endpoint && p->next_endpoint[0])
         return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan is_last with a next_endpoint");
     if (p->is_last && p->has_nccl_next)
@@ -407,6 +410,7 @@ static void wire_build_load_plan(Lamina__LoadPlan *q, const struct wire_load_pla
     q->n_ctx = p->n_ctx;
     q->kv_f16 = p->kv_f16;
     q->max_batch = p->max_batch;
+    q->n_seq = p->n_seq;
     q->n_threads = p->n_threads;
     q->next_endpoint = wire_pb_str(p->next_endpoint);
     q->listen_endpoint = wire_pb_str(p->listen_endpoint);
@@ -624,6 +628,7 @@ static void wire_fill_load_plan(struct wire_load_plan *p, const Lamina__LoadPlan
         .n_ctx = q->n_ctx,
         .kv_f16 = q->kv_f16,
         .max_batch = q->max_batch,
+        .n_seq = q->n_seq ? q->n_seq : 1,
         .n_threads = q->n_threads,
         .next_endpoint = wire_arena_str(a, q->next_endpoint),
         .listen_endpoint = wire_arena_str(a, q->listen_endpoint),

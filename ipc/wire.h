@@ -11,31 +11,30 @@
  *   tensor       tensor_bytes          only when tensor_bytes > 0: raw little-endian f32 rows
  *                                      whose shape the inner message gives
  *
- * wire_recv() checks the framing and everything a message says about itself, and rejects
- * (returns -EPROTO, counts in struct wire_stats, logs once per kind) a message with: a wrong
- * frame count; an envelope that is too large or does not unpack; a version other than
- * WIRE_VERSION; an unknown type; a tensor frame whose size is not the declared tensor_bytes; an
- * inner payload that does not unpack; a tensor size that does not equal the inner message's
- * shape (rows x width x 4, computed without overflow), or a tensor on a type that has none;
- * arrays of different lengths (experts vs counts), zero counts or widths, or more than
- * WIRE_EXPERTS_MAX experts; a LoadPlan whose layer range is empty or past n_layers_total, whose
- * residency is not by strictly increasing layer inside the range, or whose bitmaps exceed
- * WIRE_BITMAP_MAX; CURVE keys of a length other than 0 or WIRE_KEY_BYTES; NCCL unique ids of a
- * length other than 0 or WIRE_NCCL_ID_BYTES, or an nccl_next_id on the last worker; a Step
- * via_nccl that carries a tensor frame or has zero rows or width; a Step that asks to sample
- * together with all_logits, with a sampler value out of range (temperature, top_k, top_p,
- * min_p, repeat_penalty, presence_penalty as in model/sampler.h; uniform outside [0, 1)), a
- * window id below 0 or more than WIRE_WINDOW_MAX ids, or a window without sample; strings longer than
- * their limit; a Result with neither token nor logits or a token outside [-1, n_vocab); a
- * Timing line containing a newline.
+ * wire_recv() checks the framing and everything a message says about itself, and rejects (returns
+ * -EPROTO, counts in struct wire_stats, logs once per kind) a message with: a wrong frame count; an
+ * envelope that is too large or does not unpack; a version other than WIRE_VERSION; an unknown
+ * type; a tensor frame whose size is not the declared tensor_bytes; an inner payload that does not
+ * unpack; a tensor size that does not equal the inner message's shape (rows x width x 4, computed
+ * without overflow), or a tensor on a type that has none; arrays of different lengths (experts vs
+ * counts), zero counts or widths, or more than WIRE_EXPERTS_MAX experts; a LoadPlan whose layer
+ * range is empty or past n_layers_total, whose residency is not by strictly increasing layer inside
+ * the range, whose bitmaps exceed WIRE_BITMAP_MAX, or whose n_seq exceeds WIRE_SEQ_MAX; CURVE keys
+ * of a length other than 0 or WIRE_KEY_BYTES; NCCL unique ids of a length other than 0 or
+ * WIRE_NCCL_ID_BYTES, or an nccl_next_id on the last worker; a Step via_nccl that carries a tensor
+ * frame or has zero rows or width; a Step that asks to sample together with all_logits, with a
+ * sampler value out of range (temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty as
+ * in model/sampler.h; uniform outside [0, 1)), a window id below 0 or more than WIRE_WINDOW_MAX
+ * ids, or a window without sample; strings longer than their limit; a Result with neither token nor
+ * logits or a token outside [-1, n_vocab); a Timing line containing a newline.
  *
  * Left to the caller, which knows the model and the plan (check before use):
  *   - n_embd and n_vocab equal the model's; n_tokens <= max_batch; pos + n_tokens <= n_ctx;
  *   - layer inside the receiving worker's range; every expert id < n_experts; a residency
  *     bitmap of exactly ceil(n_experts / 8) bytes; an ExpertReply's n_rows equal to the
  *     request's sum(counts) and its step/layer those of a request in flight;
- *   - worker_index, seq_id and step known; seq_no ordering per peer; backend a known name;
- *     endpoints, shm name and model path acceptable; the float values themselves (NaN, inf).
+ *   - worker_index and step known; seq_id below the plan's n_seq; seq_no ordering per peer;
+ *     backend a known name; endpoints, shm name and model path acceptable; the float values themselves (NaN, inf).
  *
  * A dead peer: a closed process is seen at once on ipc and tcp, and one that stops answering
  * is dropped after heartbeat_timeout_ms (ZeroMQ heartbeats, ipc and tcp only). From then a
@@ -53,8 +52,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define WIRE_VERSION 3                      /* Envelope.version of this build (2: NCCL hand-off;
-                                               3: sampling on the last worker) */
+#define WIRE_VERSION 4                      /* Envelope.version of this build (2: NCCL hand-off;
+                                               3: sampling on the last worker; 4: sequence
+                                               slots, LoadPlan.n_seq) */
 #define WIRE_ENVELOPE_MAX (256u * 1024)     /* largest envelope frame accepted, bytes */
 #define WIRE_MSG_MAX_DEFAULT (1ll << 30)    /* default ZMQ_MAXMSGSIZE per frame, bytes */
 #define WIRE_ID_MAX 255                     /* largest ZeroMQ routing id, bytes */
@@ -69,6 +69,7 @@
 #define WIRE_NAME_MAX 32                    /* longest socket name in wire_endpoint_ipc */
 #define WIRE_NCCL_ID_BYTES 128              /* an NCCL unique id (NCCL_COMM_ID_BYTES), binary */
 #define WIRE_WINDOW_MAX 16384               /* most ids in a Step's penalty window */
+#define WIRE_SEQ_MAX 64                     /* most sequence slots a LoadPlan asks for */
 
 /* Envelope.type; values are those of MsgType in proto/lamina.proto. */
 enum wire_type {
@@ -150,6 +151,7 @@ struct wire_load_plan {
     uint8_t nccl_prev_id[WIRE_NCCL_ID_BYTES]; /* that pair's unique id */
     bool has_nccl_next; /* hidden states go to the next worker over NCCL (rank 0) */
     uint8_t nccl_next_id[WIRE_NCCL_ID_BYTES]; /* that pair's unique id */
+    uint32_t n_seq;     /* sequence slots, <= WIRE_SEQ_MAX; 0 means 1 (received: >= 1) */
 };
 
 struct wire_ready {

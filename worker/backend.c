@@ -65,6 +65,7 @@ struct backend *backend_create(const char *kind, const struct backend_config *cf
         return NULL;
     h->b.ops = ops;
     h->fail = backend_parse_fail(cfg->fail);
+    h->b.n_seq = cfg->n_seq ? cfg->n_seq : 1;
     if (ops->init(&h->b, cfg)) {
         free(h);
         return NULL;
@@ -80,9 +81,37 @@ void backend_destroy(struct backend *b)
     free(b);
 }
 
+int backend_use_seq(struct backend *b, uint32_t seq)
+{
+    if (seq >= b->n_seq) {
+        log_error("sequence %u refused: this backend has %u sequence slot%s (0-%u)", seq,
+                  b->n_seq, b->n_seq == 1 ? "" : "s", b->n_seq - 1);
+        return -EINVAL;
+    }
+    if (seq != b->seq)
+        b->ops->use_seq(b, seq);
+    b->seq = seq;
+    return 0;
+}
+
 void backend_reset(struct backend *b)
 {
+    const uint32_t cur = b->seq;
+    for (uint32_t s = 0; s < b->n_seq; s++) {
+        backend_use_seq(b, s);
+        b->ops->reset(b);
+    }
+    backend_use_seq(b, cur);
+}
+
+int backend_reset_seq(struct backend *b, uint32_t seq)
+{
+    const uint32_t cur = b->seq;
+    int rc = backend_use_seq(b, seq);
+    if (rc)
+        return rc;
     b->ops->reset(b);
+    return backend_use_seq(b, cur);
 }
 
 int backend_layers(struct backend *b, float *h, uint32_t n)

@@ -6,9 +6,11 @@
  *
  * A backend holds the trunk of its layers, the routed experts its plan made
  * resident (copied from the shared-memory expert stacks into its memory),
- * one sequence's KV cache and DeltaNet state, and its scratch. Experts it
- * does not hold go to the coordinator through cfg->remote. Calls come from
- * the worker's main thread.
+ * n_seq sequence slots (a KV cache and DeltaNet state each), and its
+ * scratch. Experts it does not hold go to the coordinator through
+ * cfg->remote. Calls come from the worker's main thread; layers() runs on the
+ * slot backend_use_seq chose last (slot 0 at first), so steps of several
+ * sequences interleave one whole step at a time.
  */
 #ifndef WORKER_BACKEND_H
 #define WORKER_BACKEND_H
@@ -40,6 +42,8 @@ struct backend_config {
     uint32_t n_ctx;                   /* KV positions */
     bool kv_f16;                      /* f16 KV cache */
     uint32_t max_batch;               /* tokens per pass */
+    uint32_t n_seq;                   /* sequence slots, each its own KV cache and DeltaNet
+                                         state, all charged to device_mem; 0 means 1 */
     /* Per model layer: bitmap of experts to hold (NULL entry: none; NULL: all). */
     const uint8_t *const *resident;
     /* Per model layer: n_expert references to the source of each expert's
@@ -67,7 +71,9 @@ struct backend_ops {
     const char *name;
     int (*init)(struct backend *b, const struct backend_config *cfg);
     void (*fini)(struct backend *b);
-    /* Starts the sequence over (position 0, zero state). */
+    /* Makes slot seq (< n_seq, checked by the caller) the one later calls run on. */
+    void (*use_seq)(struct backend *b, uint32_t seq);
+    /* Starts the current slot's sequence over (position 0, zero state). */
     void (*reset)(struct backend *b);
     /* Runs the layer range over n hidden rows in place; see forward_layers. */
     int (*layers)(struct backend *b, float *h, uint32_t n);
@@ -83,6 +89,8 @@ struct backend {
     uint64_t mem_used;                /* device bytes held */
     uint32_t resident_experts;        /* (layer, expert) pairs held */
     uint64_t calls;                   /* layers() calls so far */
+    uint32_t n_seq;                   /* sequence slots (cfg->n_seq, at least 1) */
+    uint32_t seq;                     /* the slot layers() runs on */
 };
 
 /* Makes a backend of kind "cpu" (or "cuda" when built). Returns an owned
@@ -91,8 +99,17 @@ struct backend {
 struct backend *backend_create(const char *kind, const struct backend_config *cfg);
 void backend_destroy(struct backend *b);
 
-/* Dispatch helpers; layers() applies failure injection first. */
+/* Makes slot seq the one later layers() calls run on (and extend). -EINVAL
+ * (logged, naming seq and n_seq) when seq >= n_seq. */
+int backend_use_seq(struct backend *b, uint32_t seq);
+
+/* Starts every slot's sequence over; the current slot stays chosen. */
 void backend_reset(struct backend *b);
+
+/* Starts slot seq's sequence over; -EINVAL (logged) when seq >= n_seq. */
+int backend_reset_seq(struct backend *b, uint32_t seq);
+
+/* Dispatch helpers; layers() applies failure injection first. */
 int backend_layers(struct backend *b, float *h, uint32_t n);
 int backend_logits(struct backend *b, const float *h, uint32_t n, float *out);
 const struct forward_stats *backend_stats(const struct backend *b);

@@ -3,7 +3,7 @@
  *
  * "Device memory" is a budget this backend enforces: the trunk tensors of its
  * layers, the copies of its resident experts, the KV cache and DeltaNet state
- * and the scratch are charged to it at init, and a plan that does not fit is
+ * of every sequence slot and the scratch are charged to it at init, and a plan that does not fit is
  * refused with each part's size. Resident experts are copied out of the
  * shared-memory stacks into one buffer, as a GPU backend would upload them.
  */
@@ -20,7 +20,9 @@
 struct backend_cpu {
     struct threadpool *pool;
     struct forward *fw;
-    struct forward_seq *seq;
+    struct forward_seq **seqs;       /* n_seq slots, each one sequence's KV and state */
+    uint32_t n_seq;
+    struct forward_seq *seq;         /* the current slot, one of seqs */
     uint8_t *expert_mem;             /* copies of the resident experts */
     struct expert_ref **refs;        /* per model layer: n_expert refs (NULL outside range) */
     uint32_t n_layer;                /* entries of refs */
@@ -112,7 +114,9 @@ static void cpu_fini(struct backend *b)
     struct backend_cpu *c = b->impl;
     if (!c)
         return;
-    forward_seq_destroy(c->seq);
+    for (uint32_t i = 0; c->seqs && i < c->n_seq; i++)
+        forward_seq_destroy(c->seqs[i]);
+    free(c->seqs);
     forward_destroy(c->fw);
     threadpool_destroy(c->pool);
     for (uint32_t l = 0; c->refs && l < c->n_layer; l++)
@@ -150,7 +154,9 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
         trunk += m->output.mat_bytes;
     const uint32_t n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096;
     const uint64_t scratch = planner_scratch_cpu(m, cfg->max_batch ? cfg->max_batch : 256);
-    if (cpu_check_budget(cfg, experts, trunk, cpu_state_bytes(cfg, n_ctx), scratch))
+    c->n_seq = b->n_seq;
+    const uint64_t state = cpu_state_bytes(cfg, n_ctx) * c->n_seq;
+    if (cpu_check_budget(cfg, experts, trunk, state, scratch))
         goto out_fail;
     if (cpu_copy_experts(b, c, cfg, experts))
         goto out_fail;
@@ -166,14 +172,24 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
     /* every expert not copied in goes to the remote pool */
     fc.resident = cfg->resident;
     c->fw = forward_create(&fc);
-    c->seq = c->fw ? forward_seq_create(c->fw) : NULL;
-    if (!c->seq)
+    c->seqs = c->fw ? calloc(c->n_seq, sizeof(*c->seqs)) : NULL;
+    if (!c->seqs)
         goto out_fail;
-    b->mem_used = experts + trunk + cpu_state_bytes(cfg, n_ctx) + scratch;
+    for (uint32_t i = 0; i < c->n_seq; i++)
+        if (!(c->seqs[i] = forward_seq_create(c->fw)))
+            goto out_fail;
+    c->seq = c->seqs[0];
+    b->mem_used = experts + trunk + state + scratch;
     return 0;
 out_fail:
     cpu_fini(b);
     return -ENOMEM;
+}
+
+static void cpu_use_seq(struct backend *b, uint32_t seq)
+{
+    struct backend_cpu *c = b->impl;
+    c->seq = c->seqs[seq];
 }
 
 static void cpu_reset(struct backend *b)
@@ -204,6 +220,7 @@ const struct backend_ops backend_cpu_ops = {
     .name = "cpu",
     .init = cpu_init,
     .fini = cpu_fini,
+    .use_seq = cpu_use_seq,
     .reset = cpu_reset,
     .layers = cpu_layers,
     .logits = cpu_logits,

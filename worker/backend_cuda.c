@@ -21,8 +21,9 @@
  *     cfg->expert_src, the shm segment, or the model file), and per layer a
  *     device table of n_expert pointers for gate (or gate_up), up and down,
  *     NULL where the expert is not resident;
- *   state: DeltaNet conv and delta states (zeroed by reset) and the KV cache
- *     (f16 when cfg->kv_f16);
+ *   state: per sequence slot (cfg->n_seq of them, back to back), the DeltaNet
+ *     conv and delta states (zeroed by reset) and the KV cache (f16 when
+ *     cfg->kv_f16); use_seq points the layers' state views at a slot;
  *   scratch: activations for max_batch tokens;
  *   output head: the output norm and lm head are uploaded on the first
  *     logits() call (only the last worker makes one), with logits scratch
@@ -44,6 +45,8 @@
  * before each replay), the attention decode is sized for the whole context
  * (cuda_attention_decode_at: its splits follow from the position on the
  * device, workspace preallocated), so nothing captured depends on the step.
+ * The graph bakes the state pointers in: each sequence slot has its own,
+ * captured at that slot's first decode step.
  * Kernels per token (logged once; 577 for a 48-layer Qwen3-Next): per
  * attention layer the q|k|v product (one launch where the three share a row
  * format, stacked in the trunk), the fused q/k norm + rope + KV store
@@ -154,7 +157,11 @@ struct backend_cuda {
     uint8_t *trunk, *state, *scratch, *tables;
     size_t trunk_off, trunk_size, state_size, scratch_size, tables_size;
     bool no_pad;                      /* cb_put leaves no gap after a piece (stacks) */
-    size_t dn_state_bytes;            /* the DeltaNet part at the start of state */
+    size_t dn_state_bytes;            /* the DeltaNet part at the start of a slot's state */
+    size_t slot_bytes;                /* one slot's state; state_size is n_seq of them */
+    uint32_t n_seq, seq;              /* sequence slots; the one the views point at */
+    uint32_t *slot_pos;               /* per slot: next position (pos is the current's) */
+    cudaGraphExec_t *slot_gexec;      /* per slot: its decode graph (gexec is the current's) */
     /* scratch views, B rows each */
     float *h, *xa, *mix, *q, *kx, *vx, *att, *qkv, *u, *z, *beta, *alpha, *y;
     float *rl, *w, *gu, *act, *Y, *sg, *sact, *so;
@@ -509,7 +516,8 @@ static void cb_plan_state(struct backend_cuda *c)
             kv += 2 * cb_align(cb_kv_bytes(c));
     }
     c->dn_state_bytes = dn;
-    c->state_size = dn + kv;
+    c->slot_bytes = dn + kv;
+    c->state_size = c->slot_bytes * c->n_seq;
 }
 
 /* Takes the next sub-buffer of `floats` 4-byte elements from the scratch. */
@@ -692,12 +700,12 @@ static int cb_upload_all_experts(struct backend_cuda *c)
     return rc;
 }
 
-/* State views: all DeltaNet states first (reset zeroes that prefix), then KV. */
-static int cb_alloc_state(struct backend_cuda *c)
+/* State views of slot seq: all its DeltaNet states first (reset zeroes that
+ * prefix), then its KV. */
+static void cb_point_slot(struct backend_cuda *c, uint32_t seq)
 {
-    if (cb_malloc(&c->state, c->state_size, "KV cache and DeltaNet state"))
-        return -ENOMEM;
-    size_t conv_bytes, dn = 0, kv = c->dn_state_bytes;
+    const size_t base = (size_t)seq * c->slot_bytes;
+    size_t conv_bytes, dn = base, kv = base + c->dn_state_bytes;
     for (uint32_t i = 0; i < c->l1 - c->l0; i++) {
         struct cb_layer *L = &c->layers[i];
         if (L->ly->recurrent) {
@@ -711,6 +719,17 @@ static int cb_alloc_state(struct backend_cuda *c)
             kv += 2 * cb_align(cb_kv_bytes(c));
         }
     }
+}
+
+static int cb_alloc_state(struct backend_cuda *c)
+{
+    if (cb_malloc(&c->state, c->state_size, "KV cache and DeltaNet state"))
+        return -ENOMEM;
+    c->slot_pos = calloc(c->n_seq, sizeof(*c->slot_pos));
+    c->slot_gexec = calloc(c->n_seq, sizeof(*c->slot_gexec));
+    if (!c->slot_pos || !c->slot_gexec)
+        return -ENOMEM;
+    cb_point_slot(c, 0);
     return c->state_size ? CUDA_CHECK(cudaMemset(c->state, 0, c->state_size)) : 0;
 }
 
@@ -1218,8 +1237,15 @@ static void cb_fini(struct backend *b)
     for (int i = 0; c->prof && i <= CB_PROF_MAX; i++)
         if (c->prof_ev[i])
             cudaEventDestroy(c->prof_ev[i]);
-    if (c->gexec)
+    if (c->slot_gexec)
+        c->slot_gexec[c->seq] = c->gexec;
+    for (uint32_t i = 0; c->slot_gexec && i < c->n_seq; i++)
+        if (c->slot_gexec[i])
+            cudaGraphExecDestroy(c->slot_gexec[i]);
+    if (!c->slot_gexec && c->gexec)
         cudaGraphExecDestroy(c->gexec);
+    free(c->slot_pos);
+    free(c->slot_gexec);
     for (uint32_t i = 0; c->layers && i < c->l1 - c->l0; i++) {
         cudaFree(c->layers[i].experts);
         free(c->layers[i].resident);
@@ -1345,6 +1371,7 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->l1 = cfg->layer_end;
     c->B = cfg->max_batch ? cfg->max_batch : 256;
     c->n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096;
+    c->n_seq = b->n_seq;
     const char *g = getenv("LAMINA_CUDA_GRAPHS"), *pr = getenv("LAMINA_CUDA_PROFILE");
     c->graphs = !(g && !strcmp(g, "0"));
     c->prof = pr && !strcmp(pr, "1");
@@ -1361,13 +1388,27 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     return 0;
 }
 
+/* The slot's position and decode graph come and go with it; the layers'
+ * state views point at its buffers. */
+static void cb_use_seq(struct backend *b, uint32_t seq)
+{
+    struct backend_cuda *c = b->impl;
+    c->slot_pos[c->seq] = c->pos;
+    c->slot_gexec[c->seq] = c->gexec;
+    c->seq = seq;
+    c->pos = c->slot_pos[seq];
+    c->gexec = c->slot_gexec[seq];
+    cb_point_slot(c, seq);
+}
+
 static void cb_reset(struct backend *b)
 {
     struct backend_cuda *c = b->impl;
     c->pos = 0;
     if (c->failed || !c->dn_state_bytes)
         return;
-    if (CUDA_CHECK(cudaMemsetAsync(c->state, 0, c->dn_state_bytes, c->stream)) ||
+    if (CUDA_CHECK(cudaMemsetAsync(c->state + (size_t)c->seq * c->slot_bytes, 0,
+                                   c->dn_state_bytes, c->stream)) ||
         CUDA_CHECK(cudaStreamSynchronize(c->stream)))
         c->failed = true;
 }
@@ -1469,6 +1510,7 @@ const struct backend_ops backend_cuda_ops = {
     .name = "cuda",
     .init = cb_init,
     .fini = cb_fini,
+    .use_seq = cb_use_seq,
     .reset = cb_reset,
     .layers = cb_layers,
     .logits = cb_logits,

@@ -27,6 +27,15 @@
  * aborts its communicators (SIGALRM ends it if the abort hangs) and exits non-zero, and the
  * coordinator, seeing the exit, ends the cluster.
  *
+ * Sequences: the plan gives n_seq slots (a KV cache and DeltaNet state each, in the backend);
+ * a Step's seq_id picks one, and steps of different sequences may follow each other in any
+ * order. Steps are run one at a time in the order they arrive (FIFO); a Step or Reset from
+ * the coordinator that arrives while a step waits for its expert replies is kept in a queue
+ * and run after it, so the coordinator can keep several sequences' steps in flight: worker 0
+ * runs sequence B's step while worker 1 runs sequence A's. Every worker receives a
+ * sequence's steps in the order the coordinator sent them, which also keeps the NCCL sends
+ * and receives of each pair matched one for one.
+ *
  * Threads: the main thread owns the coordinator, input and output sockets
  * and all compute; a watchdog thread owns a second coordinator socket and
  * sends a heartbeat every WORKER_HEARTBEAT_MS carrying the layer progress
@@ -66,6 +75,7 @@
 #define WORKER_NCCL_INIT_TIMEOUT_S 900.0 /* the NCCL peer joins once it has loaded (as READY) */
 #define WORKER_NCCL_STEP_TIMEOUT_S 300.0 /* an NCCL hand-off (with the layers before it) */
 #define WORKER_ABORT_DEADLINE_S 10       /* ncclCommAbort or teardown after it may hang: SIGALRM */
+#define WORKER_QUEUE_MAX (4 * WIRE_SEQ_MAX) /* coordinator messages held back during a step */
 
 _Static_assert(WIRE_NCCL_ID_BYTES == NCCL_COMM_ID_BYTES, "NCCL unique id size");
 
@@ -109,7 +119,11 @@ struct worker {
     /* state */
     uint64_t seq_no;
     uint64_t step;                 /* step being run */
-    uint32_t pos;                  /* next position of the sequence */
+    uint32_t n_seq;                /* sequence slots of the plan */
+    uint32_t *pos;                 /* per slot: next position of its sequence */
+    struct wire_msg *queue;        /* coordinator messages that came during a step, FIFO ring
+                                      of WORKER_QUEUE_MAX, owned until run */
+    uint32_t q_head, q_len;
     char device[32];               /* backend name for timing lines ("cpu", "cuda:0") */
     uint32_t pending_layer, pending_rows;
     double last_coord;             /* time of the last message from the coordinator */
@@ -201,6 +215,22 @@ static int worker_submit(void *ctx, uint32_t layer, const uint32_t *experts,
     return rc;
 }
 
+/* Keeps a coordinator message that came during a step (taking over *m, which is zeroed) for
+ * the main loop to run after it. -EPROTO (logged) when WORKER_QUEUE_MAX are waiting already:
+ * the coordinator keeps at most one step per sequence in flight. */
+static int worker_defer(struct worker *w, struct wire_msg *m)
+{
+    if (w->q_len == WORKER_QUEUE_MAX) {
+        log_error("%u messages from the coordinator wait behind step %llu: dropping a %s",
+                  w->q_len, (unsigned long long)w->step, wire_msg_type_name(m->type));
+        wire_msg_free(m);
+        return -EPROTO;
+    }
+    w->queue[(w->q_head + w->q_len++) % WORKER_QUEUE_MAX] = *m;
+    *m = (struct wire_msg){0};
+    return 0;
+}
+
 static int worker_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
 {
     struct worker *w = ctx;
@@ -219,6 +249,12 @@ static int worker_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
             memcpy(Y, m.tensor, m.tensor_bytes);
             wire_msg_free(&m);
             return 0;
+        }
+        if (m.type == WIRE_TYPE_STEP || m.type == WIRE_TYPE_RESET) {
+            rc = worker_defer(w, &m); /* the next sequence's step: after this one */
+            if (rc)
+                return rc;
+            continue;
         }
         enum wire_type t = m.type;
         wire_msg_free(&m);
@@ -425,6 +461,11 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
     w->n_ctx = p->n_ctx;
     w->max_batch = p->max_batch;
     w->is_last = p->is_last;
+    w->n_seq = p->n_seq ? p->n_seq : 1;
+    w->pos = calloc(w->n_seq, sizeof(*w->pos));
+    w->queue = calloc(WORKER_QUEUE_MAX, sizeof(*w->queue));
+    if (!w->pos || !w->queue)
+        return -ENOMEM;
     struct gguf_config gc = {.path = p->model_path};
     w->g = gguf_open(&gc);
     struct arch_config ac = {.gguf = w->g};
@@ -444,7 +485,7 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
     struct backend_config bc = {
         .model = w->m, .layer_begin = w->l0, .layer_end = w->l1,
         .device_mem = p->device_mem_budget, .n_threads = (int)p->n_threads, .n_ctx = p->n_ctx,
-        .kv_f16 = p->kv_f16, .max_batch = p->max_batch,
+        .kv_f16 = p->kv_f16, .max_batch = p->max_batch, .n_seq = p->n_seq,
         .resident = (const uint8_t *const *)w->resident,
         .trunk_on_device = w->trunk_on, .shexp_on_device = w->shexp_on, .lmhead = p->lmhead,
         .expert_src = (const struct expert_ref *const *)w->src,
@@ -591,6 +632,12 @@ static int worker_check_step(struct worker *w, const struct wire_msg *m)
                   st->pos, w->max_batch, w->m->hp.n_embd, w->n_ctx);
         return -EPROTO;
     }
+    if (st->seq_id >= w->n_seq) {
+        log_error("step %llu rejected: sequence %llu out of range, the plan has %u sequence "
+                  "slot%s (0-%u)", (unsigned long long)st->step, (unsigned long long)st->seq_id,
+                  w->n_seq, w->n_seq == 1 ? "" : "s", w->n_seq - 1);
+        return -EINVAL;
+    }
     return 0;
 }
 
@@ -671,13 +718,19 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
     if (rc)
         return rc;
     const struct wire_step *st = &m->step;
-    if (st->pos == 0 && w->pos != 0) { /* a new sequence starts */
-        backend_reset(w->be);
-        w->pos = 0;
+    const uint32_t seq = (uint32_t)st->seq_id;
+    rc = backend_use_seq(w->be, seq);
+    if (rc)
+        return rc;
+    if (st->pos == 0 && w->pos[seq] != 0) { /* a new sequence starts in this slot */
+        rc = backend_reset_seq(w->be, seq);
+        if (rc)
+            return rc;
+        w->pos[seq] = 0;
     }
-    if (st->pos != w->pos) {
-        log_error("step %llu starts at position %u, but the sequence is at %u",
-                  (unsigned long long)st->step, st->pos, w->pos);
+    if (st->pos != w->pos[seq]) {
+        log_error("step %llu starts sequence %u at position %u, but it is at %u",
+                  (unsigned long long)st->step, seq, st->pos, w->pos[seq]);
         return -EPROTO;
     }
     if (st->via_nccl != (w->nccl_prev != NULL)) {
@@ -698,7 +751,7 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
     w->cur = NULL;
     if (rc)
         return rc;
-    w->pos += st->n_tokens;
+    w->pos[seq] += st->n_tokens;
     double t1 = worker_now();
     struct wire_msg res = {0};
     rc = worker_finish_step(w, st, &res);
@@ -731,9 +784,9 @@ static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, 
         }
         return rc;
     }
-    case WIRE_TYPE_RESET:
+    case WIRE_TYPE_RESET: /* every slot */
         backend_reset(w->be);
-        w->pos = 0;
+        memset(w->pos, 0, w->n_seq * sizeof(*w->pos));
         return 0;
     case WIRE_TYPE_SHUTDOWN:
         return 1;
@@ -750,6 +803,16 @@ static int worker_loop(struct worker *w)
     w->last_coord = worker_now();
     double idle_since = worker_now();
     for (;;) {
+        while (w->q_len) { /* what came from the coordinator during the last step, in order */
+            struct wire_msg m = w->queue[w->q_head];
+            w->q_head = (w->q_head + 1) % WORKER_QUEUE_MAX;
+            w->q_len--;
+            int rc = worker_handle(w, &m, true, 0.0);
+            wire_msg_free(&m);
+            idle_since = worker_now();
+            if (rc)
+                return rc > 0 ? 0 : rc;
+        }
         zmq_pollitem_t items[2] = {{wire_socket_zmq(w->coord), 0, ZMQ_POLLIN, 0}};
         int n_items = 1;
         if (w->in)
@@ -817,6 +880,10 @@ static void worker_cleanup(struct worker *w)
     atomic_store(&w->stop, 1);
     if (w->watchdog_started)
         pthread_join(w->watchdog, NULL);
+    for (; w->queue && w->q_len; w->q_len--, w->q_head = (w->q_head + 1) % WORKER_QUEUE_MAX)
+        wire_msg_free(&w->queue[w->q_head]);
+    free(w->queue);
+    free(w->pos);
     wire_socket_destroy(w->in);
     wire_socket_destroy(w->out);
     wire_socket_destroy(w->coord);
