@@ -8,8 +8,9 @@
  * states to worker 0, expert requests answered from the CPU pool, logits back
  * from the last worker (or only the token it sampled, cluster_step_sample). It
  * notices a worker that dies (its exit) or stops answering (no heartbeat for
- * 2 s, or no progress for hang_timeout), fails the step with an error naming it, and on destroy shuts every worker down,
- * kills what is left, unlinks the segment and removes the runtime directory.
+ * 2 s, or no progress for hang_timeout), fails the step with an error naming
+ * it, and on destroy shuts every worker down, kills what is left, unlinks the
+ * segment and removes the runtime directory.
  *
  * Hand-off of hidden states between consecutive workers (cfg.handoff): "zmq" sends them in
  * the Step message; "nccl" hands them device to device over an NCCL pair for every two

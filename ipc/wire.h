@@ -34,7 +34,8 @@
  *     bitmap of exactly ceil(n_experts / 8) bytes; an ExpertReply's n_rows equal to the
  *     request's sum(counts) and its step/layer those of a request in flight;
  *   - worker_index and step known; seq_id below the plan's n_seq; seq_no ordering per peer;
- *     backend a known name; endpoints, shm name and model path acceptable; the float values themselves (NaN, inf).
+ *     backend a known name; endpoints, shm name and model path acceptable; the float values
+ *     themselves (NaN, inf).
  *
  * A dead peer: a closed process is seen at once on ipc and tcp, and one that stops answering
  * is dropped after heartbeat_timeout_ms (ZeroMQ heartbeats, ipc and tcp only). From then a
