@@ -22,11 +22,14 @@
 #include "kernels/cuda/ops.h"
 
 #include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 enum { COMBINE_THREADS = 256, COMBINE_COLS = 4 };
 
 static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t rows, float *act)
 {
+    pdl_wait();
+    pdl_trigger();
     const size_t total = (size_t)rows * F;
     const size_t step = (size_t)gridDim.x * blockDim.x;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += step) {
@@ -41,6 +44,8 @@ static __global__ void moe_combine_kernel(float *h, const float *Y, const float 
                                           uint32_t n)
 {
     __shared__ float s_tmp[32];
+    pdl_wait();
+    pdl_trigger();
     const size_t s = blockIdx.y;
     float gs = 1.0f;
     if (so && gate) {
@@ -77,6 +82,8 @@ static __global__ void __launch_bounds__(1024)
                             float eps, float *y)
 {
     __shared__ float s_tmp[32];
+    pdl_wait();
+    pdl_trigger();
     const size_t s = blockIdx.x;
     float gs = 1.0f;
     if (so && gate) {
@@ -128,7 +135,7 @@ extern "C" int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float
     const size_t total = (size_t)rows * F;
     if (total == 0)
         return 0;
-    silu_mul_kernel<<<ops_grid_for(total, 256), 256, 0, stream>>>(d_gu, F, rows, d_act);
+    pdl_launch(silu_mul_kernel, ops_grid_for(total, 256), 256, 0, stream, d_gu, F, rows, d_act);
     return OPS_LAUNCH_CHECK("cuda_silu_mul");
 }
 
@@ -148,8 +155,8 @@ extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, 
         return 0;
     const unsigned int per_block = COMBINE_THREADS * COMBINE_COLS;
     const dim3 grid((n + per_block - 1) / per_block, S);
-    moe_combine_kernel<<<grid, COMBINE_THREADS, 0, stream>>>(d_h, d_Y, d_w, k, d_so,
-                                                             d_shexp_gate, d_f, n);
+    pdl_launch(moe_combine_kernel, grid, COMBINE_THREADS, 0, stream, d_h, d_Y, d_w, k, d_so,
+               d_shexp_gate, d_f, n);
     return OPS_LAUNCH_CHECK("cuda_moe_combine");
 }
 
@@ -172,7 +179,7 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
     /* two columns a thread, 32..1024 threads */
     unsigned int t = (n / 2 + 31) / 32 * 32;
     t = t < 32 ? 32 : t > 1024 ? 1024 : t;
-    moe_combine_norm_kernel<<<S, t, 0, stream>>>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
-                                                 d_norm_w, eps, d_y);
+    pdl_launch(moe_combine_norm_kernel, S, t, 0, stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate,
+               d_f, n, d_norm_w, eps, d_y);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_norm");
 }

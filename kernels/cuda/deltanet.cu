@@ -79,6 +79,8 @@
 
 #include <mma.h>
 
+#include "kernels/cuda/pdl.cuh"
+
 extern "C" {
 #include "common/log.h"
 #include "kernels/cpu/deltanet.h"
@@ -130,6 +132,8 @@ __global__ void dn_conv_kernel(float *state, const float *w, uint32_t K, const f
                                float *u, uint32_t C, uint32_t S)
 {
     constexpr int W = DN_MAX_K - 1 + DN_CONV_TOK; /* window: tokens s0 - DN_MAX_K + 1 .. */
+    pdl_wait(); /* x and the state come from the kernels before */
+    pdl_trigger();
     const uint32_t ch = blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t s0 = (int64_t)blockIdx.y * DN_CONV_TOK;
     if (ch >= C)
@@ -245,6 +249,8 @@ __global__ void __launch_bounds__(512) dn_heads_kernel(const struct dn_heads_arg
     const uint32_t n_warps = blockDim.x / 32, warp = t / 32;
     const size_t vd = (size_t)p.nv * p.dv;
     float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
+    pdl_wait(); /* u, z, b, alpha and the state come from the kernels before */
+    pdl_trigger();
     struct dn_tok<DK> next;
     dn_fetch<DK>(p, 0, g, h, j, next);
     float4 st[NC];
@@ -738,7 +744,7 @@ extern "C" int cuda_deltanet_conv(float *d_state, const float *d_w, uint32_t K, 
     if (S == 0)
         return 0;
     const dim3 grid((C + DN_CONV_THREADS - 1) / DN_CONV_THREADS, tiles);
-    dn_conv_kernel<<<grid, DN_CONV_THREADS, 0, stream>>>(d_state, d_w, K, d_x, d_u, C, S);
+    pdl_launch(dn_conv_kernel, grid, DN_CONV_THREADS, 0, stream, d_state, d_w, K, d_x, d_u, C, S);
     return dn_check_launch("cuda_deltanet_conv");
 }
 
@@ -773,16 +779,16 @@ extern "C" int cuda_deltanet_heads(float *d_state, const float *d_u, const float
     const dim3 grid(nv), block(4 * dv);
     switch (dk) {
     case 16:
-        dn_heads_kernel<16><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<16>, grid, block, 0, stream, p);
         break;
     case 32:
-        dn_heads_kernel<32><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<32>, grid, block, 0, stream, p);
         break;
     case 64:
-        dn_heads_kernel<64><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<64>, grid, block, 0, stream, p);
         break;
     default:
-        dn_heads_kernel<128><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<128>, grid, block, 0, stream, p);
         break;
     }
     return dn_check_launch("cuda_deltanet_heads");
