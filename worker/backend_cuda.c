@@ -47,12 +47,14 @@
  * device, workspace preallocated), so nothing captured depends on the step.
  * The graph bakes the state pointers in: each sequence slot has its own,
  * captured at that slot's first decode step.
- * Kernels per token (logged once; 577 for a 48-layer Qwen3-Next): per
+ * Kernels per token (logged once; 541 for a 48-layer Qwen3-Next, 577 with
+ * LAMINA_CUDA_FUSE=0): per
  * attention layer the q|k|v product (one launch where the three share a row
  * format, stacked in the trunk), the fused q/k norm + rope + KV store
  * (cuda_attn_prep), attention and its split combine, the output product; per
- * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv,
- * heads, output; then add+norm, router, top-k, routed gate|up (one 2F-row
+ * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv and
+ * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two),
+ * output; then add+norm, router, top-k, routed gate|up (one 2F-row
  * product when gate and up share a row format: they sit back to back per
  * expert), routed down with the SiLU gate inside (int8 path), and the MoE
  * combine fused with the next layer's attention norm (only the first layer
@@ -173,6 +175,7 @@ struct backend_cuda {
     void *mmq_side;                   /* the int8 products' scratch of the side stream */
     size_t dn_work_bytes, mmq_work_bytes, mmq_side_bytes;
     bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
+    bool fuse;                        /* decode: fused conv + DeltaNet heads (LAMINA_CUDA_FUSE) */
     int32_t *ids;
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
@@ -898,6 +901,15 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
         rc = rc ? rc : cb_mm(c, "dn.beta", &L->beta, c->xa, n, S, beta, nv);
         rc = rc ? rc : cb_mm(c, "dn.alpha", &L->alpha, c->xa, n, S, alpha, nv);
     }
+    if (S == 1 && c->fuse) { /* conv and heads in one launch */
+        rc = rc ? rc : CB_K(c, "dn.conv_heads", cuda_deltanet_conv_heads(
+                                                    L->conv_st, L->conv, hp->ssm_conv, qkv,
+                                                    L->ssm_st, beta, alpha, L->ssm_a, L->dt_bias,
+                                                    z, L->ssm_norm, c->y, hp->ssm_nk, hp->ssm_nv,
+                                                    hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled,
+                                                    hp->eps, c->stream));
+        return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
+    }
     rc = rc ? rc : CB_K(c, "dn.conv", cuda_deltanet_conv(L->conv_st, L->conv, hp->ssm_conv, qkv,
                                                         c->u, (uint32_t)cd, S, c->stream));
     if (S > 1 && c->dn_work)
@@ -1377,6 +1389,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->prof = pr && !strcmp(pr, "1");
     const char *mq = getenv("LAMINA_CUDA_MMQ");
     c->mmq = !(mq && !strcmp(mq, "0"));
+    const char *fu = getenv("LAMINA_CUDA_FUSE");
+    c->fuse = !(fu && !strcmp(fu, "0"));
     c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
     int rc = c->layers ? cb_setup(b, c) : -ENOMEM;
     if (rc) {

@@ -61,6 +61,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 enum {
     ATTN_ROWS = 8,            /* query rows per warp, at most */
@@ -466,6 +467,8 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3
     extern __shared__ uint4 s_dyn[]; /* the rings, then the warps' accumulators */
     __shared__ float s_sw[NW][96];
     __shared__ float s_m[NW][NR], s_l[NW][NR];
+    pdl_wait(); /* q, the cache rows and the position come from the kernels before */
+    pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool own = (uint32_t)lane * DPL < a.hd;
     const uint32_t split = blockIdx.x, j = blockIdx.y / a.n_groups;
@@ -638,6 +641,8 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
     __shared__ float s_w[ATTN_MAX_SPLITS];
     __shared__ float s_tmp[32];
     __shared__ float4 s_part[64][4];
+    pdl_wait();
+    pdl_trigger();
     const uint32_t t = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head;
     uint32_t n_splits = a.n_splits;
     if (a.pos_ptr) {
@@ -715,8 +720,7 @@ static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
             return -EIO;
         }
     }
-    attn_decode_kernel<DPL, NR, F16>
-        <<<grid, ATTN_DECODE_WARPS * 32, smem, stream>>>(a);
+    pdl_launch(attn_decode_kernel<DPL, NR, F16>, grid, ATTN_DECODE_WARPS * 32, smem, stream, a);
     return 0;
 }
 
@@ -855,7 +859,7 @@ static int attn_decode(const struct attn_args &a, bool f16, cudaStream_t stream)
                  : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
     rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
     if (!rc && a.n_splits > 1) {
-        attn_combine_kernel<<<dim3(a.n_head, attn_div_up(a.hd, 16)), 256, 0, stream>>>(a);
+        pdl_launch(attn_combine_kernel, dim3(a.n_head, attn_div_up(a.hd, 16)), 256, 0, stream, a);
         rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
     }
     return rc;

@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 struct prep_args {
     float *q, *k;
@@ -36,6 +37,8 @@ static __global__ void __launch_bounds__(256) attn_prep_kernel(const struct prep
 {
     __shared__ float s_tmp[32];
     __shared__ float s_x[256];
+    pdl_wait(); /* q, k, v and the position come from the kernels before */
+    pdl_trigger();
     const uint32_t rows = a.nh + 2 * a.nkv;
     const uint32_t t = blockIdx.x / rows, r = blockIdx.x % rows, i = threadIdx.x;
     const uint32_t pos = (a.pos_ptr ? *a.pos_ptr : a.pos0) + t;
@@ -137,6 +140,6 @@ extern "C" int cuda_attn_prep(float *d_q, size_t q_tok_stride, size_t q_head_str
     a.vc = d_vcache;
     a.f16 = f16;
     const unsigned threads = (hd + 31) / 32 * 32;
-    attn_prep_kernel<<<S * (n_head + 2 * n_head_kv), threads, 0, stream>>>(a);
+    pdl_launch(attn_prep_kernel, S * (n_head + 2 * n_head_kv), threads, 0, stream, a);
     return OPS_LAUNCH_CHECK("cuda_attn_prep");
 }

@@ -21,9 +21,12 @@
 #include "kernels/cuda/ops.h"
 
 #include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t rows, float *act)
 {
+    pdl_wait();
+    pdl_trigger();
     const size_t total = (size_t)rows * F;
     const size_t step = (size_t)gridDim.x * blockDim.x;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += step) {
@@ -50,6 +53,8 @@ static __global__ void __launch_bounds__(1024)
                             float eps, float *y)
 {
     __shared__ float s_tmp[32];
+    pdl_wait();
+    pdl_trigger();
     const size_t s = blockIdx.x;
     float gs = 1.0f;
     if (so && gate) {
@@ -103,7 +108,7 @@ extern "C" int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float
     const size_t total = (size_t)rows * F;
     if (total == 0)
         return 0;
-    silu_mul_kernel<<<ops_grid_for(total, 256), 256, 0, stream>>>(d_gu, F, rows, d_act);
+    pdl_launch(silu_mul_kernel, ops_grid_for(total, 256), 256, 0, stream, d_gu, F, rows, d_act);
     return OPS_LAUNCH_CHECK("cuda_silu_mul");
 }
 
@@ -121,8 +126,8 @@ extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, 
     }
     if (S == 0)
         return 0;
-    moe_combine_norm_kernel<false><<<S, cuda_norm_wide_threads(n), 0, stream>>>(
-        d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, nullptr, 0.0f, nullptr);
+    pdl_launch(moe_combine_norm_kernel<false>, S, cuda_norm_wide_threads(n), 0, stream, d_h, d_Y,
+               d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr, 0.0f, (float *)nullptr);
     return OPS_LAUNCH_CHECK("cuda_moe_combine");
 }
 
@@ -142,7 +147,7 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
     }
     if (S == 0)
         return 0;
-    moe_combine_norm_kernel<true><<<S, cuda_norm_wide_threads(n), 0, stream>>>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
-                                                 d_norm_w, eps, d_y);
+    pdl_launch(moe_combine_norm_kernel<true>, S, cuda_norm_wide_threads(n), 0, stream, d_h, d_Y,
+               d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_norm");
 }

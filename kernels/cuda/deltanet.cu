@@ -39,6 +39,17 @@
  * Sums differ in order from the CPU (4 partial sums per row, tree
  * reductions, fused multiply-adds): results agree to rounding, not bitwise.
  *
+ * dn_conv_heads_kernel<DK> (decode, S = 1): dn_conv_kernel and
+ * dn_heads_kernel in one launch, the per-token body shared (dn_step). The
+ * threads compute the conv outputs they read: warps 0 and 1 the q and k
+ * channels of key head g, lane 4j of row j the v_j channel (shuffled to its
+ * row's other three lanes), with dn_conv_kernel's fused multiply-adds in its
+ * order, so every output and state equals the two launches' bit for bit.
+ * Block h rewrites the conv state of its v channels; the q and k channels
+ * of g are read by the nv / nk blocks of g, and the last of them to have
+ * read (an atomic counter per key head, dn_conv_readers, set back to 0 by
+ * that block) rewrites their state: no block reads a rewritten state.
+ *
  * Chunked prefill (cuda_deltanet_heads_chunked, S >= DN_CHUNK_MIN_S, dk = dv
  * in {64, 128}, sm_80 and later): the WY form of deltanet_chunk_head
  * (transformers' chunk_gated_delta_rule), chunks of DN_CH = 64 tokens, in
@@ -78,6 +89,8 @@
 #include <errno.h>
 
 #include <mma.h>
+
+#include "kernels/cuda/pdl.cuh"
 
 extern "C" {
 #include "common/log.h"
@@ -130,6 +143,8 @@ __global__ void dn_conv_kernel(float *state, const float *w, uint32_t K, const f
                                float *u, uint32_t C, uint32_t S)
 {
     constexpr int W = DN_MAX_K - 1 + DN_CONV_TOK; /* window: tokens s0 - DN_MAX_K + 1 .. */
+    pdl_wait(); /* x and the state come from the kernels before */
+    pdl_trigger();
     const uint32_t ch = blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t s0 = (int64_t)blockIdx.y * DN_CONV_TOK;
     if (ch >= C)
@@ -148,7 +163,7 @@ __global__ void dn_conv_kernel(float *state, const float *w, uint32_t K, const f
         float acc = 0.0f;
 #pragma unroll
         for (int d = DN_MAX_K - 1; d >= 0; d--)
-            acc += wr[d] * win[tt + DN_MAX_K - 1 - d];
+            acc = __fmaf_rn(wr[d], win[tt + DN_MAX_K - 1 - d], acc);
         if (s0 + tt < (int64_t)S)
             u[(size_t)(s0 + tt) * C + ch] = dn_silu(acc);
     }
@@ -233,6 +248,59 @@ __device__ __forceinline__ void dn_norm_qk(const struct dn_heads_args &p, uint32
     }
 }
 
+/* Token s of head h for the threads of dn_heads_kernel: the delta rule on
+ * the thread's state chunks st and its output y[s][h*dv + j] (the per-token
+ * body shared by the plain and the conv-fused kernels). */
+template <int DK>
+__device__ __forceinline__ void dn_step(const struct dn_heads_args &p, uint32_t h, uint32_t s,
+                                        const struct dn_tok<DK> &cur, float4 (&st)[DK / 16],
+                                        float4 *qs, float4 *ks, float *sc, float *red, float wj)
+{
+    constexpr int NC = DK / 16; /* float4 chunks of one row a thread owns */
+    const uint32_t t = threadIdx.x, j = t / 4, sub = t % 4;
+    const uint32_t n_warps = blockDim.x / 32, warp = t / 32;
+    const size_t vd = (size_t)p.nv * p.dv;
+    dn_norm_qk<DK>(p, h, cur, reinterpret_cast<float *>(qs), reinterpret_cast<float *>(ks), sc);
+    __syncthreads(); /* A */
+    const float beta = sc[0], decay = sc[1];
+    float mem = 0.0f;
+#pragma unroll
+    for (int m = 0; m < NC; m++) {
+        const float4 k4 = ks[sub + 4 * m];
+        st[m].x *= decay;
+        st[m].y *= decay;
+        st[m].z *= decay;
+        st[m].w *= decay;
+        mem += st[m].x * k4.x + st[m].y * k4.y + st[m].z * k4.z + st[m].w * k4.w;
+    }
+    mem += __shfl_xor_sync(0xffffffffu, mem, 1);
+    mem += __shfl_xor_sync(0xffffffffu, mem, 2);
+    const float d = (cur.v - mem) * beta;
+    float o = 0.0f;
+#pragma unroll
+    for (int m = 0; m < NC; m++) {
+        const float4 k4 = ks[sub + 4 * m], q4 = qs[sub + 4 * m];
+        st[m].x += k4.x * d;
+        st[m].y += k4.y * d;
+        st[m].z += k4.z * d;
+        st[m].w += k4.w * d;
+        o += st[m].x * q4.x + st[m].y * q4.y + st[m].z * q4.z + st[m].w * q4.w;
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    const float ss = dn_warp_sum(sub == 0 ? o * o : 0.0f);
+    if (t % 32 == 0)
+        red[warp] = ss;
+    __syncthreads(); /* B */
+    float total = 0.0f;
+    for (uint32_t w = 0; w < n_warps; w++)
+        total += red[w];
+    if (sub == 0) {
+        const float scale = 1.0f / sqrtf(total / (float)p.dv + p.eps);
+        p.y[(size_t)s * vd + (size_t)h * p.dv + j] = o * scale * wj * dn_silu(cur.z);
+    }
+}
+
 template <int DK>
 __global__ void __launch_bounds__(512) dn_heads_kernel(const struct dn_heads_args p)
 {
@@ -242,9 +310,9 @@ __global__ void __launch_bounds__(512) dn_heads_kernel(const struct dn_heads_arg
     __shared__ float red[16];
     const uint32_t h = blockIdx.x, t = threadIdx.x, j = t / 4, sub = t % 4;
     const uint32_t g = p.tiled ? h % p.nk : h / (p.nv / p.nk);
-    const uint32_t n_warps = blockDim.x / 32, warp = t / 32;
-    const size_t vd = (size_t)p.nv * p.dv;
     float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
+    pdl_wait(); /* u, z, b, alpha and the state come from the kernels before */
+    pdl_trigger();
     struct dn_tok<DK> next;
     dn_fetch<DK>(p, 0, g, h, j, next);
     float4 st[NC];
@@ -256,47 +324,133 @@ __global__ void __launch_bounds__(512) dn_heads_kernel(const struct dn_heads_arg
         const struct dn_tok<DK> cur = next;
         if (s + 1 < p.S)
             dn_fetch<DK>(p, s + 1, g, h, j, next);
-        dn_norm_qk<DK>(p, h, cur, reinterpret_cast<float *>(qs), reinterpret_cast<float *>(ks),
-                       sc);
-        __syncthreads(); /* A */
-        const float beta = sc[0], decay = sc[1];
-        float mem = 0.0f;
+        dn_step<DK>(p, h, s, cur, st, qs, ks, sc, red, wj);
+    }
 #pragma unroll
-        for (int m = 0; m < NC; m++) {
-            const float4 k4 = ks[sub + 4 * m];
-            st[m].x *= decay;
-            st[m].y *= decay;
-            st[m].z *= decay;
-            st[m].w *= decay;
-            mem += st[m].x * k4.x + st[m].y * k4.y + st[m].z * k4.z + st[m].w * k4.w;
-        }
-        mem += __shfl_xor_sync(0xffffffffu, mem, 1);
-        mem += __shfl_xor_sync(0xffffffffu, mem, 2);
-        const float d = (cur.v - mem) * beta;
-        float o = 0.0f;
+    for (int m = 0; m < NC; m++)
+        srow[sub + 4 * m] = st[m];
+}
+
+/* The conv part of dn_conv_heads_kernel, passed by value. */
+struct dn_conv_args {
+    float *state;                 /* C x (K-1), oldest first */
+    const float *w;               /* C x K */
+    const float *x;               /* one token's C inputs */
+    uint32_t K;
+};
+
+/* Key heads of the counters dn_conv_heads_kernel keeps (nk at most). */
+#define DN_MAX_NK 1024
+
+/* Per key head: blocks of the current dn_conv_heads_kernel launch that have
+ * read the head's q and k conv state; the last one rewrites that state and
+ * sets the counter back to 0, so it is 0 between launches. One launch at a
+ * time per device (the backend runs DeltaNet layers on one stream). */
+__device__ unsigned int dn_conv_readers[DN_MAX_NK];
+
+/* One token of channel ch: u = silu(sum_t w[t] in_t), in_t the K-1 state
+ * inputs then x[ch] (dn_conv_kernel's sum for S = 1: the same fused
+ * multiply-adds in the same order, its extra zero taps add exact zeros);
+ * nst: the new state, in_1 .. in_{K-1}. */
+__device__ __forceinline__ float dn_conv_token(const struct dn_conv_args &c, size_t ch,
+                                               float (&nst)[DN_MAX_K - 1])
+{
+    float in[DN_MAX_K];
 #pragma unroll
-        for (int m = 0; m < NC; m++) {
-            const float4 k4 = ks[sub + 4 * m], q4 = qs[sub + 4 * m];
-            st[m].x += k4.x * d;
-            st[m].y += k4.y * d;
-            st[m].z += k4.z * d;
-            st[m].w += k4.w * d;
-            o += st[m].x * q4.x + st[m].y * q4.y + st[m].z * q4.z + st[m].w * q4.w;
-        }
-        o += __shfl_xor_sync(0xffffffffu, o, 1);
-        o += __shfl_xor_sync(0xffffffffu, o, 2);
-        const float ss = dn_warp_sum(sub == 0 ? o * o : 0.0f);
-        if (t % 32 == 0)
-            red[warp] = ss;
-        __syncthreads(); /* B */
-        float total = 0.0f;
-        for (uint32_t w = 0; w < n_warps; w++)
-            total += red[w];
-        if (sub == 0) {
-            const float scale = 1.0f / sqrtf(total / (float)p.dv + p.eps);
-            p.y[(size_t)s * vd + (size_t)h * p.dv + j] = o * scale * wj * dn_silu(cur.z);
+    for (uint32_t t = 0; t < DN_MAX_K; t++)
+        in[t] = t + 1 < c.K ? c.state[ch * (c.K - 1) + t] : t + 1 == c.K ? c.x[ch] : 0.0f;
+    float acc = 0.0f;
+#pragma unroll
+    for (uint32_t t = 0; t < DN_MAX_K; t++)
+        if (t < c.K)
+            acc = __fmaf_rn(c.w[ch * c.K + t], in[t], acc);
+#pragma unroll
+    for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
+        nst[t] = in[t + 1];
+    return dn_silu(acc);
+}
+
+__device__ __forceinline__ void dn_conv_store(const struct dn_conv_args &c, size_t ch,
+                                              const float (&nst)[DN_MAX_K - 1])
+{
+#pragma unroll
+    for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
+        if (t + 1 < c.K)
+            c.state[ch * (c.K - 1) + t] = nst[t];
+}
+
+/* dn_conv_kernel and dn_heads_kernel for one token (S = 1) in one launch:
+ * the threads compute the conv outputs they would have read from u (warps
+ * 0 and 1 q and k of the key head, lane 4j of each row j its v_j, shared
+ * with lanes 4j + 1 .. 4j + 3 by a shuffle). The v conv state of head h is
+ * rewritten by its block; q and k channels are read by the nv / nk blocks
+ * of their key head, and rewritten by the last of them to have read them
+ * (dn_conv_readers). Outputs and states equal the two launches' bit for
+ * bit. */
+template <int DK>
+__global__ void __launch_bounds__(512)
+    dn_conv_heads_kernel(const struct dn_heads_args p, const struct dn_conv_args c)
+{
+    constexpr int NC = DK / 16, NQ = DK >= 32 ? DK / 32 : 1;
+    __shared__ float4 qs[DK / 4], ks[DK / 4];
+    __shared__ float sc[2];
+    __shared__ float red[16];
+    __shared__ bool s_last;
+    const uint32_t h = blockIdx.x, t = threadIdx.x, j = t / 4, sub = t % 4;
+    const uint32_t warp = t / 32, lane = t % 32, r = p.nv / p.nk;
+    const uint32_t g = p.tiled ? h % p.nk : h / r;
+    const size_t kd = (size_t)p.nk * DK;
+    float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
+    const float wj = p.norm_w[j];
+    pdl_wait(); /* x, z, b, alpha and the states come from the kernels before */
+    pdl_trigger();
+    struct dn_tok<DK> cur;
+    float nst[DN_MAX_K - 1], nqk[NQ][DN_MAX_K - 1];
+    const size_t vch = 2 * kd + (size_t)h * p.dv + j;
+    float v = 0.0f;
+    if (sub == 0) {
+        v = dn_conv_token(c, vch, nst);
+        dn_conv_store(c, vch, nst);
+    }
+    cur.v = __shfl_sync(0xffffffffu, v, lane & ~3u);
+    cur.z = p.z[(size_t)h * p.dv + j];
+    if (warp <= 1) {
+        const size_t ch0 = (warp == 0 ? 0 : kd) + (size_t)g * DK;
+#pragma unroll
+        for (int m = 0; m < NQ; m++)
+            cur.qk[m] = lane + 32 * m < DK ? dn_conv_token(c, ch0 + lane + 32 * m, nqk[m]) : 0.0f;
+        if (warp == 0 && lane == 0) {
+            cur.b = p.b[h];
+            cur.alpha = p.alpha[h];
         }
     }
+    bool last = true;
+    if (r > 1) { /* q and k inputs are read (and used) by warps 0 and 1 above */
+        if (warp <= 1)
+            __threadfence(); /* their reads are done before the count says so */
+        __syncthreads();
+        if (t == 0) {
+            __threadfence();
+            s_last = atomicAdd(&dn_conv_readers[g], 1u) == r - 1;
+            if (s_last)
+                atomicExch(&dn_conv_readers[g], 0u);
+            __threadfence();
+        }
+        __syncthreads();
+        last = s_last;
+    }
+    if (last && warp <= 1) {
+        const size_t ch0 = (warp == 0 ? 0 : kd) + (size_t)g * DK;
+#pragma unroll
+        for (int m = 0; m < NQ; m++)
+            if (lane + 32 * m < DK)
+                dn_conv_store(c, ch0 + lane + 32 * m, nqk[m]);
+    }
+    float4 st[NC];
+#pragma unroll
+    for (int m = 0; m < NC; m++)
+        st[m] = srow[sub + 4 * m];
+    dn_step<DK>(p, h, 0, cur, st, qs, ks, sc, red, wj);
 #pragma unroll
     for (int m = 0; m < NC; m++)
         srow[sub + 4 * m] = st[m];
@@ -738,7 +892,7 @@ extern "C" int cuda_deltanet_conv(float *d_state, const float *d_w, uint32_t K, 
     if (S == 0)
         return 0;
     const dim3 grid((C + DN_CONV_THREADS - 1) / DN_CONV_THREADS, tiles);
-    dn_conv_kernel<<<grid, DN_CONV_THREADS, 0, stream>>>(d_state, d_w, K, d_x, d_u, C, S);
+    pdl_launch(dn_conv_kernel, grid, DN_CONV_THREADS, 0, stream, d_state, d_w, K, d_x, d_u, C, S);
     return dn_check_launch("cuda_deltanet_conv");
 }
 
@@ -773,19 +927,56 @@ extern "C" int cuda_deltanet_heads(float *d_state, const float *d_u, const float
     const dim3 grid(nv), block(4 * dv);
     switch (dk) {
     case 16:
-        dn_heads_kernel<16><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<16>, grid, block, 0, stream, p);
         break;
     case 32:
-        dn_heads_kernel<32><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<32>, grid, block, 0, stream, p);
         break;
     case 64:
-        dn_heads_kernel<64><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<64>, grid, block, 0, stream, p);
         break;
     default:
-        dn_heads_kernel<128><<<grid, block, 0, stream>>>(p);
+        pdl_launch(dn_heads_kernel<128>, grid, block, 0, stream, p);
         break;
     }
     return dn_check_launch("cuda_deltanet_heads");
+}
+
+extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
+                                        const float *d_x, float *d_state, const float *d_b,
+                                        const float *d_alpha, const float *d_a, const float *d_dt,
+                                        const float *d_z, const float *d_norm_w, float *d_y,
+                                        uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                                        bool tiled, float eps, cudaStream_t stream)
+{
+    if (!dn_heads_args_ok(d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y, nk, nv, dk,
+                          dv, 1) ||
+        K == 0 || K > DN_MAX_K || (K > 1 && !d_conv_state) || !d_conv_w || nk > DN_MAX_NK) {
+        log_error("cuda_deltanet_conv_heads: bad arguments (K %u, max %d; dk %u: 16, 32, 64 or "
+                  "128; dv %u: a multiple of 16 up to 128; nk %u (max %d), nv %u: nv a multiple "
+                  "of nk; state 16-byte aligned)",
+                  K, DN_MAX_K, dk, dv, nk, DN_MAX_NK, nv);
+        return -EINVAL;
+    }
+    const struct dn_heads_args p = {d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w,
+                                    d_y,     nk,  nv,  dv,      1,   tiled, eps};
+    const struct dn_conv_args c = {d_conv_state, d_conv_w, d_x, K};
+    const dim3 grid(nv), block(4 * dv);
+    switch (dk) {
+    case 16:
+        pdl_launch(dn_conv_heads_kernel<16>, grid, block, 0, stream, p, c);
+        break;
+    case 32:
+        pdl_launch(dn_conv_heads_kernel<32>, grid, block, 0, stream, p, c);
+        break;
+    case 64:
+        pdl_launch(dn_conv_heads_kernel<64>, grid, block, 0, stream, p, c);
+        break;
+    default:
+        pdl_launch(dn_conv_heads_kernel<128>, grid, block, 0, stream, p, c);
+        break;
+    }
+    return dn_check_launch("cuda_deltanet_conv_heads");
 }
 
 static bool dn_chunk_dims_ok(uint32_t dk, uint32_t dv)

@@ -5,6 +5,8 @@
  * State layouts are those of the CPU twin: conv state channel-major (K-1 per
  * channel); delta state per v-head dv rows of dk floats (key index fastest).
  * Launchers validate (-EINVAL), enqueue on `stream`, check the launch (-EIO).
+ * On sm_90 and later the conv and step kernels chain with programmatic
+ * dependent launch (kernels/cuda/pdl.cuh; LAMINA_CUDA_PDL=0: off).
  */
 #ifndef KERNELS_CUDA_DELTANET_H
 #define KERNELS_CUDA_DELTANET_H
@@ -38,6 +40,19 @@ int cuda_deltanet_heads(float *d_state, const float *d_u, const float *d_b, cons
                         const float *d_a, const float *d_dt, const float *d_z,
                         const float *d_norm_w, float *d_y, uint32_t nk, uint32_t nv, uint32_t dk,
                         uint32_t dv, bool tiled, uint32_t S, float eps, cudaStream_t stream);
+
+/* cuda_deltanet_conv (C = 2*nk*dk + nv*dv channels, S = 1) and then
+ * cuda_deltanet_heads (S = 1) in one launch, for a decode step: x is the
+ * token's conv input (C floats: q | k | v), the conv outputs stay on chip
+ * (no u is written); conv state, delta state and y come out equal bit for
+ * bit to the two launches'. nk <= 1024. Uses a device-wide counter per key
+ * head (left zero): launches on one device must not run concurrently. */
+int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
+                             const float *d_x, float *d_state, const float *d_b,
+                             const float *d_alpha, const float *d_a, const float *d_dt,
+                             const float *d_z, const float *d_norm_w, float *d_y, uint32_t nk,
+                             uint32_t nv, uint32_t dk, uint32_t dv, bool tiled, float eps,
+                             cudaStream_t stream);
 
 /* Bytes of work memory cuda_deltanet_heads_chunked needs for nv value heads
  * of dk x dv and S tokens: 0 when those S tokens take the token-by-token

@@ -46,6 +46,7 @@
  */
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/mvq.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/sgemm.h"
 
 #include <errno.h>
@@ -66,6 +67,7 @@ constexpr float kMagic = 8388608.0f;   /* 2^23: a float whose low byte is an int
 constexpr unsigned kMaxJobsY = 65535u; /* grid y limit */
 constexpr uint64_t kWantWarps = 4096;  /* warps a launch should have to fill an H200 */
 constexpr uint64_t kMaxN = 1ull << 28; /* longest row: its bytes fit 31 bits */
+constexpr size_t kPrefetch = 64 * 1024; /* weight bytes a block asks for in L2 before its wait */
 
 /* One lane's 8 elements of a group: run A adds sa*sum(q*x) + ca*sum(x). */
 struct Unit {
@@ -790,6 +792,17 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
     const int kn = 1 << a.ks_log2, ks = warp & (kn - 1), rg = warp >> a.ks_log2;
     const uint64_t block_row0 = static_cast<uint64_t>(blockIdx.x) * (kWarps >> a.ks_log2) * R;
     const uint64_t row0 = block_row0 + static_cast<uint64_t>(rg) * R;
+    /* PDL: the block's rows of a plain product are weights only, asked for
+     * in L2 while the kernel before may still run; expert addresses need the
+     * ids, activations the wait */
+    if (!a.ids && blockIdx.y == 0 && threadIdx.x == 0 && block_row0 < a.n_rows) {
+        const uint64_t rows = (kWarps >> a.ks_log2) * R;
+        const uint64_t left = a.n_rows - block_row0;
+        const size_t bytes = (left < rows ? left : rows) * a.row_bytes;
+        pdl_prefetch_l2(a.w + block_row0 * a.row_bytes, bytes < kPrefetch ? bytes : kPrefetch);
+    }
+    pdl_wait();
+    pdl_trigger();
     for (uint32_t job = blockIdx.y; job < a.n_jobs; job += gridDim.y) {
         const uint8_t *w = a.w;
         const float *x = a.x;
@@ -852,13 +865,13 @@ int launch_t(MvArgs a, int mode, cudaStream_t stream)
     }
     dim3 grid(static_cast<unsigned>(blocks), a.n_jobs < kMaxJobsY ? a.n_jobs : kMaxJobsY);
     if constexpr (NS > 1)
-        mv_kernel<T, R, NS, 2><<<grid, kWarps * 32, 0, stream>>>(a);
+        pdl_launch(mv_kernel<T, R, NS, 2>, grid, kWarps * 32, 0, stream, a);
     else if (mode == 2)
-        mv_kernel<T, R, NS, 2><<<grid, kWarps * 32, 0, stream>>>(a);
+        pdl_launch(mv_kernel<T, R, NS, 2>, grid, kWarps * 32, 0, stream, a);
     else if (mode == 1)
-        mv_kernel<T, R, NS, 1><<<grid, kWarps * 32, 0, stream>>>(a);
+        pdl_launch(mv_kernel<T, R, NS, 1>, grid, kWarps * 32, 0, stream, a);
     else
-        mv_kernel<T, R, NS, 0><<<grid, kWarps * 32, 0, stream>>>(a);
+        pdl_launch(mv_kernel<T, R, NS, 0>, grid, kWarps * 32, 0, stream, a);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
         log_error("cuda matvec: launch failed: %s", cudaGetErrorString(err));

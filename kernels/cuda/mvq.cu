@@ -38,6 +38,8 @@
 
 #include <cuda_fp16.h>
 
+#include "kernels/cuda/pdl.cuh"
+
 extern "C" {
 #include "common/log.h"
 #include "model/quant.h"
@@ -48,6 +50,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr uint32_t kMaxN = 16384; /* activation elements held in shared memory */
+constexpr size_t kPrefetch = 64 * 1024; /* weight bytes a block asks for in L2 before its wait */
 
 struct MvqArgs {
     const uint8_t *w;             /* plain product: the matrix */
@@ -120,6 +123,21 @@ __device__ __forceinline__ float block_dot(const uint32_t (&v)[9], uint32_t shif
     }
 }
 
+/* Asks for this block's tiles of rows (blockIdx.x, + gridDim.x, ...) in L2,
+ * at most kPrefetch bytes; tiles are rows_per_tile consecutive rows. */
+__device__ __forceinline__ void prefetch_rows(const MvqArgs &a, uint32_t rows_per_tile,
+                                              uint32_t n_tiles)
+{
+    size_t left = kPrefetch;
+    for (uint32_t t = blockIdx.x; t < n_tiles && left; t += gridDim.x) {
+        const uint32_t r0 = t * rows_per_tile;
+        const uint32_t n = a.n_rows - r0 < rows_per_tile ? a.n_rows - r0 : rows_per_tile;
+        const size_t bytes = static_cast<size_t>(n) * a.row_bytes;
+        pdl_prefetch_l2(a.w + static_cast<size_t>(r0) * a.row_bytes, bytes < left ? bytes : left);
+        left -= bytes < left ? bytes : left;
+    }
+}
+
 template <int TYPE, int G, int U, int R>
 __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
 {
@@ -132,13 +150,6 @@ __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
     const uint8_t *w = a.w;
     const float *x = a.x;
     float *y = a.y + static_cast<size_t>(job) * a.ldy;
-    if (a.ids) {
-        const int32_t e = a.ids[job];
-        w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
-        if (!w)
-            return; /* the whole block: the pair runs elsewhere */
-        x += static_cast<size_t>(job / a.x_div) * a.ldx;
-    }
     const int grp = threadIdx.x / G, sub = threadIdx.x % G;
     /* tiles of (kThreads / G) * R rows: block x takes tiles x, x + grid.x,
      * ... (the activations are rounded once per block) */
@@ -160,7 +171,24 @@ __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
                                      &sh[u][r]);
             }
     };
-    issue(sub);
+    /* PDL: a plain product's weights (its tiles in L2, the first pass in
+     * registers) before the wait for the activations; an expert's address
+     * needs the ids, so after it */
+    if (!a.ids) {
+        if (threadIdx.x == 0)
+            prefetch_rows(a, (kThreads / G) * R, n_tiles);
+        issue(sub);
+    }
+    pdl_wait();
+    pdl_trigger();
+    if (a.ids) {
+        const int32_t e = a.ids[job];
+        w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
+        if (!w)
+            return; /* the whole block: the pair runs elsewhere */
+        x += static_cast<size_t>(job / a.x_div) * a.ldx;
+        issue(sub);
+    }
 
     /* round the activation row into shared memory: warp w takes blocks
      * w, w + 8, ...; four blocks' loads in flight at a time */
@@ -270,7 +298,7 @@ int go(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     const uint32_t cap = jobs == 1 ? want_blocks() : tiles;
     const dim3 grid(tiles < cap ? tiles : cap, jobs);
     const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
-    mvq_kernel<TYPE, G, U, R><<<grid, kThreads, smem, stream>>>(a);
+    pdl_launch(mvq_kernel<TYPE, G, U, R>, grid, kThreads, smem, stream, a);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda mvq: kernel launch failed: %s", cudaGetErrorString(e));

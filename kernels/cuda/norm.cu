@@ -18,6 +18,7 @@
 #include "kernels/cuda/ops.h"
 
 #include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 static unsigned int norm_threads(uint32_t n)
 {
@@ -32,6 +33,8 @@ static __global__ void norm_rows_kernel(float *y, size_t y_stride, float *x, siz
                                         float eps)
 {
     __shared__ float s_tmp[32];
+    pdl_wait(); /* x and delta come from the kernels before */
+    pdl_trigger();
     const size_t r = blockIdx.x;
     float *xr = x + r * x_stride;
     float *yr = y + r * y_stride;
@@ -81,8 +84,8 @@ extern "C" int cuda_rmsnorm(float *d_y, size_t y_stride, const float *d_x, size_
     }
     if (rows == 0)
         return 0;
-    norm_rows_kernel<false><<<rows, norm_threads(n), 0, stream>>>(
-        d_y, y_stride, (float *)d_x, x_stride, nullptr, d_w, n, eps);
+    pdl_launch(norm_rows_kernel<false>, rows, norm_threads(n), 0, stream, d_y, y_stride,
+               (float *)d_x, x_stride, (const float *)nullptr, d_w, n, eps);
     return OPS_LAUNCH_CHECK("cuda_rmsnorm");
 }
 
@@ -98,8 +101,8 @@ extern "C" int cuda_rmsnorm_wide(float *d_y, const float *d_x, const float *d_w,
     int rc = norm_check("cuda_rmsnorm_wide", d_y, d_x, n, rows);
     if (rc || rows == 0)
         return rc;
-    norm_rows_kernel<false><<<rows, cuda_norm_wide_threads(n), 0, stream>>>(
-        d_y, n, (float *)d_x, n, nullptr, d_w, n, eps);
+    pdl_launch(norm_rows_kernel<false>, rows, cuda_norm_wide_threads(n), 0, stream, d_y,
+               (size_t)n, (float *)d_x, (size_t)n, (const float *)nullptr, d_w, n, eps);
     return OPS_LAUNCH_CHECK("cuda_rmsnorm_wide");
 }
 
@@ -109,8 +112,8 @@ extern "C" int cuda_add_rmsnorm(float *d_h, const float *d_delta, float *d_y, co
     int rc = norm_check("cuda_add_rmsnorm", d_y, d_h, n, rows);
     if (rc || rows == 0)
         return rc;
-    norm_rows_kernel<true><<<rows, norm_threads(n), 0, stream>>>(d_y, n, d_h, n, d_delta, d_w,
-                                                                  n, eps);
+    pdl_launch(norm_rows_kernel<true>, rows, norm_threads(n), 0, stream, d_y, (size_t)n, d_h,
+               (size_t)n, d_delta, d_w, n, eps);
     return OPS_LAUNCH_CHECK("cuda_add_rmsnorm");
 }
 

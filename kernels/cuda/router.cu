@@ -19,6 +19,7 @@
 #include "kernels/cuda/ops.h"
 
 #include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 enum { ROUTER_MAX_E = 512, ROUTER_MAX_K = 16, ROUTER_PER_LANE = ROUTER_MAX_E / 32 };
 
@@ -33,6 +34,8 @@ static __device__ __forceinline__ double router_warp_sum(double v)
 static __global__ void router_topk_kernel(const float *logits, uint32_t E, uint32_t k,
                                           uint32_t S, int32_t *ids, float *w)
 {
+    pdl_wait(); /* the logits come from the router product */
+    pdl_trigger();
     const int lane = threadIdx.x & 31;
     const uint32_t s = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (s >= S)
@@ -114,7 +117,7 @@ extern "C" int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, u
     if (S == 0)
         return 0;
     const unsigned int per_block = 4;
-    router_topk_kernel<<<(S + per_block - 1) / per_block, per_block * 32, 0, stream>>>(
-        d_logits, E, k, S, d_ids, d_w);
+    pdl_launch(router_topk_kernel, (S + per_block - 1) / per_block, per_block * 32, 0, stream,
+               d_logits, E, k, S, d_ids, d_w);
     return OPS_LAUNCH_CHECK("cuda_router_topk");
 }

@@ -18,6 +18,11 @@
  *     every prompt position and to the greedy continuation at every decode
  *     step; a second run after reset() byte-identical;
  *   - the same with graphs off (LAMINA_CUDA_GRAPHS=0): byte-identical;
+ *   - the same without programmatic dependent launch (LAMINA_CUDA_PDL=0; on
+ *     sm_90 and later the default chains the kernels with PDL, elsewhere
+ *     both runs launch alike): byte-identical, the kernels' maths is the same;
+ *   - the same with the decode fusions off (LAMINA_CUDA_FUSE=0: conv and
+ *     DeltaNet heads as two launches): byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
  *     here with expert_exec on the CPU: within the bound, rows really sent;
  *   - the layers split over two cuda backends: within the bound;
@@ -380,8 +385,19 @@ static void tbc_arch_run(struct tbc_arch *a)
     unsetenv("LAMINA_CUDA_GRAPHS");
     CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without graphs differs (max %.3g)", a->name,
           tbc_maxdiff(gpu, tmp, a->rows * a->V));
+    setenv("LAMINA_CUDA_PDL", "0", 1);
+    double ms_no_pdl = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
+    unsetenv("LAMINA_CUDA_PDL");
+    CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without PDL differs (max %.3g)", a->name,
+          tbc_maxdiff(gpu, tmp, a->rows * a->V));
+    setenv("LAMINA_CUDA_FUSE", "0", 1);
+    double ms_no_fuse = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
+    unsetenv("LAMINA_CUDA_FUSE");
+    CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without decode fusions differs (max %.3g)", a->name,
+          tbc_maxdiff(gpu, tmp, a->rows * a->V));
     MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
-            "without graph %.3f", a->name, TBC_TIMED, ms_cpu, ms_graph, ms_plain);
+            "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f", a->name,
+            TBC_TIMED, ms_cpu, ms_graph, ms_plain, ms_no_pdl, ms_no_fuse);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);

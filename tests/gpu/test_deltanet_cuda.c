@@ -19,10 +19,17 @@
  *     call took the chunked path.
  *   - cuda_deltanet_conv for the same channel counts, K = 4, S = 1, 3, 64, 512,
  *     1000, state carried: against deltanet_conv_channel within TDC_TOL_CONV.
+ *   - cuda_deltanet_conv_heads (decode: conv and heads in one launch) against
+ *     cuda_deltanet_conv + cuda_deltanet_heads (S = 1) on the same inputs, for
+ *     dk = dv = 16, 64, 128, nk/nv 2/4, 16/32 and 4/4, grouped and tiled, K =
+ *     4 and 2, TDC_CALLS steps with both states carried: outputs, conv state
+ *     and delta state bit for bit equal (the same sums in the same order);
+ *     the 80b shape also with CUDA graphs of 36 chained launches each way.
  *   - bad shapes and short or misaligned work buffers are refused with -EINVAL.
  * Output buffers are poisoned with NaN bit patterns before every launch.
  * Timings (median of 20 after warm-up, CUDA events) at the 80b shape: the
- * token-by-token and chunked heads for S = 16 .. 512, and the conv.
+ * token-by-token and chunked heads for S = 16 .. 512, the conv, and the
+ * fused decode launch against the two (a graph of 36 layers' launches).
  * Needs a CUDA device: exits 1 with a message when there is none.
  */
 #include <errno.h>
@@ -504,6 +511,160 @@ static void tdc_conv_run(uint32_t C, uint32_t S, uint64_t seed)
     cudaFree(d_w), cudaFree(d_st), cudaFree(d_x), cudaFree(d_u);
 }
 
+/* Device buffers of the fused-decode comparison: the conv input x, conv
+ * taps, and per way (0: conv + heads, 1: fused) conv state, delta state and
+ * output; the rest in tdc_bufs (u is the unfused conv output). */
+struct tdc_fused {
+    const struct tdc_case *c;
+    struct tdc_bufs *t;
+    uint32_t K;
+    float *d_x, *d_w, *d_cs[2], *d_st[2], *d_y[2];
+};
+
+/* One decode step one way: 0 the two launches, 1 the fused one. */
+static int tdc_fused_step(const struct tdc_fused *f, int way)
+{
+    const struct tdc_case *c = f->c;
+    const struct tdc_bufs *t = f->t;
+    const uint32_t C = (uint32_t)t->ud;
+    if (way)
+        return cuda_deltanet_conv_heads(f->d_cs[1], f->d_w, f->K, f->d_x, f->d_st[1], t->d_b,
+                                        t->d_alpha, t->d_a, t->d_dt, t->d_z, t->d_nw, f->d_y[1],
+                                        c->nk, c->nv, c->dk, c->dv, c->tiled, 1e-6f, 0);
+    int rc = cuda_deltanet_conv(f->d_cs[0], f->d_w, f->K, f->d_x, t->d_u, C, 1, 0);
+    return rc ? rc
+              : cuda_deltanet_heads(f->d_st[0], t->d_u, t->d_b, t->d_alpha, t->d_a, t->d_dt,
+                                    t->d_z, t->d_nw, f->d_y[0], c->nk, c->nv, c->dk, c->dv,
+                                    c->tiled, 1, 1e-6f, 0);
+}
+
+/* Whether device buffers a and b of n floats hold the same bytes. */
+static bool tdc_same(const float *d_a, const float *d_b, size_t n, float *ha, float *hb)
+{
+    return tdc_ok(cudaMemcpy(ha, d_a, n * sizeof(float), cudaMemcpyDeviceToHost), "dl") &&
+           tdc_ok(cudaMemcpy(hb, d_b, n * sizeof(float), cudaMemcpyDeviceToHost), "dl") &&
+           !memcmp(ha, hb, n * sizeof(float));
+}
+
+/* Median us of a graph of `layers` decode steps one way (each step on its
+ * own state, as the layers of a model), after warm-up. */
+static double tdc_fused_graph_us(const struct tdc_fused *f, int way, uint32_t layers)
+{
+    cudaStream_t s;
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    cudaEvent_t e0, e1;
+    float ms[20];
+    if (!tdc_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"))
+        return -1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    struct tdc_fused x = *f;
+    bool ok = tdc_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
+    const struct tdc_case *c = f->c;
+    const struct tdc_bufs *t = f->t;
+    for (uint32_t l = 0; l < layers && ok; l++) {
+        const int rc = way ? cuda_deltanet_conv_heads(x.d_cs[1], x.d_w, x.K, x.d_x, x.d_st[1],
+                                                      t->d_b, t->d_alpha, t->d_a, t->d_dt,
+                                                      t->d_z, t->d_nw, x.d_y[1], c->nk, c->nv,
+                                                      c->dk, c->dv, c->tiled, 1e-6f, s)
+                           : cuda_deltanet_conv(x.d_cs[0], x.d_w, x.K, x.d_x, t->d_u,
+                                                (uint32_t)t->ud, 1, s) ||
+                                 cuda_deltanet_heads(x.d_st[0], t->d_u, t->d_b, t->d_alpha,
+                                                     t->d_a, t->d_dt, t->d_z, t->d_nw, x.d_y[0],
+                                                     c->nk, c->nv, c->dk, c->dv, c->tiled, 1,
+                                                     1e-6f, s);
+        ok = rc == 0;
+    }
+    ok = tdc_ok(cudaStreamEndCapture(s, &g), "end capture") && ok;
+    ok = ok && tdc_ok(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+    for (int i = 0; i < 3 && ok; i++)
+        ok = tdc_ok(cudaGraphLaunch(ge, s), "graph launch");
+    for (int i = 0; i < 20 && ok; i++) {
+        cudaEventRecord(e0, s);
+        ok = tdc_ok(cudaGraphLaunch(ge, s), "graph launch");
+        cudaEventRecord(e1, s);
+        ok = ok && tdc_ok(cudaEventSynchronize(e1), "graph run");
+        cudaEventElapsedTime(&ms[i], e0, e1);
+    }
+    for (int i = 1; i < 20; i++)
+        for (int j = i; j > 0 && ms[j] < ms[j - 1]; j--) {
+            float v = ms[j];
+            ms[j] = ms[j - 1];
+            ms[j - 1] = v;
+        }
+    if (ge)
+        cudaGraphExecDestroy(ge);
+    if (g)
+        cudaGraphDestroy(g);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaStreamDestroy(s);
+    return ok ? 1e3 * 0.5 * (ms[9] + ms[10]) : -1;
+}
+
+/* The fused decode launch against conv + heads: TDC_CALLS steps from the
+ * same random states, outputs and both states compared bit for bit after
+ * every step; timed at the 80b shape when `timed`. */
+static void tdc_fused_run(const struct tdc_case *c, uint32_t K, uint64_t seed, bool timed)
+{
+    struct tdc_bufs t = {0};
+    struct tdc_rng r = {seed};
+    struct tdc_fused f = {.c = c, .t = &t, .K = K};
+    bool ok = tdc_alloc(c, &t);
+    const size_t C = t.ud, csn = C * (K - 1);
+    float *w = malloc(C * K * sizeof(float)), *cs = malloc(csn * sizeof(float));
+    const size_t hn = C * K + t.st_n;
+    float *ha = malloc(hn * sizeof(float)), *hb = malloc(hn * sizeof(float));
+    ok = ok && w && cs && ha && hb && tdc_ok(cudaMalloc((void **)&f.d_x, C * 4), "malloc") &&
+         tdc_ok(cudaMalloc((void **)&f.d_w, C * K * 4), "malloc");
+    for (int i = 0; i < 2 && ok; i++)
+        ok = tdc_ok(cudaMalloc((void **)&f.d_cs[i], csn * 4 + 4), "malloc") &&
+             tdc_ok(cudaMalloc((void **)&f.d_st[i], t.st_n * 4), "malloc") &&
+             tdc_ok(cudaMalloc((void **)&f.d_y[i], t.vd * 4), "malloc");
+    ok = ok && tdc_start(c, &t, &r);
+    if (ok) {
+        tdc_fill(&r, w, C * K, -1.0f, 1.0f);
+        tdc_fill(&r, cs, csn, -1.0f, 1.0f);
+        ok = tdc_upload(f.d_w, w, C * K) && tdc_upload(f.d_cs[0], cs, csn) &&
+             tdc_upload(f.d_cs[1], cs, csn) && tdc_upload(f.d_st[0], t.st_step, t.st_n) &&
+             tdc_upload(f.d_st[1], t.st_step, t.st_n);
+    }
+    int steps = 0;
+    for (int call = 0; call < TDC_CALLS && ok; call++) {
+        ok = tdc_new_inputs(c, &t, &r, 1) && tdc_upload(f.d_x, t.u, C) &&
+             tdc_ok(cudaMemset(t.d_u, 0xff, C * 4), "poison") &&
+             tdc_ok(cudaMemset(f.d_y[0], 0xff, t.vd * 4), "poison") &&
+             tdc_ok(cudaMemset(f.d_y[1], 0xfe, t.vd * 4), "poison");
+        const int r0 = ok ? tdc_fused_step(&f, 0) : -1, r1 = ok ? tdc_fused_step(&f, 1) : -1;
+        CHECK(r0 == 0 && r1 == 0, "dk %u nk/nv %u/%u K %u: launches returned %d %d", c->dk, c->nk,
+              c->nv, K, r0, r1);
+        ok = ok && r0 == 0 && r1 == 0 && tdc_ok(cudaDeviceSynchronize(), "fused step");
+        const bool y = ok && tdc_same(f.d_y[0], f.d_y[1], t.vd, ha, hb);
+        const bool s1 = ok && tdc_same(f.d_cs[0], f.d_cs[1], csn, ha, hb);
+        const bool s2 = ok && tdc_same(f.d_st[0], f.d_st[1], t.st_n, ha, hb);
+        CHECK(y && s1 && s2, "dk %u dv %u nk/nv %u/%u %s K %u step %d: fused %s%s%s differ%s",
+              c->dk, c->dv, c->nk, c->nv, c->tiled ? "tiled" : "grouped", K, call,
+              y ? "" : "y ", s1 ? "" : "conv-state ", s2 ? "" : "state", ok ? "" : " (error)");
+        steps += y && s1 && s2;
+    }
+    MEASURE("conv+heads fused dk=%u dv=%u nk/nv=%u/%u %s K=%u: %d of %d steps bit for bit equal "
+            "to conv then heads", c->dk, c->dv, c->nk, c->nv, c->tiled ? "tiled" : "grouped", K,
+            steps, TDC_CALLS);
+    if (ok && timed) {
+        const double us0 = tdc_fused_graph_us(&f, 0, 36), us1 = tdc_fused_graph_us(&f, 1, 36);
+        MEASURE("conv+heads dk=dv=%u nk/nv=%u/%u, graph of 36 layers' launches (median of 20): "
+                "conv then heads %.1f us (%.2f per layer), fused %.1f us (%.2f per layer)",
+                c->dk, c->nk, c->nv, us0, us0 / 36, us1, us1 / 36);
+        CHECK(us0 > 0 && us1 > 0, "fused timing graphs ran");
+    }
+    free(w), free(cs), free(ha), free(hb);
+    cudaFree(f.d_x), cudaFree(f.d_w);
+    for (int i = 0; i < 2; i++)
+        cudaFree(f.d_cs[i]), cudaFree(f.d_st[i]), cudaFree(f.d_y[i]);
+    tdc_free(&t);
+}
+
 static void tdc_bad_args(void)
 {
     float *d = NULL;
@@ -569,6 +730,15 @@ int main(void)
             for (size_t l = 0; l < sizeof(conv_lens) / sizeof(conv_lens[0]); l++)
                 tdc_conv_run(2 * heads[hh][0] * dims[d] + heads[hh][1] * dims[d], conv_lens[l],
                              seed++);
+    const uint32_t fused_heads[][2] = {{2, 4}, {16, 32}, {4, 4}};
+    for (size_t d = 0; d < 3; d++)
+        for (size_t hh = 0; hh < 3; hh++)
+            for (int tiled = 0; tiled < 2; tiled++)
+                for (uint32_t K = 2; K <= 4; K += 2) {
+                    const struct tdc_case c = {dims[d], dims[d], fused_heads[hh][0],
+                                               fused_heads[hh][1], tiled != 0, 1};
+                    tdc_fused_run(&c, K, seed++, d == 2 && hh == 1 && !tiled && K == 4);
+                }
     tdc_bad_args();
     tdc_heads_timing(1);
     const uint32_t timed[] = {16, 32, 64, 128, 512};

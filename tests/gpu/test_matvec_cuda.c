@@ -20,6 +20,12 @@
  * on one shape each (rotating over copies that together exceed the L2
  * cache; median of 20, GB/s of weight bytes; sampled rows checked), routed
  * experts of a decode step, and a 64-row matmul against 64 matvecs.
+ * Programmatic dependent launch (sm_90+): a chain of 32 small MoE-like
+ * layers (norm, a Q4_0 product on the int8 path, one on the f32 path, an
+ * F32 router, top-k, Q4_0 experts picked by it, combine) run as a graph with
+ * LAMINA_CUDA_PDL=0, as a graph with PDL and launched one by one with PDL:
+ * the three final rows must be equal bit for bit (a kernel that read before
+ * its wait would show); both graphs are timed.
  */
 #include "kernels/cuda/matvec.h"
 
@@ -727,6 +733,126 @@ static void test_glu(struct rng *r)
     }
 }
 
+/* The PDL chain: per layer x = norm(h); a = Wa x (4096 x 2048, int8 path);
+ * b = Wb a (2048 x 4096, f32 path); logits = Wr b (F32, 16 x 2048); top-2 of
+ * them; Y = the two picked experts (2048 x 2048 Q4_0) times b; h += w Y. */
+#define PC_N 2048
+#define PC_E 16
+#define PC_SETS 4 /* weight sets the layers rotate over */
+struct pc_ctx {
+    const uint8_t *d_wa[PC_SETS], *d_wb[PC_SETS];
+    const float *d_wr[PC_SETS];
+    const void *const *d_addr; /* PC_E expert addresses */
+    float *d_h, *d_x, *d_a, *d_b, *d_lg, *d_w, *d_Y;
+    int32_t *d_ids;
+};
+
+static int pc_layer(const void *ctx, int i, cudaStream_t s)
+{
+    const struct pc_ctx *c = ctx;
+    const int k = i % PC_SETS;
+    const size_t rb2 = quant_row_size(QUANT_TYPE_Q4_0, PC_N);
+    const size_t rb4 = quant_row_size(QUANT_TYPE_Q4_0, 2 * PC_N);
+    int rc = cuda_rmsnorm(c->d_x, PC_N, c->d_h, PC_N, NULL, PC_N, 1, 1e-6f, s);
+    rc = rc ? rc : cuda_matvec(QUANT_TYPE_Q4_0, c->d_wa[k], rb2, 2 * PC_N, PC_N, c->d_x, c->d_a, s);
+    rc = rc ? rc : cuda_matvec(QUANT_TYPE_Q4_0, c->d_wb[k], rb4, PC_N, 2 * PC_N, c->d_a, c->d_b, s);
+    rc = rc ? rc : cuda_matvec(QUANT_TYPE_F32, c->d_wr[k], PC_N * 4, PC_E, PC_N, c->d_b, c->d_lg, s);
+    rc = rc ? rc : cuda_router_topk(c->d_lg, PC_E, 2, 1, c->d_ids, c->d_w, s);
+    rc = rc ? rc : cuda_matvec_experts(QUANT_TYPE_Q4_0, c->d_addr, rb2, PC_N, PC_N, c->d_ids, 2,
+                                       c->d_b, PC_N, 2, c->d_Y, PC_N, s);
+    return rc ? rc : cuda_moe_combine(c->d_h, c->d_Y, c->d_w, 2, NULL, NULL, NULL, PC_N, 1, s);
+}
+
+/* h0 through `layers` layers, as a graph or launched one by one; h into out. */
+static void pc_run(const struct pc_ctx *c, const float *h0, int layers, bool graph, float *out)
+{
+    cudaStream_t s;
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CU(cudaMemcpy(c->d_h, h0, PC_N * sizeof(float), cudaMemcpyHostToDevice));
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    if (graph)
+        CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < layers; i++)
+        CHECK(pc_layer(c, i, s) == 0, "pdl chain layer %d launched", i);
+    if (graph) {
+        CU(cudaStreamEndCapture(s, &g));
+        CU(cudaGraphInstantiate(&ge, g, 0));
+        CU(cudaGraphLaunch(ge, s));
+    }
+    CU(cudaStreamSynchronize(s));
+    CU(cudaMemcpy(out, c->d_h, PC_N * sizeof(float), cudaMemcpyDeviceToHost));
+    if (ge)
+        CU(cudaGraphExecDestroy(ge));
+    if (g)
+        CU(cudaGraphDestroy(g));
+    CU(cudaStreamDestroy(s));
+}
+
+static void test_pdl_chain(struct rng *r)
+{
+    enum { LAYERS = 32 };
+    const size_t rb2 = quant_row_size(QUANT_TYPE_Q4_0, PC_N);
+    const size_t rb4 = quant_row_size(QUANT_TYPE_Q4_0, 2 * PC_N);
+    const size_t ba = 2 * PC_N * rb2, bb = PC_N * rb4, br = PC_E * PC_N * 4, be = PC_N * rb2;
+    uint8_t *h = xmalloc(ba > be ? ba : be);
+    struct pc_ctx c = {0};
+    void *addr[PC_E];
+    for (int k = 0; k < PC_SETS; k++) {
+        uint8_t *d;
+        CU(cudaMalloc((void **)&d, ba + bb + br));
+        fill_random_blocks(QUANT_TYPE_Q4_0, h, ba, r);
+        CU(cudaMemcpy(d, h, ba, cudaMemcpyHostToDevice));
+        fill_random_blocks(QUANT_TYPE_Q4_0, h, bb, r);
+        CU(cudaMemcpy(d + ba, h, bb, cudaMemcpyHostToDevice));
+        float *wr = rand_floats(br / 4, r);
+        CU(cudaMemcpy(d + ba + bb, wr, br, cudaMemcpyHostToDevice));
+        free(wr);
+        c.d_wa[k] = d, c.d_wb[k] = d + ba, c.d_wr[k] = (const float *)(d + ba + bb);
+    }
+    for (int e = 0; e < PC_E; e++) {
+        CU(cudaMalloc(&addr[e], be));
+        fill_random_blocks(QUANT_TYPE_Q4_0, h, be, r);
+        CU(cudaMemcpy(addr[e], h, be, cudaMemcpyHostToDevice));
+    }
+    void **d_addr;
+    CU(cudaMalloc((void **)&d_addr, sizeof(addr)));
+    CU(cudaMemcpy(d_addr, addr, sizeof(addr), cudaMemcpyHostToDevice));
+    c.d_addr = (const void *const *)d_addr;
+    float **bufs[] = {&c.d_h, &c.d_x, &c.d_a, &c.d_b, &c.d_lg, &c.d_w, &c.d_Y};
+    const size_t lens[] = {PC_N, PC_N, 2 * PC_N, PC_N, PC_E, 2, 2 * PC_N};
+    for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++)
+        CU(cudaMalloc((void **)bufs[i], lens[i] * sizeof(float)));
+    CU(cudaMalloc((void **)&c.d_ids, 2 * sizeof(int32_t)));
+    float *h0 = rand_floats(PC_N, r), out[3][PC_N];
+    setenv("LAMINA_CUDA_PDL", "0", 1);
+    pc_run(&c, h0, LAYERS, true, out[0]);
+    const double off = time_graph(pc_layer, &c, LAYERS);
+    unsetenv("LAMINA_CUDA_PDL");
+    pc_run(&c, h0, LAYERS, true, out[1]);
+    pc_run(&c, h0, LAYERS, false, out[2]);
+    const double on = time_graph(pc_layer, &c, LAYERS);
+    bool finite = true;
+    for (int i = 0; i < PC_N; i++)
+        finite &= isfinite(out[0][i]) != 0;
+    CHECK(finite, "pdl chain: the result is finite");
+    CHECK(!memcmp(out[0], out[1], sizeof(out[0])), "pdl chain: graph with PDL differs");
+    CHECK(!memcmp(out[0], out[2], sizeof(out[0])), "pdl chain: launches with PDL differ");
+    MEASURE("pdl chain of %d layers (7 kernels each): graph %.2f us per layer with "
+            "LAMINA_CUDA_PDL=0, %.2f us with PDL (as launched on this device)", LAYERS,
+            off * 1e6, on * 1e6);
+    for (int k = 0; k < PC_SETS; k++)
+        CU(cudaFree((void *)c.d_wa[k]));
+    for (int e = 0; e < PC_E; e++)
+        CU(cudaFree(addr[e]));
+    CU(cudaFree(d_addr));
+    for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++)
+        CU(cudaFree(*bufs[i]));
+    CU(cudaFree(c.d_ids));
+    free(h);
+    free(h0);
+}
+
 int main(void)
 {
     log_init("test", -1);
@@ -747,6 +873,7 @@ int main(void)
     test_matmul(&r, &ts);
     test_experts(&r, &ts);
     test_glu(&r);
+    test_pdl_chain(&r);
     MEASURE("largest difference from the CPU twin (matvec_rows, matvec_rows_batch): %.3g of "
             "sum |w x| (it may round activations to int8; the exact dot is held to %.0e)",
             ts.worst, TOL);

@@ -1,0 +1,110 @@
+/*
+ * pdl: programmatic dependent launch (PDL) for the decode kernels. Private
+ * to the .cu files of kernels/cuda; host C code never includes it.
+ *
+ * A kernel launched through pdl_launch on a device of compute capability 9.0
+ * or later (and LAMINA_CUDA_PDL not "0") may start while the kernel before
+ * it in the stream is still running; inside a stream capture the edge
+ * becomes a programmatic graph edge (CUDA 12.3 and later). The contract of
+ * every kernel launched so:
+ *   - every thread calls pdl_wait() before its first read of anything an
+ *     earlier kernel wrote (activations, expert ids, positions, states) and
+ *     before its first global write (an earlier kernel may still read the
+ *     buffer), on every path, early exits included;
+ *   - before pdl_wait() it reads only what no kernel writes (weights), and
+ *     may ask for them in L2 (pdl_prefetch_l2);
+ *   - it calls pdl_trigger() after pdl_wait(): the next kernel then starts
+ *     its own prologue (weight prefetch) beside this one's main work, at most
+ *     one kernel ahead (that kernel waits for this one to complete, which
+ *     implies that everything before it completed).
+ * pdl_wait returns at once where the launch had no programmatic edge (PDL
+ * off, or a plain launch); on architectures before sm_90 the three device
+ * helpers compile to nothing and pdl_launch launches as <<<>>> does.
+ */
+#ifndef KERNELS_CUDA_PDL_CUH
+#define KERNELS_CUDA_PDL_CUH
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <utility>
+
+#include <cuda_runtime.h>
+
+/* Waits until the kernels this one depends on have completed and their
+ * writes are visible (griddepcontrol.wait). */
+static __device__ __forceinline__ void pdl_wait()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/* Lets the next kernel of the stream be scheduled once every block of this
+ * one has called it or exited (griddepcontrol.launch_dependents). */
+static __device__ __forceinline__ void pdl_trigger()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Asks for [p, p + bytes) in L2 (one thread calls it; read-only data only).
+ * Only the 16-byte aligned part inside the range is fetched, in pieces of at
+ * most 64 KiB (cp.async.bulk.prefetch.L2). */
+static __device__ __forceinline__ void pdl_prefetch_l2(const void *p, size_t bytes)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15) & ~static_cast<uintptr_t>(15);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~static_cast<uintptr_t>(15);
+    for (; a < end; a += 65536) {
+        const uint32_t n = static_cast<uint32_t>(end - a < 65536 ? end - a : 65536);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
+    }
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
+/* Whether launches on the current device use PDL: compute capability 9.0 or
+ * later and LAMINA_CUDA_PDL not "0" (read at each launch, so that a test
+ * can compare both ways in one process). */
+static inline bool pdl_on()
+{
+    const char *env = getenv("LAMINA_CUDA_PDL");
+    if (env && env[0] == '0')
+        return false;
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+               cudaSuccess &&
+           major >= 9;
+}
+
+/* Launches kernel<<<grid, block, smem, stream>>>(args...), with the
+ * programmatic stream serialization attribute where pdl_on(). The kernel
+ * must keep the contract above. Errors are left for cudaGetLastError, as
+ * after <<<>>>. */
+template <typename... P, typename... A>
+static inline void pdl_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t stream, A &&...args)
+{
+    if (!pdl_on()) {
+        kernel<<<grid, block, smem, stream>>>(std::forward<A>(args)...);
+        return;
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+#endif
