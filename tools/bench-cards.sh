@@ -8,7 +8,7 @@
 # usage: tools/bench-cards.sh MODEL.gguf [BIN_DIR]
 # environment (defaults in brackets):
 #   RUNS [every run below, in this order]  N_PROMPT [256]  N_GEN [64]  REPS [2]
-#   PARALLEL [unset: N concurrent sequences in every run, where lamina bench has --parallel]
+#   PARALLEL [unset: N concurrent sequences in every run (lamina bench --parallel N)]
 #   OUT [/tmp/lamina-bench-cards]  RUN_TIMEOUT [240] seconds per run
 #   C0, C1 [cuda:0, cuda:1]: the two devices (cpu to try the flow without a GPU)
 # Runs (name: devices, --device-mem, --layers, --handoff); "-" leaves the option out:
@@ -58,12 +58,16 @@ field() { grep -o "\"$1\":[0-9.]*" "$2" | tail -1 | cut -d: -f2; }
 
 table=$OUT/cards.md
 {
-    echo "| run | devices | budget | layers | hand-off | pp$N_PROMPT tok/s | tg$N_GEN tok/s | load s |"
-    echo "|---|---|---|---|---|---|---|---|"
+    echo "| run | devices | budget | layers | hand-off | sequences | pp$N_PROMPT tok/s | tg$N_GEN tok/s (all sequences) | tg per sequence | load s |"
+    echo "|---|---|---|---|---|---|---|---|---|---|"
 } >"$table"
 : >"$OUT/summaries.md"
 for name in $RUNS; do
-    read -r dev mem layers handoff <<<"$(run_args "$name")" || {
+    base=$name par=${PARALLEL:-}
+    if [[ $name =~ ^(.*)-p([0-9]+)$ ]]; then
+        base=${BASH_REMATCH[1]} par=${BASH_REMATCH[2]}
+    fi
+    read -r dev mem layers handoff <<<"$(run_args "$base")" || {
         echo "bench-cards: unknown run $name" >&2
         continue
     }
@@ -73,7 +77,7 @@ for name in $RUNS; do
     [ "$mem" = - ] || args+=(--device-mem "$mem")
     [ "$layers" = - ] || args+=(--layers "$layers")
     [ "$handoff" = - ] || args+=(--handoff "$handoff")
-    [ -z "${PARALLEL:-}" ] || args+=(--parallel "$PARALLEL")
+    [ -z "$par" ] || args+=(--parallel "$par")
     rm -f "$OUT/$name.jsonl"
     t0=$(date +%s.%N)
     LAMINA_LOG=info timeout "$RUN_TIMEOUT" "$L" bench "${args[@]}" >"$OUT/$name.out" 2>"$OUT/$name.err"
@@ -85,11 +89,12 @@ for name in $RUNS; do
         END { if (s && e) printf "%.1f", e - s; else printf "?" }' "$OUT/$name.err")
     if [ $rc -ne 0 ]; then
         why=$(grep -m2 "error" "$OUT/$name.err" | sed 's/.*error: //' | tr '\n' ' ')
-        echo "| $name | $dev | $mem | $layers | $handoff | failed (rc $rc): $why | | |" >>"$table"
+        echo "| $name | $dev | $mem | $layers | $handoff | ${par:-1} | failed (rc $rc): $why | | | |" >>"$table"
     else
         pp=$(field pp_tps "$OUT/$name.out") pps=$(field pp_spread "$OUT/$name.out")
         tg=$(field tg_tps "$OUT/$name.out") tgs=$(field tg_spread "$OUT/$name.out")
-        echo "| $name | $dev | $mem | $layers | $handoff | $pp +- $pps | $tg +- $tgs | $load |" >>"$table"
+        tq=$(field tg_seq_tps "$OUT/$name.out")
+        echo "| $name | $dev | $mem | $layers | $handoff | ${par:-1} | $pp +- $pps | $tg +- $tgs | ${tq:-$tg} | $load |" >>"$table"
     fi
     {
         echo "#### $name ($(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", b - a }') s)"

@@ -117,14 +117,20 @@ tests() {
     echo "gpu tests: $pass passed, $fail failed, $skip skipped (fewer than 2 GPUs)"
 }
 
+# BENCH_VARIANTS: environment settings separated by ';' (e.g. "LAMINA_CUDA_PDL=0;
+# LAMINA_CUDA_FUSE=0"), each one more bench run after the default one.
 bench() {
-    local m=.models/q3n-80b-q4_0.gguf
+    local m=.models/q3n-80b-q4_0.gguf v
     mkdir -p .models
-    grep -qx "/.models/" .git/info/exclude 2>/dev/null || true
     [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
-        --seed 1 --threads 14 -o $m 2>&1 | tail -2
-    LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc --backend cuda:0 --no-membw 2>&1 |
-        tee "$OUT/bench-lamina.txt" | grep -v " info: "
+        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    { echo; echo "${BENCH_VARIANTS:-}" | tr ';' '\n'; } | while read -r v; do
+        echo "== lamina bench ${v:-(default)}"
+        # shellcheck disable=SC2086
+        env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc \
+            --backend cuda:0 --no-membw 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
+            grep -v " info: "
+    done
 }
 
 # Placement benchmark (issue 5): tools/bench-place.sh at the budgets in

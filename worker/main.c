@@ -784,10 +784,20 @@ static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, 
         }
         return rc;
     }
-    case WIRE_TYPE_RESET: /* every slot */
+    case WIRE_TYPE_RESET: { /* every slot */
         backend_reset(w->be);
         memset(w->pos, 0, w->n_seq * sizeof(*w->pos));
-        return 0;
+        /* The reset travels down the pipeline like a step: the coordinator
+         * sends it to worker 0 only, and each worker passes it on over its
+         * hand-off socket, behind the steps it already handed on and ahead of
+         * the next ones. Sent by the coordinator to every worker, it could
+         * reach a later worker after the first step of the next sequence
+         * (two sockets, no order between them) and wipe that step's state. */
+        if (!w->out)
+            return 0;
+        struct wire_msg o = {.type = WIRE_TYPE_RESET};
+        return worker_send(w, w->out, &o);
+    }
     case WIRE_TYPE_SHUTDOWN:
         return 1;
     case WIRE_TYPE_HEARTBEAT:
