@@ -105,8 +105,8 @@ model_sizes() {
     [ -n "$FILE_BYTES" ] && [ -n "$N_LAYER" ] && [ "$EXP_BYTES" -gt 0 ]
 }
 
-ratio() { # numerator denominator decimals
-    awk -v a="$1" -v b="$2" -v d="$3" 'BEGIN { printf ("%." d "f"), a / b }'
+ratio() { # numerator denominator decimals [scale]: scale * numerator / denominator
+    awk -v a="$1" -v b="$2" -v d="$3" -v k="${4:-1}" 'BEGIN { printf ("%." d "f"), k * a / b }'
 }
 
 gpu_index() { echo "${DEVICE#cuda:}"; }
@@ -222,7 +222,7 @@ main() {
         local line="$b: auto ${auto:-?} tok/s"
         [ -n "$auto" ] && [ -n "$off" ] && line+=", $(ratio "$auto" "$off" 2)x off"
         [ -n "$auto" ] && [ -n "$best_list" ] &&
-            line+=", $(ratio "100 * $auto" "$best_list" 1)% of the best list ($best_name)"
+            line+=", $(ratio "$auto" "$best_list" 1 100)% of the best list ($best_name)"
         if [ -n "${LLAMA_BENCH:-}" ]; then
             llama_at "$b"
             rows+=$(cat "$OUT/llama-rows-$b")$'\n'

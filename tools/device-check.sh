@@ -124,13 +124,14 @@ bench() {
     mkdir -p .models
     [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
         --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
-    { echo; echo "${BENCH_VARIANTS:-}" | tr ';' '\n'; } | while read -r v; do
-        echo "== lamina bench ${v:-(default)}"
-        # shellcheck disable=SC2086
-        env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc \
-            --backend cuda:0 --no-membw 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
-            grep -v " info: "
-    done
+    { echo; [ -z "${BENCH_VARIANTS:-}" ] || echo "$BENCH_VARIANTS" | tr ';' '\n'; } |
+        while read -r v; do
+            echo "== lamina bench ${v:-(default)}"
+            # shellcheck disable=SC2086
+            env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc \
+                --backend cuda:0 --no-membw 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
+                grep -v " info: "
+        done
 }
 
 # Placement benchmark (issue 5): tools/bench-place.sh at the budgets in
@@ -184,7 +185,9 @@ profile() {
 llama_bench() {
     local m=.models/q3n-80b-q4_0.gguf
     [ -x .peerbuild/bin/llama-bench ] || { echo "llama: no .peerbuild/bin/llama-bench"; return 1; }
-    .peerbuild/bin/llama-bench -m $m -ngl 99 -p 512 -n 128 -r 3 2>&1 | tee "$OUT/bench-llama.txt"
+    # one card, as lamina's bench: llama.cpp splits over every visible GPU by default
+    CUDA_VISIBLE_DEVICES=0 .peerbuild/bin/llama-bench -m $m -ngl 99 -p 512 -n 128 -r 3 2>&1 |
+        tee "$OUT/bench-llama.txt"
 }
 
 case "${1:-}" in
