@@ -2,10 +2,15 @@
  * threadpool: pinned worker threads with a spin-then-futex job handoff
  * (see threadpool.h).
  *
- * A job is published by bumping `generation`; workers that see a new
- * generation grab task indices from `next` until it passes n_tasks and then
- * count themselves out through `done`. The owner runs tasks too and waits for
- * `done` to reach the worker count.
+ * A job is published by bumping `generation` (the futex word). Tasks are
+ * claimed from `work`, one 64-bit word holding the job's generation (high
+ * half) and its next task index (low half), with a compare-and-swap that
+ * fails once the word belongs to another job; each finished task counts in
+ * `completed`. The owner runs tasks too and returns when `completed` reaches
+ * the job's task count, then closes the word (index THREADPOOL_CLOSED).
+ * So a job never waits for a worker that has not woken up or was descheduled
+ * (a core shared with another process's busy thread): only for tasks
+ * actually claimed; a worker that comes late finds the job closed or gone.
  */
 #include "kernels/cpu/threadpool.h"
 
@@ -23,6 +28,7 @@
 #include "common/log.h"
 
 #define THREADPOOL_SPINS 20000 /* polls before a worker sleeps */
+#define THREADPOOL_CLOSED UINT32_MAX /* task index of a finished job */
 #define THREADPOOL_MAX_CPUS 1024
 
 struct threadpool_worker {
@@ -37,12 +43,12 @@ struct threadpool {
     int cpus[THREADPOOL_MAX_CPUS];     /* logical cpu per physical core */
     int n_cpus;                        /* entries of cpus */
     _Atomic uint32_t generation;       /* bumped per job (futex word) */
-    _Atomic int64_t next;              /* next task index */
-    _Atomic int done;                  /* workers finished with this job */
+    _Atomic uint64_t work;             /* generation << 32 | next task index */
+    _Atomic int64_t completed;         /* tasks of the current job finished */
     _Atomic int stop;                  /* set at destroy */
-    threadpool_fn fn;                  /* current job */
+    threadpool_fn fn;                  /* current job (read only under a claimed task) */
     void *ctx;                         /* current job's context */
-    int64_t n_tasks;                   /* current job's size */
+    _Atomic int64_t n_tasks;           /* current job's size */
 };
 
 static long threadpool_futex(_Atomic uint32_t *addr, int op, uint32_t val)
@@ -106,13 +112,23 @@ int threadpool_physical_cores(void)
     return n > 0 ? n : 1;
 }
 
-static void threadpool_work(struct threadpool *pool, int thread)
+/* Runs tasks of job gen until none is left to claim. A task claimed here
+ * keeps the job open (the owner waits for it), so fn and ctx stay that job's
+ * while it runs. */
+static void threadpool_work(struct threadpool *pool, int thread, uint32_t gen)
 {
+    uint64_t w = atomic_load_explicit(&pool->work, memory_order_acquire);
     for (;;) {
-        int64_t i = atomic_fetch_add_explicit(&pool->next, 1, memory_order_relaxed);
-        if (i >= pool->n_tasks)
-            break;
+        const uint32_t i = (uint32_t)w;
+        if ((uint32_t)(w >> 32) != gen ||
+            (int64_t)i >= atomic_load_explicit(&pool->n_tasks, memory_order_relaxed))
+            return; /* another job's word, closed, or every task claimed */
+        if (!atomic_compare_exchange_weak_explicit(&pool->work, &w, w + 1, memory_order_acquire,
+                                                   memory_order_acquire))
+            continue; /* w now holds the word as it is */
         pool->fn(pool->ctx, i, thread);
+        atomic_fetch_add_explicit(&pool->completed, 1, memory_order_release);
+        w = atomic_load_explicit(&pool->work, memory_order_acquire);
     }
 }
 
@@ -133,8 +149,7 @@ static void *threadpool_main(void *arg)
         seen = gen;
         if (atomic_load(&pool->stop))
             return NULL;
-        threadpool_work(pool, w->id);
-        atomic_fetch_add_explicit(&pool->done, 1, memory_order_acq_rel);
+        threadpool_work(pool, w->id, gen);
     }
 }
 
@@ -215,14 +230,20 @@ void threadpool_run(struct threadpool *pool, threadpool_fn fn, void *ctx, int64_
             fn(ctx, i, 0);
         return;
     }
+    ASSERT(n_tasks < THREADPOOL_CLOSED);
+    /* the previous job's word is closed: no worker claims from it while
+     * these change */
     pool->fn = fn;
     pool->ctx = ctx;
-    pool->n_tasks = n_tasks;
-    atomic_store_explicit(&pool->next, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
-    atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
+    atomic_store_explicit(&pool->n_tasks, n_tasks, memory_order_relaxed);
+    atomic_store_explicit(&pool->completed, 0, memory_order_relaxed);
+    const uint32_t gen = atomic_load_explicit(&pool->generation, memory_order_relaxed) + 1;
+    atomic_store_explicit(&pool->work, (uint64_t)gen << 32, memory_order_release);
+    atomic_store_explicit(&pool->generation, gen, memory_order_release);
     threadpool_futex(&pool->generation, FUTEX_WAKE_PRIVATE, INT32_MAX);
-    threadpool_work(pool, 0);
-    while (atomic_load_explicit(&pool->done, memory_order_acquire) < pool->n_threads - 1)
+    threadpool_work(pool, 0, gen);
+    while (atomic_load_explicit(&pool->completed, memory_order_acquire) < n_tasks)
         ;
+    atomic_store_explicit(&pool->work, (uint64_t)gen << 32 | THREADPOOL_CLOSED,
+                          memory_order_release);
 }
