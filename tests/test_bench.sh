@@ -1,6 +1,9 @@
 #!/bin/sh
 # lamina bench: the markdown table and the --json line, in-process and on two
 # CPU workers, on a gen-model tiny model; and its refusal of bad arguments.
+# Repetitions on two workers with every expert resident (each repetition
+# resets the sequence: the reset must reach worker 1 before the next
+# repetition's first step, which it once did not).
 set -u
 BUILD=${BUILD:-build}
 L=$BUILD/lamina
@@ -28,6 +31,10 @@ assert d["pp_tps"] > 0 and d["tg_tps"] > 0 and d["pp_spread"] >= 0, d
 assert d["bytes_per_token"] > 0 and d["arch"] == "qwen3next", d
 print("json ok:", d["backend"], round(d["pp_tps"]), "pp tok/s,", round(d["tg_tps"]), "tg tok/s")
 ' || fail "bench --json $mode: bad JSON line: $(tail -1 "$T/json.txt")"
+done
+for i in 1 2 3 4; do
+    $L bench -m "$T/m.gguf" -p 16 -n 8 -r 5 --no-membw --devices cpu,cpu >/dev/null 2>"$T/err" ||
+        fail "bench on cpu,cpu, run $i of 4: $(grep -m1 error "$T/err")"
 done
 $L bench -m "$T/m.gguf" -p 0 -n 0 >/dev/null 2>"$T/err" && fail "-p 0 -n 0 accepted"
 grep -q "nothing to measure" "$T/err" || fail "no message for -p 0 -n 0"
