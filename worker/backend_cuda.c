@@ -192,6 +192,7 @@ struct backend_cuda {
     bool graphs;
     cudaGraphExec_t gexec;
     uint64_t graph_kernels;           /* kernels in the graph */
+    uint64_t graph_expert_rows;       /* stats.expert_rows of one replay (counted at capture) */
     /* profile (LAMINA_CUDA_PROFILE=1): an event before each kernel */
     bool prof;
     uint32_t prof_n;
@@ -1165,7 +1166,7 @@ static int cb_graph_step(struct backend_cuda *c)
     if (!c->gexec) {
         cudaGraph_t graph = NULL;
         const double t0 = cb_now();
-        const uint64_t k0 = c->launches;
+        const uint64_t k0 = c->launches, rows0 = c->stats.expert_rows;
         int rc = CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
         if (rc)
             return rc;
@@ -1177,10 +1178,13 @@ static int cb_graph_step(struct backend_cuda *c)
             cudaGraphDestroy(graph);
         c->graph_capture_s = cb_now() - t0;
         c->graph_kernels = c->launches - k0;
+        c->graph_expert_rows = c->stats.expert_rows - rows0;
         if (rc)
             return rc;
     } else {
+        /* a replay runs what the capture enqueued: count it as the capture did */
         c->launches += c->graph_kernels;
+        c->stats.expert_rows += c->graph_expert_rows;
         if (c->cfg.progress)
             __atomic_add_fetch(c->cfg.progress, c->l1 - c->l0, __ATOMIC_RELAXED);
     }
