@@ -262,7 +262,9 @@ static int worker_serve(struct worker *w, const struct wire_msg *m)
     return 0;
 }
 
-/* worker_serve, reporting a failure to the coordinator (which fails the step naming us). */
+/* worker_serve, reporting a failure to the coordinator (which fails the step naming us).
+ * A request that does not fit the plan (-EPROTO, -EINVAL) is answered with that error and the
+ * worker goes on; a backend or socket failure ends it. */
 static int worker_serve_report(struct worker *w, const struct wire_msg *m)
 {
     int rc = worker_serve(w, m);
@@ -273,7 +275,7 @@ static int worker_serve_report(struct worker *w, const struct wire_msg *m)
                  (unsigned long long)m->expert_request.tag, strerror(-rc));
         worker_report_error(w, rc, what);
     }
-    return rc;
+    return rc == -EPROTO || rc == -EINVAL ? 0 : rc;
 }
 
 /* Keeps a coordinator message that came during a step (taking over *m, which is zeroed) for
@@ -317,9 +319,10 @@ static int worker_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
                 return rc;
             continue;
         }
-        if (m.type == WIRE_TYPE_EXPERT_REQUEST) { /* a peer's, forwarded: answer it now */
+        if (m.type == WIRE_TYPE_EXPERT_REQUEST && w->has_foreign) { /* a peer's: answer now */
+            const uint64_t before = w->served_req;
             rc = worker_serve_report(w, &m);
-            w->served_waiting += rc == 0;
+            w->served_waiting += w->served_req - before;
             wire_msg_free(&m);
             if (rc)
                 return rc;
@@ -907,7 +910,11 @@ static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, 
     case WIRE_TYPE_HEARTBEAT:
         return 0;
     case WIRE_TYPE_EXPERT_REQUEST: /* a peer's, forwarded by the coordinator */
-        return worker_serve_report(w, m);
+        if (w->has_foreign)
+            return worker_serve_report(w, m);
+        log_warn("ignoring an unexpected %s message (this worker holds no foreign experts)",
+                 wire_msg_type_name(m->type));
+        return 0;
     default:
         log_warn("ignoring an unexpected %s message", wire_msg_type_name(m->type));
         return 0;
