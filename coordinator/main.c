@@ -536,6 +536,9 @@ static int cmd_run(struct cli *c)
         rc = o.prompt_buf ? 0 : -EIO;
     }
     o.g.prompt_ids = o.ids;
+    if (!rc && o.inproc && o.cl.experts_home && !strcmp(o.cl.experts_home, "any"))
+        rc = cli_fail(c, "%s", "--experts-home any places experts on other workers: it has no "
+                      "--inproc form (use --devices)");
     if (!o.inproc) {
         main_cluster_defaults(&o);
         o.g.cluster = &o.cl;
@@ -747,6 +750,9 @@ static int cmd_bench(struct cli *c)
     }
     if (!rc && bc.backend && !o.inproc)
         rc = cli_fail(c, "%s", "--backend runs every layer in this process: add --inproc");
+    if (!rc && o.inproc && o.cl.experts_home && !strcmp(o.cl.experts_home, "any"))
+        rc = cli_fail(c, "%s", "--experts-home any places experts on other workers: it has no "
+                      "--inproc form (use --devices)");
     if (!rc && bc.parallel && o.inproc)
         rc = cli_fail(c, "%s", "--parallel runs several sequences through the workers' "
                       "pipeline: it has no --inproc form (use --devices)");

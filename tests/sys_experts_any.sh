@@ -10,7 +10,10 @@
 #      ways, requests served; how many were answered inside a worker's own expert wait is
 #      printed (a race, so not required);
 #   3. no lamina-worker process and no /dev/shm segment of the coordinator left;
-#   4. refusals: a bad --experts-home value (run and plan), and any without a placement plan.
+#   4. refusals: a bad --experts-home value (run and plan), any without a placement plan or
+#      with --inproc;
+#   5. kill -9 of the worker holding foreign experts while it serves: an error naming worker 1,
+#      a non-zero exit, nothing left.
 set -u
 BUILD=${BUILD:-build}
 L=$BUILD/lamina
@@ -125,6 +128,9 @@ $L plan -m "$T/qwen3next.gguf" --devices cpu,cpu --device-mem 300K,2M --experts-
     --probe off >/dev/null 2>"$T/err"
 [ $? -ne 0 ] && grep -q "experts-home 'all' must be range or any" "$T/err" &&
     ok "plan --experts-home all refused" || fail "plan bad value: $(cat "$T/err" | head -2)"
+$L run -m "$T/qwen3next.gguf" --prompt-ids 5,17 -n 2 --inproc --experts-home any >/dev/null 2>"$T/err"
+[ $? -ne 0 ] && grep -q "no --inproc form" "$T/err" && ok "--inproc --experts-home any refused" ||
+    fail "inproc any: $(cat "$T/err" | head -2)"
 $L run $common --resident 50% --experts-home any >/dev/null 2>"$T/err"
 [ $? -ne 0 ] && grep -q "needs a placement plan" "$T/err" &&
     ok "--experts-home any without a plan refused" || fail "no plan: $(cat "$T/err" | head -2)"
@@ -132,6 +138,36 @@ $L plan -m "$T/qwen3next.gguf" --devices cpu,cpu --device-mem 250K,2M -b 32 -c 2
     --experts-home any --probe off >"$T/plan.txt" 2>/dev/null
 grep -q "foreign: device 1 (cpu) holds [1-9][0-9]* routed experts" "$T/plan.txt" &&
     ok "lamina plan prints the foreign holdings" || fail "plan: no foreign line"
+
+# 5. the holder dies while it serves (bench repetitions keep requests coming)
+LAMINA_LOG=info $L bench -m "$T/qwen3next.gguf" -p 16 -n 64 -r 200 --devices cpu,cpu \
+    --device-mem 250K,2M -b 32 --experts-home any --no-membw >/dev/null 2>"$T/kill.err" &
+pid=$!
+w1=
+for i in $(seq 1 100); do
+    w1=$(pgrep -P $pid -f -- "--index 1" | head -1)
+    [ -n "$w1" ] && grep -q "loaded:.*foreign" "$T/kill.err" && break
+    sleep 0.1
+done
+sleep 0.5
+if [ -n "$w1" ]; then
+    kill -9 "$w1"
+    t0=$(date +%s.%N)
+    wait $pid
+    rc=$?
+    secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+    check_clean "kill -9 of the holder" $pid
+    if [ $rc -ne 0 ] && grep -q "error: worker 1 " "$T/kill.err"; then
+        ok "kill -9 of worker 1 while serving: '$(grep -m1 'error: worker 1 ' "$T/kill.err" | sed 's/.*error: //')', exit $rc after $secs s"
+        echo "[measure] kill -9 of the foreign-expert holder: coordinator exit $rc after $secs s"
+    else
+        fail "kill -9 of worker 1: rc $rc, $(grep error "$T/kill.err" | head -2)"
+    fi
+else
+    kill -9 $pid 2>/dev/null
+    wait $pid
+    fail "kill -9 of worker 1: no worker 1 found"
+fi
 
 [ $fails -eq 0 ] || { echo "$fails failure(s)"; exit 1; }
 echo "all ok"
