@@ -840,6 +840,13 @@ static int cl_expert_split(struct cluster *c, int i, const struct wire_msg *m)
         pd->cnt[g] = r->counts[g];
         pd->who[g] = c->home[r->layer][r->experts[g]];
         pd->rows += r->counts[g];
+        if (pd->rows > c->cfg.max_batch * hp->n_expert_used) {
+            log_error("worker %d sent an expert request of more than %u rows (batch %u x top %u)",
+                      i, c->cfg.max_batch * hp->n_expert_used, c->cfg.max_batch,
+                      hp->n_expert_used);
+            pd->busy = false;
+            return -EPROTO;
+        }
     }
     for (int h = 0; h < c->n; h++) { /* the holders first: they compute while the pool does */
         uint32_t rows, n = cl_gather(c, pd, m->tensor, h, &rows);
