@@ -4,6 +4,17 @@
  * Routing ids on the coordinator's ROUTER: "w<i>" is worker i's main socket
  * (hello, ready, expert requests, results, timings, errors), "h<i>" its
  * watchdog (heartbeats carrying its layer-progress counter).
+ *
+ * Foreign experts (--experts-home any, planner.h step 5): an expert request
+ * whose groups include experts another worker holds is split. Each holder gets
+ * its groups (rows gathered in group order) as an ExpertRequest with a fresh
+ * non-zero tag, sent first so that it computes while the CPU pool runs the
+ * remaining groups here; the rows of every part are put back at their groups'
+ * places in the original order, and once every part has come the requester
+ * gets one ExpertReply, as if the pool had run it all. A worker has at most one
+ * request outstanding (it waits for its reply), so the coordinator keeps one
+ * pending assembly per requesting worker. A holder that reports an error, dies
+ * or does not answer within hang_timeout fails the step with an error naming it.
  */
 #include "coordinator/cluster.h"
 
@@ -62,6 +73,23 @@ struct cluster_worker {
     double ms_total, ms_attn, ms_deltanet, ms_router, ms_experts, ms_cpu_wait, ms_shared;
     double ms_send, ms_recv_wait, ms_handoff;
     uint64_t experts_local, experts_cpu;
+    uint8_t **foreign;         /* --experts-home any: per model layer, the foreign experts it
+                                  holds (bitmap) or NULL; NULL: none */
+    uint64_t served_req, served_rows; /* forwarded requests it answered, rows */
+};
+
+/* One expert request being assembled from forwarded parts (see the top of this file). */
+struct cl_pending {
+    bool busy;
+    uint64_t step;
+    uint32_t layer, rows, n_groups;
+    uint32_t *off, *cnt;       /* per group: first row in the request, rows */
+    int16_t *who;              /* per group: the worker holding it, or -1 (CPU pool) */
+    float *out;                /* rows x n_embd: the reply */
+    int n_wait;                /* parts not answered yet */
+    double t_sent;
+    uint64_t tag[CLUSTER_MAX_WORKERS]; /* per worker: its part's tag, 0 when none or answered */
+    uint32_t part_rows[CLUSTER_MAX_WORKERS];
 };
 
 struct cluster {
@@ -80,6 +108,12 @@ struct cluster {
     struct expert_ref **refs;           /* per layer, pool's view of shm */
     struct expert_pool *pool;
     float *reply;                       /* expert reply rows */
+    int16_t **home;                     /* --experts-home any: per layer, per expert, the worker
+                                           holding it when foreign, else -1; NULL: range */
+    struct cl_pending pend[CLUSTER_MAX_WORKERS]; /* per requesting worker */
+    float *gather;                      /* rows of one part of a split request */
+    uint32_t *gx, *gc;                  /* its experts and counts */
+    uint64_t next_tag;
     uint32_t reply_rows;
     uint64_t seq_no, step;
     FILE *timings;
@@ -355,6 +389,39 @@ static bool cl_use_planner(const struct cluster *c)
     return !c->cfg.resident; /* an explicit --resident keeps the simple split */
 }
 
+/* --experts-home any: who holds which foreign expert, per layer and per worker. */
+static int cl_plan_foreign(struct cluster *c, const struct planner_plan *plan)
+{
+    const uint32_t L = plan->n_layer, E = plan->n_expert, bm = (E + 7) / 8;
+    c->home = calloc(L, sizeof(*c->home));
+    if (!c->home)
+        return -ENOMEM;
+    for (uint32_t l = 0; l < L; l++) {
+        c->home[l] = malloc(E * sizeof(**c->home));
+        if (!c->home[l])
+            return -ENOMEM;
+        for (uint32_t e = 0; e < E; e++) {
+            const int h = planner_holder(plan, l, e);
+            const bool foreign = h >= 0 && h != plan->layers[l].device;
+            c->home[l][e] = (int16_t)(foreign ? h : -1);
+            if (!foreign)
+                continue;
+            struct cluster_worker *w = &c->w[h];
+            if (!w->foreign && !(w->foreign = calloc(L, sizeof(*w->foreign))))
+                return -ENOMEM;
+            if (!w->foreign[l] && !(w->foreign[l] = calloc(bm, 1)))
+                return -ENOMEM;
+            w->foreign[l][e / 8] |= (uint8_t)(1u << (e % 8));
+        }
+    }
+    for (int i = 0; i < c->n; i++)
+        if (plan->dev[i].n_foreign)
+            log_info("worker %d: holds %u experts of other workers' layers (%.1f MiB, "
+                     "--experts-home any)", i, plan->dev[i].n_foreign,
+                     plan->dev[i].foreign / 1048576.0);
+    return 0;
+}
+
 /* Layer ranges, resident experts and trunk pieces from the placement planner. */
 static int cl_plan(struct cluster *c)
 {
@@ -365,7 +432,8 @@ static int cl_plan(struct cluster *c)
     struct planner_config pc = {.model = m, .n_devices = c->n, .heat = heat,
                                 .place = c->cfg.place, .layers = c->cfg.layers,
                                 .n_ctx = c->cfg.n_ctx, .kv_f16 = c->cfg.kv_f16,
-                                .max_batch = c->cfg.max_batch, .n_seq = c->n_seq};
+                                .max_batch = c->cfg.max_batch, .n_seq = c->n_seq,
+                                .experts_home = c->cfg.experts_home};
     for (int i = 0; i < c->n; i++) {
         pc.devices[i] = (struct planner_device){
             .name = c->cfg.backends[i], .budget = c->cfg.device_mem[i],
@@ -413,6 +481,8 @@ static int cl_plan(struct cluster *c)
         log_info("worker %d: layers %u-%u, %u experts resident, %.1f MiB trunk placed", i, w->l0,
                  w->l1 - 1, plan->dev[i].n_experts, plan->dev[i].trunk / 1048576.0);
     }
+    if (!rc && plan->experts_any)
+        rc = cl_plan_foreign(c, plan);
     planner_plan_destroy(plan);
     return rc;
 }
@@ -454,7 +524,25 @@ static int cl_setup_shm(struct cluster *c)
                                     .n_threads = c->cfg.pool_threads, .max_rows = rows};
     c->pool = expert_pool_create(&pc);
     c->reply = malloc((size_t)rows * m->hp.n_embd * sizeof(float));
-    return c->pool && c->reply ? 0 : -ENOMEM;
+    if (!c->pool || !c->reply)
+        return -ENOMEM;
+    if (!c->home)
+        return 0;
+    c->gather = malloc((size_t)rows * m->hp.n_embd * sizeof(float));
+    c->gx = malloc(E * sizeof(*c->gx));
+    c->gc = malloc(E * sizeof(*c->gc));
+    if (!c->gather || !c->gx || !c->gc)
+        return -ENOMEM;
+    for (int i = 0; i < c->n; i++) {
+        struct cl_pending *pd = &c->pend[i];
+        pd->off = malloc(E * sizeof(*pd->off));
+        pd->cnt = malloc(E * sizeof(*pd->cnt));
+        pd->who = malloc(E * sizeof(*pd->who));
+        pd->out = malloc((size_t)rows * m->hp.n_embd * sizeof(float));
+        if (!pd->off || !pd->cnt || !pd->who || !pd->out)
+            return -ENOMEM;
+    }
+    return 0;
 }
 
 /* ---- sockets and processes ---- */
@@ -678,6 +766,173 @@ void cluster_print_summary(const struct cluster *c, FILE *out)
 
 /* ---- messages ---- */
 
+/* Gathers the rows of the pending request's groups that worker h holds (h = -1: the CPU
+ * pool's) into c->gather and their counts into c->gc (the caller fills c->gx); returns the
+ * number of groups, *rows their rows. */
+static uint32_t cl_gather(struct cluster *c, const struct cl_pending *pd, const float *X, int h,
+                          uint32_t *rows)
+{
+    const size_t n_embd = c->cfg.model->hp.n_embd;
+    uint32_t n = 0, at = 0;
+    for (uint32_t g = 0; g < pd->n_groups; g++) {
+        if (pd->who[g] != h)
+            continue;
+        memcpy(c->gather + (size_t)at * n_embd, X + (size_t)pd->off[g] * n_embd,
+               (size_t)pd->cnt[g] * n_embd * sizeof(float));
+        c->gc[n++] = pd->cnt[g];
+        at += pd->cnt[g];
+    }
+    *rows = at;
+    return n;
+}
+
+/* Puts rows Y of the groups worker h (or the pool, -1) computed back at their places. */
+static void cl_scatter(struct cluster *c, struct cl_pending *pd, const float *Y, int h)
+{
+    const size_t n_embd = c->cfg.model->hp.n_embd;
+    uint32_t at = 0;
+    for (uint32_t g = 0; g < pd->n_groups; g++) {
+        if (pd->who[g] != h)
+            continue;
+        memcpy(pd->out + (size_t)pd->off[g] * n_embd, Y + (size_t)at * n_embd,
+               (size_t)pd->cnt[g] * n_embd * sizeof(float));
+        at += pd->cnt[g];
+    }
+}
+
+/* The assembled reply of worker i's split request, once every part has come. */
+static int cl_pending_finish(struct cluster *c, int i)
+{
+    struct cl_pending *pd = &c->pend[i];
+    struct wire_msg o = {.type = WIRE_TYPE_EXPERT_REPLY};
+    o.expert_reply = (struct wire_expert_reply){.step = pd->step, .layer = pd->layer,
+                                                .n_rows = pd->rows,
+                                                .n_embd = c->cfg.model->hp.n_embd};
+    o.tensor = pd->out;
+    o.tensor_bytes = (size_t)pd->rows * c->cfg.model->hp.n_embd * sizeof(float);
+    pd->busy = false;
+    return cl_send(c, i, &o);
+}
+
+/* A request of worker i with experts other workers hold (see the top of this file). */
+static int cl_expert_split(struct cluster *c, int i, const struct wire_msg *m)
+{
+    const struct wire_expert_request *r = &m->expert_request;
+    const struct arch_hparams *hp = &c->cfg.model->hp;
+    struct cl_pending *pd = &c->pend[i];
+    if (pd->busy || r->n_experts > hp->n_expert) {
+        log_error("worker %d sent an expert request for layer %u (%zu groups) while its request "
+                  "for layer %u waits for other workers, or with more groups than %u experts",
+                  i, r->layer, r->n_experts, pd->layer, hp->n_expert);
+        return -EPROTO;
+    }
+    *pd = (struct cl_pending){.busy = true, .step = r->step, .layer = r->layer,
+                              .n_groups = (uint32_t)r->n_experts, .off = pd->off, .cnt = pd->cnt,
+                              .who = pd->who, .out = pd->out, .t_sent = cl_now()};
+    for (uint32_t g = 0; g < pd->n_groups; g++) {
+        if (r->experts[g] >= hp->n_expert) {
+            log_error("worker %d asked for expert %u of layer %u (the model has %u)", i,
+                      r->experts[g], r->layer, hp->n_expert);
+            pd->busy = false;
+            return -EPROTO;
+        }
+        pd->off[g] = pd->rows;
+        pd->cnt[g] = r->counts[g];
+        pd->who[g] = c->home[r->layer][r->experts[g]];
+        pd->rows += r->counts[g];
+        if (pd->rows > c->cfg.max_batch * hp->n_expert_used) {
+            log_error("worker %d sent an expert request of more than %u rows (batch %u x top %u)",
+                      i, c->cfg.max_batch * hp->n_expert_used, c->cfg.max_batch,
+                      hp->n_expert_used);
+            pd->busy = false;
+            return -EPROTO;
+        }
+    }
+    for (int h = 0; h < c->n; h++) { /* the holders first: they compute while the pool does */
+        uint32_t rows, n = cl_gather(c, pd, m->tensor, h, &rows);
+        if (!n)
+            continue;
+        for (uint32_t g = 0, k = 0; g < pd->n_groups; g++)
+            if (pd->who[g] == h)
+                c->gx[k++] = r->experts[g];
+        struct wire_msg o = {.type = WIRE_TYPE_EXPERT_REQUEST};
+        o.expert_request = (struct wire_expert_request){
+            .step = r->step, .layer = r->layer, .experts = c->gx, .counts = c->gc,
+            .n_experts = n, .n_embd = hp->n_embd, .tag = ++c->next_tag};
+        o.tensor = c->gather;
+        o.tensor_bytes = (size_t)rows * hp->n_embd * sizeof(float);
+        int rc = cl_send(c, h, &o);
+        if (rc) {
+            log_error("cannot forward worker %d's experts of layer %u to worker %d: %s", i,
+                      r->layer, h, strerror(-rc));
+            return rc;
+        }
+        pd->tag[h] = c->next_tag;
+        pd->part_rows[h] = rows;
+        pd->n_wait++;
+        c->w[h].served_req++;
+        c->w[h].served_rows += rows;
+    }
+    uint32_t rows, n = cl_gather(c, pd, m->tensor, -1, &rows);
+    if (n) {
+        for (uint32_t g = 0, k = 0; g < pd->n_groups; g++)
+            if (pd->who[g] < 0)
+                c->gx[k++] = r->experts[g];
+        int rc = expert_pool_run(c->pool, r->layer, c->gx, c->gc, n, c->gather, c->reply);
+        if (rc)
+            return rc;
+        cl_scatter(c, pd, c->reply, -1);
+    }
+    return pd->n_wait ? 0 : cl_pending_finish(c, i);
+}
+
+/* Worker h's answer to a forwarded request: its rows go into the pending assembly. */
+static int cl_expert_reply(struct cluster *c, int h, const struct wire_msg *m)
+{
+    const struct wire_expert_reply *r = &m->expert_reply;
+    for (int i = 0; r->tag && c->home && i < c->n; i++) {
+        struct cl_pending *pd = &c->pend[i];
+        if (!pd->busy || pd->tag[h] != r->tag)
+            continue;
+        if (r->step != pd->step || r->layer != pd->layer || r->n_rows != pd->part_rows[h] ||
+            r->n_embd != c->cfg.model->hp.n_embd) {
+            log_error("worker %d answered forwarded request %llu with step %llu, layer %u, %u "
+                      "rows of width %u; expected step %llu, layer %u, %u rows", h,
+                      (unsigned long long)r->tag, (unsigned long long)r->step, r->layer,
+                      r->n_rows, r->n_embd, (unsigned long long)pd->step, pd->layer,
+                      pd->part_rows[h]);
+            return -EPROTO;
+        }
+        cl_scatter(c, pd, m->tensor, h);
+        pd->tag[h] = 0;
+        return --pd->n_wait ? 0 : cl_pending_finish(c, i);
+    }
+    log_warn("dropping an expert reply from worker %d (tag %llu) that answers no forwarded "
+             "request", h, (unsigned long long)r->tag);
+    return 0;
+}
+
+/* A forwarded request not answered within hang_timeout: names the worker. */
+static int cl_check_pending(struct cluster *c, double now)
+{
+    for (int i = 0; c->home && i < c->n; i++) {
+        const struct cl_pending *pd = &c->pend[i];
+        if (!pd->busy || now - pd->t_sent <= c->cfg.hang_timeout_s)
+            continue;
+        for (int h = 0; h < c->n; h++) {
+            if (!pd->tag[h])
+                continue;
+            c->w[h].failed = true;
+            log_error("worker %d did not answer the forwarded expert request %llu (experts of "
+                      "layer %u for worker %d, step %llu) within %.1f s", h,
+                      (unsigned long long)pd->tag[h], pd->layer, i,
+                      (unsigned long long)pd->step, now - pd->t_sent);
+            return -ETIMEDOUT;
+        }
+    }
+    return 0;
+}
+
 static int cl_expert_request(struct cluster *c, int i, const struct wire_msg *m)
 {
     const struct wire_expert_request *r = &m->expert_request;
@@ -694,6 +949,16 @@ static int cl_expert_request(struct cluster *c, int i, const struct wire_msg *m)
                   c->n_flight, (unsigned long long)c->step, hp->n_embd);
         return -EPROTO;
     }
+    if (r->tag) {
+        log_error("worker %d sent an expert request with tag %llu: only the coordinator tags "
+                  "(forwarded requests)", i, (unsigned long long)r->tag);
+        return -EPROTO;
+    }
+    bool split = false;
+    for (size_t g = 0; c->home && g < r->n_experts; g++)
+        split |= r->experts[g] < hp->n_expert && c->home[r->layer][r->experts[g]] >= 0;
+    if (split)
+        return cl_expert_split(c, i, m);
     int rc = expert_pool_run(c->pool, r->layer, r->experts, r->counts, (uint32_t)r->n_experts,
                              m->tensor, c->reply);
     if (rc)
@@ -756,6 +1021,9 @@ static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
     case WIRE_TYPE_EXPERT_REQUEST:
         *rc = cl_expert_request(c, i, m);
         return *rc ? CL_FAIL : CL_NONE;
+    case WIRE_TYPE_EXPERT_REPLY: /* a worker's answer to a forwarded request */
+        *rc = cl_expert_reply(c, i, m);
+        return *rc ? CL_FAIL : CL_NONE;
     case WIRE_TYPE_ERROR:
         log_error("worker %d failed in step %llu: %s", i, (unsigned long long)m->error.step,
                   m->error.message);
@@ -783,6 +1051,9 @@ static int cl_check_alive(struct cluster *c)
         return -ECONNRESET;
     }
     const double now = cl_now();
+    int rc = cl_check_pending(c, now);
+    if (rc)
+        return rc;
     for (int i = 0; i < c->n; i++) {
         const struct cluster_worker *w = &c->w[i];
         if (w->exited)
@@ -1052,6 +1323,16 @@ static int cl_send_plan(struct cluster *c, int i)
         res[l] = (struct wire_layer_residency){.layer = w->l0 + l, .bitmap = w->bitmaps[l],
                                                .bitmap_bytes = (m->hp.n_expert + 7) / 8,
                                                .trunk = w->trunk[l], .shexp = w->shexp[l]};
+    struct wire_layer_residency *fr = calloc(m->hp.n_layer, sizeof(*fr));
+    size_t nf = 0;
+    if (!fr) {
+        free(res);
+        return -ENOMEM;
+    }
+    for (uint32_t l = 0; w->foreign && l < m->hp.n_layer; l++)
+        if (w->foreign[l])
+            fr[nf++] = (struct wire_layer_residency){.layer = l, .bitmap = w->foreign[l],
+                                                     .bitmap_bytes = (m->hp.n_expert + 7) / 8};
     int threads = c->cfg.worker_threads;
     if (threads <= 0) {
         threads = threadpool_physical_cores() / c->n;
@@ -1062,6 +1343,7 @@ static int cl_send_plan(struct cluster *c, int i)
         .model_path = c->cfg.model_path, .shm_name = shm_name(c->shm),
         .shm_bytes = shm_bytes(c->shm), .layer_begin = w->l0, .layer_end = w->l1,
         .n_layers_total = m->hp.n_layer, .residency = res, .n_residency = nl,
+        .foreign = fr, .n_foreign = nf,
         .backend = c->cfg.backends[i] ? c->cfg.backends[i] : "cpu",
         .device_mem_budget = c->cfg.device_mem[i], .n_ctx = c->cfg.n_ctx,
         .kv_f16 = c->cfg.kv_f16, .max_batch = c->cfg.max_batch, .n_seq = c->n_seq,
@@ -1083,6 +1365,7 @@ static int cl_send_plan(struct cluster *c, int i)
     }
     int rc = cl_send(c, i, &msg);
     free(res);
+    free(fr);
     return rc;
 }
 
@@ -1111,6 +1394,12 @@ static int cl_start(struct cluster *c)
     int rc = cl_handoff_plan(c);
     if (rc)
         return rc;
+    const bool any = c->cfg.experts_home && !strcmp(c->cfg.experts_home, "any");
+    if (any && !cl_use_planner(c)) {
+        log_error("--experts-home any needs a placement plan: give every worker a --device-mem "
+                  "budget (or --place), without --resident");
+        return -EINVAL;
+    }
     if (cl_use_planner(c)) {
         rc = cl_plan(c);
     } else {
@@ -1214,6 +1503,11 @@ void cluster_destroy(struct cluster *c)
 {
     if (!c)
         return;
+    for (int i = 0; c->home && i < c->n; i++)
+        if (c->w[i].served_req)
+            log_info("worker %d served %llu forwarded expert requests (%llu rows) for other "
+                     "workers", i, (unsigned long long)c->w[i].served_req,
+                     (unsigned long long)c->w[i].served_rows);
     cl_stop_workers(c);
     if (c->timings)
         fclose(c->timings);
@@ -1224,6 +1518,18 @@ void cluster_destroy(struct cluster *c)
         wire_rundir_remove(c->rundir);
     expert_pool_destroy(c->pool);
     free(c->reply);
+    free(c->gather);
+    free(c->gx);
+    free(c->gc);
+    for (int i = 0; i < c->n; i++) {
+        free(c->pend[i].off);
+        free(c->pend[i].cnt);
+        free(c->pend[i].who);
+        free(c->pend[i].out);
+    }
+    for (uint32_t l = 0; c->home && l < c->cfg.model->hp.n_layer; l++)
+        free(c->home[l]);
+    free(c->home);
     for (uint32_t l = 0; c->refs && l < c->cfg.model->hp.n_layer; l++)
         free(c->refs[l]);
     free(c->refs);
@@ -1233,6 +1539,9 @@ void cluster_destroy(struct cluster *c)
         for (uint32_t l = 0; c->w[i].bitmaps && l < c->w[i].l1 - c->w[i].l0; l++)
             free(c->w[i].bitmaps[l]);
         free(c->w[i].bitmaps);
+        for (uint32_t l = 0; c->w[i].foreign && l < c->cfg.model->hp.n_layer; l++)
+            free(c->w[i].foreign[l]);
+        free(c->w[i].foreign);
         free(c->w[i].trunk);
         free(c->w[i].shexp);
     }

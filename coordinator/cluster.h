@@ -66,6 +66,9 @@ struct cluster_config {
                                       list; used when given or when every worker has a
                                       device_mem budget; NULL otherwise */
     const char *heat_path;         /* expert heat profile (heat.json) for the plan, or NULL */
+    const char *experts_home;      /* "range" (NULL) or "any": experts of a worker's layers
+                                      may be held by another worker, which serves them through
+                                      the coordinator (planner.h step 5); needs the planner */
     uint32_t n_ctx;                /* KV positions */
     bool kv_f16;
     uint32_t max_batch;            /* tokens per step */

@@ -72,6 +72,9 @@ static const char usage[] =
     "  --place SPEC            placement plan: auto (default when --device-mem is given),\n"
     "                          off, or a list like lmhead=0,dnproj=0:0-19,experts=all\n"
     "  --heat FILE             expert heat profile (heat.json) for the plan\n"
+    "  --experts-home range|any  routed experts only on the worker that owns their layer\n"
+    "                          (default), or also in other workers' room left, served to\n"
+    "                          the owner through the coordinator (needs a placement plan)\n"
     "  --device-mem SIZE[,..]  memory budget per worker, e.g. 6G or 512M,1G\n"
     "  --timings FILE          JSON lines of per-worker, per-step stage timings\n"
     "  --listen tcp://H:P      bind on TCP with CURVE and wait for lamina-worker processes\n"
@@ -102,6 +105,7 @@ static const char usage[] =
     "            [--layers auto|LIST] [-c N] [--kv-type f16|f32] [-b N] [--margin PCT]\n"
     "            [--device-bw GB/s[,..]] [--path-bw GB/s[,..]] [--host-bw GB/s]\n"
     "            [--dense-miss] [--explain] [--each-expert] [--probe auto|off|FIGURES]\n"
+    "            [--experts-home range|any]\n"
     "  --place auto|off|LIST   e.g. lmhead=0,dnproj=0:0-19+1:20-39,experts=all (pieces: lmhead,\n"
     "                          attn, dnproj, proj, shexp, experts; targets: all, none, auto,\n"
     "                          DEV or DEV:N-M joined by +; see coordinator/planner.h)\n"
@@ -349,6 +353,13 @@ static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, b
         return cli_value(c, &cl->place);
     if (!strcmp(a, "--heat"))
         return cli_value(c, &cl->heat_path);
+    if (!strcmp(a, "--experts-home")) {
+        if (cli_value(c, &cl->experts_home))
+            return -EINVAL;
+        if (strcmp(cl->experts_home, "range") && strcmp(cl->experts_home, "any"))
+            return cli_fail(c, "--experts-home '%s' must be range or any", cl->experts_home);
+        return 0;
+    }
     if (!strcmp(a, "--timings"))
         return cli_value(c, &cl->timings_path);
     if (!strcmp(a, "--listen")) {
@@ -525,6 +536,9 @@ static int cmd_run(struct cli *c)
         rc = o.prompt_buf ? 0 : -EIO;
     }
     o.g.prompt_ids = o.ids;
+    if (!rc && o.inproc && o.cl.experts_home && !strcmp(o.cl.experts_home, "any"))
+        rc = cli_fail(c, "%s", "--experts-home any places experts on other workers: it has no "
+                      "--inproc form (use --devices)");
     if (!o.inproc) {
         main_cluster_defaults(&o);
         o.g.cluster = &o.cl;
@@ -736,6 +750,9 @@ static int cmd_bench(struct cli *c)
     }
     if (!rc && bc.backend && !o.inproc)
         rc = cli_fail(c, "%s", "--backend runs every layer in this process: add --inproc");
+    if (!rc && o.inproc && o.cl.experts_home && !strcmp(o.cl.experts_home, "any"))
+        rc = cli_fail(c, "%s", "--experts-home any places experts on other workers: it has no "
+                      "--inproc form (use --devices)");
     if (!rc && bc.parallel && o.inproc)
         rc = cli_fail(c, "%s", "--parallel runs several sequences through the workers' "
                       "pipeline: it has no --inproc form (use --devices)");
@@ -782,6 +799,8 @@ static int cmd_plan(struct cli *c)
             rc = cli_value(c, &heat);
         else if (!strcmp(a, "--place"))
             rc = cli_value(c, &pc.place);
+        else if (!strcmp(a, "--experts-home"))
+            rc = cli_value(c, &pc.experts_home);
         else if (!strcmp(a, "--layers"))
             rc = cli_value(c, &pc.layers);
         else if (!strcmp(a, "-c") || !strcmp(a, "--ctx"))

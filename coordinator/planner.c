@@ -358,6 +358,11 @@ static int pl_check_config(const struct planner_config *cfg)
             return -EINVAL;
         }
     }
+    if (cfg->experts_home && strcmp(cfg->experts_home, "range") &&
+        strcmp(cfg->experts_home, "any")) {
+        log_error("--experts-home '%s' must be range or any", cfg->experts_home);
+        return -EINVAL;
+    }
     const struct arch_hparams *hp = &cfg->model->hp;
     if (hp->n_layer < (uint32_t)cfg->n_devices) {
         log_error("%d devices for %u layers: every device needs at least one layer",
@@ -697,6 +702,7 @@ static int pl_decide(struct pl_build *b, const struct pl_cand *c, int d, bool pl
                 dv->n_experts++;
                 lp->resident[c->expert / 8] |= (uint8_t)(1u << (c->expert % 8));
                 lp->n_resident++;
+                lp->holder[c->expert] = (int16_t)d;
             } else {
                 dv->trunk += c->bytes;
                 if (c->kind == PLANNER_KIND_LMHEAD) {
@@ -844,6 +850,62 @@ static int pl_fill_off(struct pl_build *b, const struct pl_cand *c, size_t n)
     return rc;
 }
 
+/* Step 5 (planner.h): experts left in host memory for want of room, most valuable first,
+ * each to the non-owner device with the most room left that it fits. */
+static int pl_fill_foreign(struct pl_build *b)
+{
+    struct planner_plan *p = b->p;
+    size_t n = 0;
+    for (size_t i = 0; i < p->n_pieces; i++)
+        n += p->pieces[i].kind == PLANNER_KIND_EXPERT && p->pieces[i].why == PLANNER_WHY_NO_ROOM;
+    if (!n || p->n_devices < 2)
+        return 0;
+    struct pl_cand *c = malloc(n * sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    const uint32_t E = p->n_expert;
+    n = 0;
+    for (size_t i = 0; i < p->n_pieces; i++) {
+        const struct planner_piece *x = &p->pieces[i];
+        if (x->kind != PLANNER_KIND_EXPERT || x->why != PLANNER_WHY_NO_ROOM)
+            continue;
+        /* value before the holder's ratio: p x discount; the holder's ratio is applied when
+         * a device is picked (equal for every device of one kind) */
+        c[n++] = (struct pl_cand){.kind = PLANNER_KIND_EXPERT, .dev = -1, .layer = x->layer,
+                                  .expert = x->expert, .bytes = x->bytes,
+                                  .value = b->prob[(size_t)x->layer * E + x->expert] *
+                                           PLANNER_FOREIGN_DISCOUNT,
+                                  .disp = PL_D_AUTO};
+    }
+    qsort(c, n, sizeof(*c), pl_cand_cmp);
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        struct planner_layer_plan *lp = &p->layers[c[i].layer];
+        int best = -1;
+        for (int d = 0; d < p->n_devices; d++)
+            if (d != lp->device && c[i].bytes <= p->dev[d].free &&
+                (best < 0 || p->dev[d].free > p->dev[best].free))
+                best = d;
+        if (best < 0)
+            continue;
+        struct planner_device_plan *dv = &p->dev[best];
+        struct planner_piece pc = {.kind = PLANNER_KIND_EXPERT, .device = best,
+                                   .layer = c[i].layer, .expert = c[i].expert,
+                                   .bytes = c[i].bytes, .value = c[i].value * dv->miss_ratio,
+                                   .placed = true, .why = PLANNER_WHY_FOREIGN,
+                                   .room_before = dv->free};
+        dv->free -= c[i].bytes;
+        dv->foreign += c[i].bytes;
+        dv->n_foreign++;
+        lp->holder[c[i].expert] = (int16_t)best;
+        lp->n_foreign++;
+        pc.room_after = dv->free;
+        rc = pl_push(b, &pc);
+    }
+    free(c);
+    return rc;
+}
+
 /* The marginal expert of a trunk piece x. Placed by value: the best expert
  * left out of its device with a value <= x's (what its room would have held;
  * equal values come after trunk pieces). Listed: the best expert left out.
@@ -854,7 +916,8 @@ static long pl_marginal_of(const struct planner_plan *p, const struct planner_pi
     long best = -1;
     for (size_t i = 0; i < p->n_pieces; i++) {
         const struct planner_piece *e = &p->pieces[i];
-        if (e->kind != PLANNER_KIND_EXPERT || e->device != x->device)
+        if (e->kind != PLANNER_KIND_EXPERT || e->device != x->device ||
+            e->why == PLANNER_WHY_FOREIGN)
             continue;
         bool cand = x->why == PLANNER_WHY_NO_ROOM ? e->placed && e->value > x->value
                     : x->why == PLANNER_WHY_LISTED ? !e->placed
@@ -907,6 +970,7 @@ static int pl_init_plan(struct pl_build *b)
     p->lmhead_device = -1;
     p->lmhead_bytes = pl_mat(&b->m->output);
     snprintf(p->place, sizeof(p->place), "%s", cfg->place && *cfg->place ? cfg->place : "auto");
+    p->experts_any = cfg->experts_home && !strcmp(cfg->experts_home, "any");
     for (int i = 0; i < p->n_devices; i++) {
         const struct planner_device *in = &cfg->devices[i];
         struct planner_device_plan *d = &p->dev[i];
@@ -928,8 +992,11 @@ static int pl_init_plan(struct pl_build *b)
         lp->shexp_bytes = planner_shexp_bytes(ly);
         lp->expert_bytes = planner_expert_bytes(ly);
         lp->resident = calloc((p->n_expert + 7) / 8 + 1, 1);
-        if (!lp->resident)
+        lp->holder = malloc((p->n_expert ? p->n_expert : 1) * sizeof(*lp->holder));
+        if (!lp->resident || !lp->holder)
             return -ENOMEM;
+        for (uint32_t e = 0; e < p->n_expert; e++)
+            lp->holder[e] = PLANNER_HOST;
     }
     return 0;
 }
@@ -948,6 +1015,8 @@ static int pl_place_pieces(struct pl_build *b)
     if (!rc && b->place.mode != PLANNER_MODE_OFF)
         rc = pl_fill_auto(b, c, n);
     free(c);
+    if (!rc && b->p->experts_any)
+        rc = pl_fill_foreign(b);
     return rc;
 }
 
@@ -985,8 +1054,10 @@ void planner_plan_destroy(struct planner_plan *p)
 {
     if (!p)
         return;
-    for (uint32_t l = 0; p->layers && l < p->n_layer; l++)
+    for (uint32_t l = 0; p->layers && l < p->n_layer; l++) {
         free(p->layers[l].resident);
+        free(p->layers[l].holder);
+    }
     free(p->layers);
     free(p->pieces);
     free(p);
@@ -996,6 +1067,12 @@ const uint8_t *planner_bitmap(const struct planner_plan *p, uint32_t layer)
 {
     ASSERT(layer < p->n_layer);
     return p->layers[layer].resident;
+}
+
+int planner_holder(const struct planner_plan *p, uint32_t layer, uint32_t expert)
+{
+    ASSERT(layer < p->n_layer && expert < p->n_expert);
+    return p->layers[layer].holder[expert];
 }
 
 /* ---- explanation ---- */
@@ -1010,7 +1087,8 @@ static const char *pl_kind_name(enum planner_kind k)
 static const char *pl_why_name(enum planner_why w)
 {
     static const char *const names[] = {"mandatory", "listed", "by value", "no room",
-                                        "not listed", "--place off", "--place off fill"};
+                                        "not listed", "--place off", "--place off fill",
+                                        "foreign"};
     return (unsigned)w < sizeof(names) / sizeof(names[0]) ? names[w] : "?";
 }
 
@@ -1066,14 +1144,14 @@ static void pl_print_layer_experts(const struct planner_plan *p, uint32_t l, FIL
     int dev = p->layers[l].device;
     for (size_t i = 0; i < p->n_pieces; i++) {
         const struct planner_piece *x = &p->pieces[i];
-        if (x->kind != PLANNER_KIND_EXPERT || x->layer != l)
+        if (x->kind != PLANNER_KIND_EXPERT || x->layer != l || x->why == PLANNER_WHY_FOREIGN)
             continue;
         if (x->placed) {
             held++;
             bytes += x->bytes;
             vmax = x->value > vmax ? x->value : vmax;
             vmin = x->value < vmin ? x->value : vmin;
-        } else if (x->value > vout) {
+        } else if (x->value > vout && p->layers[l].holder[x->expert] == PLANNER_HOST) {
             vout = x->value;
             best_out = x->expert;
         }
@@ -1085,6 +1163,25 @@ static void pl_print_layer_experts(const struct planner_plan *p, uint32_t l, FIL
     if (vout >= 0)
         fprintf(out, "; best left out: expert %u, value %.3f/B", best_out, vout);
     fputc('\n', out);
+    if (!p->layers[l].n_foreign)
+        return;
+    for (int d = 0; d < p->n_devices; d++) { /* --experts-home any: held elsewhere */
+        uint32_t k = 0;
+        double fmax = -1, fmin = INFINITY;
+        for (size_t i = 0; i < p->n_pieces; i++) {
+            const struct planner_piece *x = &p->pieces[i];
+            if (x->why != PLANNER_WHY_FOREIGN || x->layer != l || x->device != d)
+                continue;
+            k++;
+            fmax = x->value > fmax ? x->value : fmax;
+            fmin = x->value < fmin ? x->value : fmin;
+        }
+        if (k)
+            fprintf(out, "[place] device %d (%s): layer %u: %u foreign routed experts held for "
+                    "device %d, %s, values %.3f..%.3f/B (p x miss ratio x %.2f: the extra hop)\n",
+                    d, p->dev[d].name, l, k, dev, PL_SZ((uint64_t)k * p->layers[l].expert_bytes),
+                    fmax, fmin, PLANNER_FOREIGN_DISCOUNT);
+    }
 }
 
 void planner_print_decisions(const struct planner_plan *p, FILE *out, bool each_expert)
@@ -1102,6 +1199,11 @@ void planner_print_decisions(const struct planner_plan *p, FILE *out, bool each_
                 "%s of its %s room left\n", i, d->name, PL_SZ(d->trunk),
                 d->lmhead ? " (lm head included)" : "", d->n_experts, PL_SZ(d->experts),
                 PL_SZ(d->free), PL_SZ(d->room));
+        if (p->experts_any)
+            fprintf(out, "[place] device %d (%s): holds %u foreign routed experts (%s) of other "
+                    "devices' layers (--experts-home any: value p x miss ratio x %.2f for the "
+                    "extra hop)\n", i, d->name, d->n_foreign, PL_SZ(d->foreign),
+                    PLANNER_FOREIGN_DISCOUNT);
     }
 }
 
@@ -1130,6 +1232,9 @@ void planner_print_table(const struct planner_plan *p, FILE *out)
                 PL_SZ(d->experts), d->n_experts, PL_SZ(d->free), d->mem_bw / 1e9,
                 d->miss_ratio, d->range_ms);
     }
+    for (int i = 0; p->experts_any && i < p->n_devices; i++)
+        fprintf(out, "foreign: device %d (%s) holds %u routed experts (%s) of other devices' "
+                "layers\n", i, p->dev[i].name, p->dev[i].n_foreign, PL_SZ(p->dev[i].foreign));
     if (p->lmhead_device >= 0)
         fprintf(out, "\nlm head: %s on device %d (%s)\n\n", PL_SZ(p->lmhead_bytes),
                 p->lmhead_device, p->dev[p->lmhead_device].name);
@@ -1146,6 +1251,14 @@ void planner_print_table(const struct planner_plan *p, FILE *out)
                 lp->proj ? "device" : "host", PL_SZ(lp->shexp_bytes),
                 !lp->shexp_bytes ? "-" : lp->shexp ? "device" : "host", PL_SZ(lp->expert_bytes),
                 held, PL_SZ((uint64_t)lp->n_resident * lp->expert_bytes));
+        for (int d = 0; lp->n_foreign && d < p->n_devices; d++) {
+            uint32_t k = 0;
+            for (uint32_t e = 0; e < p->n_expert; e++)
+                k += lp->holder[e] == d && d != lp->device;
+            if (k)
+                fprintf(out, "      foreign: %u experts of layer %u on device %d (%s)\n", k, l,
+                        d, p->dev[d].name);
+        }
     }
 }
 

@@ -47,6 +47,21 @@
  *     A piece that fits its device's remaining room is placed and charged;
  *     one that does not stays in host memory and the fill goes on with the
  *     next (smaller pieces may still fit).
+ *  5. Foreign experts (cfg->experts_home "any"; "range", the default, stops
+ *     after 4 and gives the same plan as before the option existed). Every
+ *     routed expert the fill left in host memory for want of room (why
+ *     NO_ROOM, also --place off's) is offered to the other devices' room
+ *     left: highest value first, each to the device other than its layer's
+ *     owner with the most room left that it fits (ties: the lowest index).
+ *     Value of expert e of layer l held by device d for its owner o:
+ *     p(l,e) x miss ratio(d) x PLANNER_FOREIGN_DISCOUNT. The discount states
+ *     the extra hop: a foreign hit still travels o -> coordinator -> d ->
+ *     coordinator -> o, the hop a CPU-pool miss takes plus one more, so it
+ *     saves only the weight read (device d's memory instead of host DRAM),
+ *     not the transfer; the room it takes is room the fill left idle, so
+ *     any value above 0 is worth it, and the value orders the offers and
+ *     is printed. The decision's why is FOREIGN; the layer's holder table
+ *     records d.
  *
  * Place spec (cfg->place):
  *     spec   := "auto" | "off" | item ("," item)*
@@ -96,6 +111,8 @@
 #define PLANNER_PROBE_BYTES (256u << 20) /* buffer the host bandwidth probe reads */
 #define PLANNER_NO_LAYER UINT32_MAX     /* layer of pieces that belong to no layer */
 #define PLANNER_PROBE_SAME 0.05         /* probed cards this close (share) take their mean */
+#define PLANNER_FOREIGN_DISCOUNT 0.5    /* value share of a foreign expert (step 5 above) */
+#define PLANNER_HOST (-1)               /* holder of an expert left in host memory */
 
 enum planner_kind {
     PLANNER_KIND_LMHEAD = 0,  /* output projection */
@@ -115,6 +132,8 @@ enum planner_why {
     PLANNER_WHY_UNLISTED = 4,  /* the place list leaves it in host memory */
     PLANNER_WHY_OFF = 5,       /* --place off: trunk stays in host memory */
     PLANNER_WHY_OFF_FILL = 6,  /* --place off: one of the k experts of every layer */
+    PLANNER_WHY_FOREIGN = 7,   /* --experts-home any: held by a device that does not own its
+                                  layer, in the room the fill left */
 };
 
 enum planner_mode {
@@ -161,6 +180,9 @@ struct planner_config {
     bool dense_miss_ratio;            /* value lmhead/proj/shexp at 1 x the owner's miss ratio
                                          (the lm head: the last device's) instead of 1; see
                                          the note on the value model above */
+    const char *experts_home;         /* "range" (NULL): routed experts only on the device
+                                         that owns their layer; "any": room left holds
+                                         experts of other devices' layers (step 5) */
 };
 
 /* One decision, in the order the planner made them. */
@@ -193,8 +215,10 @@ struct planner_device_plan {
     uint64_t room;                    /* budget - margin - scratch - kv - state */
     uint64_t trunk;                   /* bytes of lmhead, proj and shexp placed here */
     uint64_t experts;                 /* bytes of routed experts placed here */
-    uint32_t n_experts;               /* routed experts placed here */
-    uint64_t free;                    /* room - trunk - experts */
+    uint32_t n_experts;               /* routed experts placed here, of its own layers */
+    uint64_t foreign;                 /* bytes of experts of other devices' layers held here */
+    uint32_t n_foreign;               /* those experts */
+    uint64_t free;                    /* room - trunk - experts - foreign */
     bool lmhead;                      /* holds the output projection */
     double mem_bw, host_path_bw;      /* bytes/s, defaults resolved */
     double miss_ratio;                /* mem_bw / min(host_path_bw, host_bw) */
@@ -210,6 +234,10 @@ struct planner_layer_plan {
     bool proj, shexp;                 /* placed on the owner */
     uint8_t *resident;                /* (n_expert + 7) / 8 bytes, bit e: expert e placed */
     uint32_t n_resident;              /* bits set */
+    int16_t *holder;                  /* n_expert entries: device holding expert e (the owner
+                                         when resident, another device when foreign), or
+                                         PLANNER_HOST */
+    uint32_t n_foreign;               /* experts of this layer held by other devices */
 };
 
 struct planner_plan {
@@ -227,6 +255,7 @@ struct planner_plan {
     struct planner_piece *pieces;     /* decisions, in order */
     size_t n_pieces;
     char place[256];                  /* the spec, for the table */
+    bool experts_any;                 /* --experts-home any */
 };
 
 /* ---- building a plan ---- */
@@ -244,6 +273,9 @@ void planner_plan_destroy(struct planner_plan *p);
 /* Per model layer: its residency bitmap (the wire LoadPlan's), borrowed from
  * the plan; ASSERTs layer < n_layer. */
 const uint8_t *planner_bitmap(const struct planner_plan *p, uint32_t layer);
+
+/* Device holding expert e of layer l (own or foreign), or PLANNER_HOST; ASSERTs bounds. */
+int planner_holder(const struct planner_plan *p, uint32_t layer, uint32_t expert);
 
 /* ---- explanation ---- */
 

@@ -239,6 +239,25 @@ static bool wire_check_load_plan(const struct wire_load_plan *p, struct wire_ver
             return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan residency[%zu] bitmap of %zu "
                              "bytes (at most %d)", i, r->bitmap_bytes, WIRE_BITMAP_MAX);
     }
+    if (p->n_foreign && !p->foreign)
+        return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan foreign array missing");
+    if (p->n_foreign > p->n_layers_total)
+        return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan with %zu foreign layers of %u",
+                         p->n_foreign, p->n_layers_total);
+    for (size_t i = 0; i < p->n_foreign; i++) {
+        const struct wire_layer_residency *r = &p->foreign[i];
+        if (r->layer >= p->n_layers_total ||
+            (r->layer >= p->layer_begin && r->layer < p->layer_end) ||
+            (i && r->layer <= p->foreign[i - 1].layer))
+            return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan foreign[%zu] layer %u not "
+                             "increasing outside [%u, %u) below %u", i, r->layer,
+                             p->layer_begin, p->layer_end, p->n_layers_total);
+        if (r->bitmap_bytes > WIRE_BITMAP_MAX || (r->bitmap_bytes && !r->bitmap) ||
+            r->trunk || r->shexp)
+            return wire_fail(v, WIRE_REJECT_FIELDS, "load_plan foreign[%zu] bitmap of %zu "
+                             "bytes (at most %d) or with trunk/shexp set", i, r->bitmap_bytes,
+                             WIRE_BITMAP_MAX);
+    }
     return true;
 }
 
@@ -383,20 +402,26 @@ union wire_pb {
     Lamina__Reset reset;
 };
 
-/* Fills q from p; the residency entries go to res and res_ptrs (n_residency each). */
+/* Fills q from p; the residency entries go to res and res_ptrs (n_residency each), then the
+ * foreign ones (n_foreign more). */
 static void wire_build_load_plan(Lamina__LoadPlan *q, const struct wire_load_plan *p,
                                  Lamina__LayerResidency *res, Lamina__LayerResidency **res_ptrs)
 {
     lamina__load_plan__init(q);
-    for (size_t i = 0; i < p->n_residency; i++) {
+    for (size_t i = 0; i < p->n_residency + p->n_foreign; i++) {
+        const struct wire_layer_residency *r = i < p->n_residency
+                                                   ? &p->residency[i]
+                                                   : &p->foreign[i - p->n_residency];
         lamina__layer_residency__init(&res[i]);
-        res[i].layer = p->residency[i].layer;
-        res[i].bitmap.data = (uint8_t *)p->residency[i].bitmap;
-        res[i].bitmap.len = p->residency[i].bitmap_bytes;
-        res[i].trunk = p->residency[i].trunk;
-        res[i].shexp = p->residency[i].shexp;
+        res[i].layer = r->layer;
+        res[i].bitmap.data = (uint8_t *)r->bitmap;
+        res[i].bitmap.len = r->bitmap_bytes;
+        res[i].trunk = r->trunk;
+        res[i].shexp = r->shexp;
         res_ptrs[i] = &res[i];
     }
+    q->n_foreign = p->n_foreign;
+    q->foreign = res_ptrs + p->n_residency;
     q->model_path = wire_pb_str(p->model_path);
     q->shm_name = wire_pb_str(p->shm_name);
     q->shm_bytes = p->shm_bytes;
@@ -475,6 +500,7 @@ static void wire_build(union wire_pb *u, const struct wire_msg *m)
         u->expert_request.n_counts = m->expert_request.n_experts;
         u->expert_request.counts = (uint32_t *)m->expert_request.counts;
         u->expert_request.n_embd = m->expert_request.n_embd;
+        u->expert_request.tag = m->expert_request.tag;
         break;
     case WIRE_TYPE_EXPERT_REPLY:
         lamina__expert_reply__init(&u->expert_reply);
@@ -482,6 +508,7 @@ static void wire_build(union wire_pb *u, const struct wire_msg *m)
         u->expert_reply.layer = m->expert_reply.layer;
         u->expert_reply.n_rows = m->expert_reply.n_rows;
         u->expert_reply.n_embd = m->expert_reply.n_embd;
+        u->expert_reply.tag = m->expert_reply.tag;
         break;
     case WIRE_TYPE_RESULT:
         lamina__result__init(&u->result);
@@ -527,7 +554,7 @@ static int wire_pack_payload(const struct wire_msg *m, uint8_t **out, size_t *le
     Lamina__LayerResidency *res = NULL, **res_ptrs = NULL;
     int rc = 0;
     if (m->type == WIRE_TYPE_LOAD_PLAN) {
-        size_t n = m->load_plan.n_residency;
+        size_t n = m->load_plan.n_residency + m->load_plan.n_foreign;
         res = calloc(n ? n : 1, sizeof *res);
         res_ptrs = calloc(n ? n : 1, sizeof *res_ptrs);
         if (!res || !res_ptrs) {
@@ -614,6 +641,14 @@ static void wire_fill_load_plan(struct wire_load_plan *p, const Lamina__LoadPlan
             r[i] = (struct wire_layer_residency){qr->layer, bitmap, qr->bitmap.len, qr->trunk,
                                                  qr->shexp};
     }
+    struct wire_layer_residency *f = wire_arena_take(a, q->n_foreign * sizeof *f);
+    for (size_t i = 0; i < q->n_foreign; i++) {
+        const Lamina__LayerResidency *qr = q->foreign[i];
+        const uint8_t *bitmap = wire_arena_copy(a, qr->bitmap.data, qr->bitmap.len);
+        if (f)
+            f[i] = (struct wire_layer_residency){qr->layer, bitmap, qr->bitmap.len, qr->trunk,
+                                                 qr->shexp};
+    }
     *p = (struct wire_load_plan){
         .model_path = wire_arena_str(a, q->model_path),
         .shm_name = wire_arena_str(a, q->shm_name),
@@ -623,6 +658,8 @@ static void wire_fill_load_plan(struct wire_load_plan *p, const Lamina__LoadPlan
         .n_layers_total = q->n_layers_total,
         .residency = r,
         .n_residency = q->n_residency,
+        .foreign = f,
+        .n_foreign = q->n_foreign,
         .backend = wire_arena_str(a, q->backend),
         .device_mem_budget = q->device_mem_budget,
         .n_ctx = q->n_ctx,
@@ -686,12 +723,13 @@ static void wire_fill(struct wire_msg *m, const ProtobufCMessage *pm, struct wir
         size_t n = q->n_experts * sizeof(uint32_t);
         m->expert_request = (struct wire_expert_request){
             q->step, q->layer, wire_arena_copy(a, q->experts, n), wire_arena_copy(a, q->counts, n),
-            q->n_experts, q->n_embd};
+            q->n_experts, q->n_embd, q->tag};
         break;
     }
     case WIRE_TYPE_EXPERT_REPLY: {
         const Lamina__ExpertReply *q = (const Lamina__ExpertReply *)pm;
-        m->expert_reply = (struct wire_expert_reply){q->step, q->layer, q->n_rows, q->n_embd};
+        m->expert_reply = (struct wire_expert_reply){q->step, q->layer, q->n_rows, q->n_embd,
+                                                     q->tag};
         break;
     }
     case WIRE_TYPE_RESULT: {

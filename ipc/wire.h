@@ -19,8 +19,9 @@
  * without overflow), or a tensor on a type that has none; arrays of different lengths (experts vs
  * counts), zero counts or widths, or more than WIRE_EXPERTS_MAX experts; a LoadPlan whose layer
  * range is empty or past n_layers_total, whose residency is not by strictly increasing layer inside
- * the range, whose bitmaps exceed WIRE_BITMAP_MAX, or whose n_seq exceeds WIRE_SEQ_MAX; CURVE keys
- * of a length other than 0 or WIRE_KEY_BYTES; NCCL unique ids of a length other than 0 or
+ * the range, whose foreign entries are not by strictly increasing layer outside the range and
+ * below n_layers_total, whose bitmaps exceed WIRE_BITMAP_MAX, or whose n_seq exceeds
+ * WIRE_SEQ_MAX; CURVE keys of a length other than 0 or WIRE_KEY_BYTES; NCCL unique ids of a length other than 0 or
  * WIRE_NCCL_ID_BYTES, or an nccl_next_id on the last worker; a Step via_nccl that carries a tensor
  * frame or has zero rows or width; a Step that asks to sample together with all_logits, with a
  * sampler value out of range (temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty as
@@ -53,9 +54,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define WIRE_VERSION 4                      /* Envelope.version of this build (2: NCCL hand-off;
+#define WIRE_VERSION 5                      /* Envelope.version of this build (2: NCCL hand-off;
                                                3: sampling on the last worker; 4: sequence
-                                               slots, LoadPlan.n_seq) */
+                                               slots, LoadPlan.n_seq; 5: foreign experts,
+                                               LoadPlan.foreign and the expert tags) */
 #define WIRE_ENVELOPE_MAX (256u * 1024)     /* largest envelope frame accepted, bytes */
 #define WIRE_MSG_MAX_DEFAULT (1ll << 30)    /* default ZMQ_MAXMSGSIZE per frame, bytes */
 #define WIRE_ID_MAX 255                     /* largest ZeroMQ routing id, bytes */
@@ -134,6 +136,9 @@ struct wire_load_plan {
     uint32_t n_layers_total;
     const struct wire_layer_residency *residency; /* by strictly increasing layer in range */
     size_t n_residency;
+    const struct wire_layer_residency *foreign; /* by strictly increasing layer outside the
+                                                   range, < n_layers_total (experts_home any) */
+    size_t n_foreign;
     const char *backend;        /* "cpu" or "cuda" (checked by the worker) */
     uint64_t device_mem_budget; /* bytes */
     uint32_t n_ctx;
@@ -189,6 +194,7 @@ struct wire_expert_request { /* tensor: sum(counts) x n_embd f32, grouped by exp
     const uint32_t *counts;  /* rows of each expert, each >= 1 */
     size_t n_experts;
     uint32_t n_embd;
+    uint64_t tag;            /* 0: a worker's own; else forwarded by the coordinator */
 };
 
 struct wire_expert_reply { /* tensor: n_rows x n_embd f32 */
@@ -196,6 +202,7 @@ struct wire_expert_reply { /* tensor: n_rows x n_embd f32 */
     uint32_t layer;
     uint32_t n_rows;
     uint32_t n_embd;
+    uint64_t tag;             /* the forwarded request's tag, or 0 */
 };
 
 struct wire_result { /* tensor (optional): n_rows x n_vocab f32 logits */

@@ -122,10 +122,21 @@ static void check_accounting(const struct planner_plan *p, const char *what)
 {
     for (int d = 0; d < p->n_devices; d++) {
         const struct planner_device_plan *dv = &p->dev[d];
-        CHECK(dv->room == dv->trunk + dv->experts + dv->free, "%s: device %d room %llu != "
-              "%llu + %llu + %llu", what, d, (unsigned long long)dv->room,
+        CHECK(dv->room == dv->trunk + dv->experts + dv->foreign + dv->free, "%s: device %d "
+              "room %llu != %llu + %llu + %llu + %llu", what, d, (unsigned long long)dv->room,
               (unsigned long long)dv->trunk, (unsigned long long)dv->experts,
-              (unsigned long long)dv->free);
+              (unsigned long long)dv->foreign, (unsigned long long)dv->free);
+        uint64_t fb = 0;
+        uint32_t fn = 0;
+        for (uint32_t l = 0; l < p->n_layer; l++)
+            for (uint32_t e = 0; e < p->n_expert; e++)
+                if (planner_holder(p, l, e) == d && p->layers[l].device != d) {
+                    fb += p->layers[l].expert_bytes;
+                    fn++;
+                }
+        CHECK(fb == dv->foreign && fn == dv->n_foreign, "%s: device %d foreign %llu/%llu "
+              "(%u/%u)", what, d, (unsigned long long)fb, (unsigned long long)dv->foreign, fn,
+              dv->n_foreign);
         CHECK(dv->budget == dv->room + dv->margin + dv->scratch + dv->kv + dv->state,
               "%s: device %d budget does not add up", what, d);
         uint64_t eb = 0, tb = dv->lmhead ? p->lmhead_bytes : 0;
@@ -138,6 +149,13 @@ static void check_accounting(const struct planner_plan *p, const char *what)
             CHECK(bits == lp->n_resident, "%s: layer %u bitmap %u != %u", what, l, bits,
                   lp->n_resident);
             CHECK(lp->device == d, "%s: layer %u owner %d != %d", what, l, lp->device, d);
+            for (uint32_t e = 0; e < p->n_expert; e++) {
+                const int h = planner_holder(p, l, e);
+                CHECK(bit(planner_bitmap(p, l), e) == (h == d) &&
+                      (h == PLANNER_HOST || h == d || p->experts_any),
+                      "%s: layer %u expert %u holder %d, resident %d", what, l, e, h,
+                      bit(planner_bitmap(p, l), e));
+            }
             eb += (uint64_t)bits * lp->expert_bytes;
             n += bits;
             tb += (lp->proj ? lp->proj_bytes : 0) + (lp->shexp ? lp->shexp_bytes : 0);
@@ -790,6 +808,83 @@ static void test_most_room(const struct arch_model *m, const struct sizes *s)
     }
 }
 
+/* --experts-home: range (or NULL) gives the same plan as before; any puts the
+ * experts the small device leaves in host memory into the big device's room
+ * left, most valuable first, within its budget; a bad value is refused. */
+static void test_experts_any(const struct arch_model *m, const struct sizes *s)
+{
+    struct planner_config c = base_cfg(m, 0);
+    c.n_devices = 2;
+    c.devices[1] = c.devices[0];
+    c.layers = "0-3,4-7";
+    c.devices[0].budget = s->mandatory + s->trunk + 8 * s->expert; /* most experts on host */
+    c.devices[1].budget = 64ull << 20;                            /* room to spare */
+    struct planner_plan *r0 = build_ok(&c, "home default");
+    c.experts_home = "range";
+    struct planner_plan *r1 = build_ok(&c, "home range");
+    c.experts_home = "any";
+    struct planner_plan *a = build_ok(&c, "home any");
+    if (!r0 || !r1 || !a)
+        goto out;
+    CHECK(r0->n_pieces == r1->n_pieces &&
+          !memcmp(r0->pieces, r1->pieces, r0->n_pieces * sizeof(*r0->pieces)) &&
+          !memcmp(r0->dev, r1->dev, sizeof(r0->dev)), "range: the same plan as the default");
+    CHECK(!r1->experts_any && r1->dev[1].n_foreign == 0 && r1->dev[0].n_foreign == 0,
+          "range: no foreign experts");
+    uint32_t host0 = 0; /* experts of device 0's layers left on the host by range */
+    for (uint32_t l = 0; l < 4; l++)
+        host0 += a->n_expert - r1->layers[l].n_resident;
+    CHECK(host0 > 0, "device 0 leaves experts on the host (%u)", host0);
+    CHECK(a->dev[1].n_foreign == host0 && a->dev[0].n_foreign == 0,
+          "any: device 1 holds all %u of them (holds %u; device 0 %u)", host0,
+          a->dev[1].n_foreign, a->dev[0].n_foreign);
+    CHECK(a->dev[1].free == r1->dev[1].free - a->dev[1].foreign &&
+          a->dev[1].foreign == (uint64_t)host0 * s->expert,
+          "any: device 1's room left pays for them");
+    for (uint32_t l = 0; l < a->n_layer; l++) {
+        CHECK(!memcmp(planner_bitmap(a, l), planner_bitmap(r1, l), (a->n_expert + 7) / 8),
+              "any: layer %u own residency unchanged", l);
+        for (uint32_t e = 0; e < a->n_expert && l < 4; e++)
+            CHECK(planner_holder(a, l, e) == (bit(planner_bitmap(a, l), e) ? 0 : 1),
+                  "any: layer %u expert %u held by %d", l, e, planner_holder(a, l, e));
+    }
+    const struct planner_piece *f = NULL;
+    for (size_t i = 0; i < a->n_pieces && !f; i++)
+        if (a->pieces[i].why == PLANNER_WHY_FOREIGN)
+            f = &a->pieces[i];
+    CHECK(f && f->device == 1 && f->placed && f->layer < 4 &&
+          fabs(f->value - (double)a->top_k / a->n_expert * a->dev[1].miss_ratio *
+                          PLANNER_FOREIGN_DISCOUNT) < 1e-9, "any: a foreign decision on "
+          "device 1 valued p x ratio x discount");
+    /* the budget bounds it: room for 5 foreign experts only */
+    const uint64_t room1 = r1->dev[1].budget - r1->dev[1].free + 5 * s->expert + s->expert / 2;
+    c.devices[1].budget = room1;
+    planner_plan_destroy(a);
+    a = build_ok(&c, "home any, tight");
+    CHECK(a && a->dev[1].n_foreign == 5 && a->dev[1].free < s->expert,
+          "any, tight: 5 foreign experts (%u), %llu B left", a ? a->dev[1].n_foreign : 0,
+          a ? (unsigned long long)a->dev[1].free : 0ull);
+    if (a) {
+        char *buf = NULL;
+        size_t len = 0;
+        FILE *mf = open_memstream(&buf, &len);
+        planner_print_table(a, mf);
+        planner_print_decisions(a, mf, false);
+        fclose(mf);
+        CHECK(buf && strstr(buf, "foreign: device 1 (cpu) holds 5 routed experts") &&
+              strstr(buf, "foreign routed experts held for device 0") &&
+              strstr(buf, "(foreign)") == NULL, "any: the table and [place] lines name the "
+              "foreign holdings");
+        free(buf);
+    }
+    c.experts_home = "everywhere";
+    build_err(&c, "--experts-home 'everywhere' must be range or any", "home bad");
+out:
+    planner_plan_destroy(r0);
+    planner_plan_destroy(r1);
+    planner_plan_destroy(a);
+}
+
 /* Nothing movable: the plan is a no-op, not an error; mandatory overflow is. */
 static void test_nothing(const struct arch_model *m, const struct sizes *s)
 {
@@ -1137,6 +1232,7 @@ int main(void)
     test_split(small.m);
     test_most_room(small.m, &s);
     test_nothing(small.m, &s);
+    test_experts_any(small.m, &s);
     test_qwen3moe(moe.m);
     test_print(small.m, &s);
     test_parse_devices();

@@ -64,6 +64,7 @@ struct samples {
     uint8_t bitmap0[4];
     uint8_t bitmap1[64];
     struct wire_layer_residency res[2];
+    struct wire_layer_residency foreign[2]; /* experts of other workers' layers */
 };
 
 static void samples_init(struct samples *s)
@@ -83,6 +84,8 @@ static void samples_init(struct samples *s)
         s->bitmap1[i] = (uint8_t)(i * 37);
     s->res[0] = (struct wire_layer_residency){20, s->bitmap0, sizeof s->bitmap0, true, false};
     s->res[1] = (struct wire_layer_residency){23, s->bitmap1, sizeof s->bitmap1, false, true};
+    s->foreign[0] = (struct wire_layer_residency){2, s->bitmap1, sizeof s->bitmap1, false, false};
+    s->foreign[1] = (struct wire_layer_residency){45, s->bitmap0, sizeof s->bitmap0, false, false};
 }
 
 /* The sample of type t; variant 1 is a second shape where one exists (Result without logits,
@@ -110,6 +113,8 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
             .n_layers_total = 48,
             .residency = s->res,
             .n_residency = 2,
+            .foreign = s->foreign,
+            .n_foreign = 2,
             .backend = "cuda",
             .device_mem_budget = 120ull << 30,
             .n_ctx = 8192,
@@ -155,12 +160,13 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
         m.tensor_bytes = variant ? 0 : sizeof s->hidden;
         break;
     case WIRE_TYPE_EXPERT_REQUEST:
-        m.expert_request = (struct wire_expert_request){77, 31, s->experts, s->counts, 3, N_EMBD};
+        m.expert_request = (struct wire_expert_request){77, 31, s->experts, s->counts, 3, N_EMBD,
+                                                        variant ? 0 : 0x123456789ull};
         m.tensor = s->rows;
         m.tensor_bytes = sizeof s->rows;
         break;
     case WIRE_TYPE_EXPERT_REPLY:
-        m.expert_reply = (struct wire_expert_reply){77, 31, 6, N_EMBD};
+        m.expert_reply = (struct wire_expert_reply){77, 31, 6, N_EMBD, 0x123456789ull};
         m.tensor = s->rows;
         m.tensor_bytes = sizeof s->rows;
         break;
@@ -210,6 +216,14 @@ static void check_load_plan(const struct wire_msg *a, const struct wire_msg *b, 
         CHECK(x->layer == y->layer && x->bitmap_bytes == y->bitmap_bytes && x->trunk == y->trunk && x->shexp == y->shexp &&
                   memcmp(x->bitmap, y->bitmap, x->bitmap_bytes) == 0,
               "%s load_plan residency[%zu] differs", where, i);
+    }
+    SAME(load_plan.n_foreign);
+    for (size_t i = 0; i < a->load_plan.n_foreign && i < b->load_plan.n_foreign; i++) {
+        const struct wire_layer_residency *x = &a->load_plan.foreign[i];
+        const struct wire_layer_residency *y = &b->load_plan.foreign[i];
+        CHECK(x->layer == y->layer && x->bitmap_bytes == y->bitmap_bytes &&
+                  memcmp(x->bitmap, y->bitmap, x->bitmap_bytes) == 0,
+              "%s load_plan foreign[%zu] differs", where, i);
     }
     SAME_STR(load_plan.backend);
     SAME(load_plan.device_mem_budget);
@@ -273,6 +287,7 @@ static void check_same(const struct wire_msg *a, const struct wire_msg *b, const
         SAME(expert_request.layer);
         SAME(expert_request.n_experts);
         SAME(expert_request.n_embd);
+        SAME(expert_request.tag);
         CHECK(b->expert_request.n_experts == a->expert_request.n_experts &&
                   !memcmp(a->expert_request.experts, b->expert_request.experts,
                           a->expert_request.n_experts * 4) &&
@@ -285,6 +300,7 @@ static void check_same(const struct wire_msg *a, const struct wire_msg *b, const
         SAME(expert_reply.layer);
         SAME(expert_reply.n_rows);
         SAME(expert_reply.n_embd);
+        SAME(expert_reply.tag);
         break;
     case WIRE_TYPE_RESULT:
         SAME(result.seq_id);
@@ -1391,6 +1407,25 @@ static void test_nccl_fields(void *ctx)
     m.load_plan.next_endpoint = NULL;
     CHECK(dealer && wire_send(dealer, &m, NULL, 0) == -EINVAL,
           "load_plan of the last worker with an nccl_next_id refused by wire_send");
+    struct wire_layer_residency bad_foreign[3] = {s.foreign[0], s.foreign[1], s.foreign[1]};
+    const uint32_t bad_layers[][2] = {{2, 25}, {45, 2}, {2, 48}, {2, 2}};
+    for (size_t k = 0; k < sizeof bad_layers / sizeof bad_layers[0]; k++) {
+        /* inside the range, decreasing, past the total, repeated */
+        m = sample_msg(&s, WIRE_TYPE_LOAD_PLAN, 0, 1);
+        bad_foreign[0].layer = bad_layers[k][0];
+        bad_foreign[1].layer = bad_layers[k][1];
+        m.load_plan.foreign = bad_foreign;
+        CHECK(dealer && wire_send(dealer, &m, NULL, 0) == -EINVAL,
+              "load_plan with foreign layers %u, %u refused by wire_send", bad_layers[k][0],
+              bad_layers[k][1]);
+    }
+    m = sample_msg(&s, WIRE_TYPE_LOAD_PLAN, 0, 1);
+    bad_foreign[0] = s.foreign[0];
+    bad_foreign[0].trunk = true;
+    m.load_plan.foreign = bad_foreign;
+    CHECK(dealer && wire_send(dealer, &m, NULL, 0) == -EINVAL,
+          "load_plan with a foreign entry claiming a trunk refused by wire_send");
+    m = sample_msg(&s, WIRE_TYPE_LOAD_PLAN, 0, 1);
     m = sample_msg(&s, WIRE_TYPE_STEP, 1, 2);
     m.tensor = s.hidden;
     m.tensor_bytes = sizeof s.hidden;

@@ -11,7 +11,9 @@
 #   PARALLEL [unset: N concurrent sequences in every run (lamina bench --parallel N)]
 #   OUT [/tmp/lamina-bench-cards]  RUN_TIMEOUT [240] seconds per run
 #   C0, C1 [cuda:0, cuda:1]: the two devices (cpu to try the flow without a GPU)
-# Runs (name: devices, --device-mem, --layers, --handoff); "-" leaves the option out:
+# Runs (name: devices, --device-mem, --layers, --handoff); "-" leaves the option out. A name
+# ending in -any is the run without that suffix plus --experts-home any (two-8G-any,
+# two-8G16G-any: a card's room left holds experts of the other card's layers):
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -33,7 +35,7 @@ run_args() {
     esac
 }
 ALL="one-unl two-unl two-unl-nccl one-8G two-8G two-8G-nccl one-16G two-16G two-8G16G
-two-8G16G-split24 two-8G16G-split16 two-8G16G-split32"
+two-8G16G-split24 two-8G16G-split16 two-8G16G-split32 two-8G-any two-8G16G-any"
 
 MODEL=${1:-}
 [ -n "$MODEL" ] && [ -f "$MODEL" ] || {
@@ -67,6 +69,10 @@ for name in $RUNS; do
     if [[ $name =~ ^(.*)-p([0-9]+)$ ]]; then
         base=${BASH_REMATCH[1]} par=${BASH_REMATCH[2]}
     fi
+    home=range
+    if [[ $base =~ ^(.*)-any$ ]]; then
+        base=${BASH_REMATCH[1]} home=any
+    fi
     read -r dev mem layers handoff <<<"$(run_args "$base")" || {
         echo "bench-cards: unknown run $name" >&2
         continue
@@ -78,6 +84,7 @@ for name in $RUNS; do
     [ "$layers" = - ] || args+=(--layers "$layers")
     [ "$handoff" = - ] || args+=(--handoff "$handoff")
     [ -z "$par" ] || args+=(--parallel "$par")
+    [ "$home" = range ] || args+=(--experts-home "$home")
     rm -f "$OUT/$name.jsonl"
     t0=$(date +%s.%N)
     LAMINA_LOG=info timeout "$RUN_TIMEOUT" "$L" bench "${args[@]}" >"$OUT/$name.out" 2>"$OUT/$name.err"
@@ -98,7 +105,7 @@ for name in $RUNS; do
     fi
     {
         echo "#### $name ($(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", b - a }') s)"
-        grep -h "\[place\] device [0-9]* ([^)]*): \(layers\|holds\)\|worker [0-9]*: layers\|hand-off worker" "$OUT/$name.err" |
+        grep -h "\[place\] device [0-9]* ([^)]*): \(layers\|holds\)\|worker [0-9]*: layers\|hand-off worker\|worker [0-9]*: holds\|forwarded expert requests" "$OUT/$name.err" |
             sed 's/^.*info: //' | sort -u
         [ -s "$OUT/$name.jsonl" ] && python3 tools/plot_timings.py "$OUT/$name.jsonl" 2>&1
         echo

@@ -66,6 +66,18 @@ struct backend *backend_create(const char *kind, const struct backend_config *cf
     h->b.ops = ops;
     h->fail = backend_parse_fail(cfg->fail);
     h->b.n_seq = cfg->n_seq ? cfg->n_seq : 1;
+    bool foreign = false;
+    for (uint32_t l = 0; cfg->foreign && l < cfg->model->hp.n_layer; l++)
+        foreign |= cfg->foreign[l] != NULL;
+    if (foreign && !ops->serve) {
+        log_error("backend '%s' cannot hold experts of other workers' layers "
+                  "(--experts-home any)", kind);
+        free(h);
+        return NULL;
+    }
+    h->b.foreign = foreign ? cfg->foreign : NULL;
+    h->b.n_layer = cfg->model->hp.n_layer;
+    h->b.n_expert = cfg->model->hp.n_expert;
     if (ops->init(&h->b, cfg)) {
         free(h);
         return NULL;
@@ -142,4 +154,27 @@ int backend_logits(struct backend *b, const float *h, uint32_t n, float *out)
 const struct forward_stats *backend_stats(const struct backend *b)
 {
     return b->ops->stats(b);
+}
+
+int backend_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
+                  const uint32_t *counts, uint32_t n_groups, const float *X, float *Y)
+{
+    const uint32_t E = b->n_expert;
+    const uint8_t *bm = b->foreign && layer < b->n_layer ? b->foreign[layer] : NULL;
+    uint64_t rows = 0;
+    for (uint32_t g = 0; g < n_groups; g++) {
+        const uint32_t e = experts[g];
+        if (!bm || e >= E || !((bm[e / 8] >> (e % 8)) & 1)) {
+            log_error("asked to serve expert %u of layer %u, which this worker does not hold",
+                      e, layer);
+            return -EINVAL;
+        }
+        rows += counts[g];
+    }
+    if (!b->ops->serve || rows > b->serve_max_rows) {
+        log_error("asked to serve %llu rows of layer %u (at most %u)", (unsigned long long)rows,
+                  layer, b->serve_max_rows);
+        return -EINVAL;
+    }
+    return b->ops->serve(b, layer, experts, counts, n_groups, X, Y);
 }

@@ -56,6 +56,10 @@ struct backend_config {
     const bool *trunk_on_device;
     const bool *shexp_on_device;
     bool lmhead;
+    /* Per model layer: bitmap of routed experts of a layer OUTSIDE the range that this
+     * backend holds for another worker (--experts-home any) and runs in serve(); NULL entry:
+     * none; NULL: none at all. Copied from expert_src, charged to device_mem. */
+    const uint8_t *const *foreign;
     struct forward_remote remote;     /* for the experts not held */
     struct backend_handoff handoff;   /* device hand-off (cuda only), or zeroes */
     volatile uint64_t *progress;      /* bumped per layer (watchdog), or NULL */
@@ -81,6 +85,12 @@ struct backend_ops {
     int (*logits)(struct backend *b, const float *h, uint32_t n, float *out);
     /* Stage timings since creation. */
     const struct forward_stats *(*stats)(const struct backend *b);
+    /* Runs foreign experts (cfg->foreign) over groups of rows, as expert_exec_run: group g is
+     * experts[g] of `layer` over counts[g] consecutive rows of X, into as many rows of Y (host
+     * memory both). NULL: the backend cannot hold foreign experts (a plan with any is
+     * refused). The caller (backend_serve) has checked every expert is held. */
+    int (*serve)(struct backend *b, uint32_t layer, const uint32_t *experts,
+                 const uint32_t *counts, uint32_t n_groups, const float *X, float *Y);
 };
 
 struct backend {
@@ -88,6 +98,10 @@ struct backend {
     void *impl;                       /* the backend's own state */
     uint64_t mem_used;                /* device bytes held */
     uint32_t resident_experts;        /* (layer, expert) pairs held */
+    uint32_t foreign_experts;         /* of them, experts of other workers' layers */
+    uint32_t serve_max_rows;          /* most rows of one serve() call */
+    const uint8_t *const *foreign;    /* cfg->foreign, borrowed (outlives the backend) */
+    uint32_t n_layer, n_expert;       /* the model's */
     uint64_t calls;                   /* layers() calls so far */
     uint32_t n_seq;                   /* sequence slots (cfg->n_seq, at least 1) */
     uint32_t seq;                     /* the slot layers() runs on */
@@ -113,5 +127,11 @@ int backend_reset_seq(struct backend *b, uint32_t seq);
 int backend_layers(struct backend *b, float *h, uint32_t n);
 int backend_logits(struct backend *b, const float *h, uint32_t n, float *out);
 const struct forward_stats *backend_stats(const struct backend *b);
+
+/* Runs foreign experts for another worker (backend_ops.serve). -EINVAL (logged, naming the
+ * layer and expert) when cfg->foreign gave this backend no such foreign expert, or the rows
+ * exceed serve_max_rows. */
+int backend_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
+                  const uint32_t *counts, uint32_t n_groups, const float *X, float *Y);
 
 #endif

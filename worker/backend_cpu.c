@@ -6,6 +6,9 @@
  * of every sequence slot and the scratch are charged to it at init, and a plan that does not fit is
  * refused with each part's size. Resident experts are copied out of the
  * shared-memory stacks into one buffer, as a GPU backend would upload them.
+ * Foreign experts (cfg->foreign: experts of other workers' layers) are copied
+ * and charged the same way and run by cpu_serve with expert_exec, the code the
+ * coordinator's CPU pool runs, so their rows are bit-identical to the pool's.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -26,11 +29,27 @@ struct backend_cpu {
     uint8_t *expert_mem;             /* copies of the resident experts */
     struct expert_ref **refs;        /* per model layer: n_expert refs (NULL outside range) */
     uint32_t n_layer;                /* entries of refs */
+    const struct arch_model *m;      /* borrowed */
+    struct expert_exec *serve_x;     /* foreign experts' runner, or NULL when none */
+    struct expert_ref *serve_refs;   /* refs of one serve call's groups */
 };
 
+static bool cpu_is_foreign(const struct backend_config *cfg, uint32_t l, uint32_t e)
+{
+    return cfg->foreign && cfg->foreign[l] && (cfg->foreign[l][e / 8] >> (e % 8)) & 1;
+}
+
+/* Held: resident in the range, or foreign outside it. */
 static bool cpu_is_resident(const struct backend_config *cfg, uint32_t l, uint32_t e)
 {
+    if (l < cfg->layer_begin || l >= cfg->layer_end)
+        return cpu_is_foreign(cfg, l, e);
     return !cfg->resident || (cfg->resident[l] && (cfg->resident[l][e / 8] >> (e % 8)) & 1);
+}
+
+static bool cpu_layer_held(const struct backend_config *cfg, uint32_t l)
+{
+    return (l >= cfg->layer_begin && l < cfg->layer_end) || (cfg->foreign && cfg->foreign[l]);
 }
 
 /* Trunk bytes of layer l charged to the device: what the plan placed there. */
@@ -71,7 +90,9 @@ static int cpu_copy_experts(struct backend *b, struct backend_cpu *c,
         return -ENOMEM;
     }
     uint8_t *p = c->expert_mem;
-    for (uint32_t l = cfg->layer_begin; l < cfg->layer_end; l++) {
+    for (uint32_t l = 0; l < m->hp.n_layer; l++) {
+        if (!cpu_layer_held(cfg, l))
+            continue;
         const struct arch_layer *ly = &m->layers[l];
         const bool fused = !ly->gate_exps.data;
         const size_t gb = fused ? ly->gate_up_exps.mat_bytes : ly->gate_exps.mat_bytes;
@@ -90,6 +111,7 @@ static int cpu_copy_experts(struct backend *b, struct backend_cpu *c,
             dst->up = ub ? memcpy(p, src.up, ub) : NULL, p += ub;
             dst->down = memcpy(p, src.down, db), p += db;
             b->resident_experts++;
+            b->foreign_experts += l < cfg->layer_begin || l >= cfg->layer_end;
         }
     }
     return 0;
@@ -123,6 +145,8 @@ static void cpu_fini(struct backend *b)
         free(c->refs[l]);
     free(c->refs);
     free(c->expert_mem);
+    expert_exec_destroy(c->serve_x);
+    free(c->serve_refs);
     free(c);
     b->impl = NULL;
 }
@@ -138,6 +162,7 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
     if (!c)
         return -ENOMEM;
     b->impl = c;
+    c->m = m;
     c->n_layer = m->hp.n_layer;
     c->refs = calloc(c->n_layer, sizeof(*c->refs));
     if (!c->refs)
@@ -149,6 +174,16 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
             held += cpu_is_resident(cfg, l, e);
         experts += held * planner_expert_bytes(&m->layers[l]);
         trunk += cpu_trunk_bytes(cfg, l);
+    }
+    uint32_t n_foreign = 0; /* experts of other workers' layers: charged like its own */
+    for (uint32_t l = 0; cfg->foreign && l < m->hp.n_layer; l++) {
+        if (l >= cfg->layer_begin && l < cfg->layer_end)
+            continue;
+        for (uint32_t e = 0; e < m->hp.n_expert; e++)
+            if (cpu_is_foreign(cfg, l, e)) {
+                experts += planner_expert_bytes(&m->layers[l]);
+                n_foreign++;
+            }
     }
     if (cfg->lmhead)
         trunk += m->output.mat_bytes;
@@ -164,6 +199,15 @@ static int cpu_init(struct backend *b, const struct backend_config *cfg)
     c->pool = threadpool_create(&pc);
     if (!c->pool)
         goto out_fail;
+    if (n_foreign) {
+        b->serve_max_rows = (cfg->max_batch ? cfg->max_batch : 256) * m->hp.n_expert_used;
+        struct expert_exec_config xc = {.pool = c->pool, .n_embd = m->hp.n_embd,
+                                        .n_ff = m->hp.n_ff_exp, .max_rows = b->serve_max_rows};
+        c->serve_x = expert_exec_create(&xc);
+        c->serve_refs = calloc(m->hp.n_expert, sizeof(*c->serve_refs));
+        if (!c->serve_x || !c->serve_refs)
+            goto out_fail;
+    }
     struct forward_config fc = {.model = m, .pool = c->pool, .layer_begin = cfg->layer_begin,
                                 .layer_end = cfg->layer_end, .n_ctx = n_ctx,
                                 .kv_f16 = cfg->kv_f16, .max_batch = cfg->max_batch,
@@ -216,6 +260,18 @@ static const struct forward_stats *cpu_stats(const struct backend *b)
     return forward_get_stats(c->fw);
 }
 
+static int cpu_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
+                     const uint32_t *counts, uint32_t n_groups, const float *X, float *Y)
+{
+    struct backend_cpu *c = b->impl;
+    if (!c->serve_x || n_groups > b->n_expert)
+        return -EINVAL;
+    for (uint32_t g = 0; g < n_groups; g++)
+        c->serve_refs[g] = c->refs[layer][experts[g]];
+    return expert_exec_run(c->serve_x, &c->m->layers[layer], c->serve_refs, counts,
+                           n_groups, X, Y);
+}
+
 const struct backend_ops backend_cpu_ops = {
     .name = "cpu",
     .init = cpu_init,
@@ -225,4 +281,5 @@ const struct backend_ops backend_cpu_ops = {
     .layers = cpu_layers,
     .logits = cpu_logits,
     .stats = cpu_stats,
+    .serve = cpu_serve,
 };

@@ -208,6 +208,17 @@ struct backend_cuda {
     uint64_t launches;                /* kernels enqueued so far */
     bool launches_logged;
     struct forward_stats stats;
+    /* foreign experts (cfg->foreign, --experts-home any): layers outside the range, each
+     * with its experts, device address tables and host flags as a range layer has; served
+     * by cb_serve with buffers of its own (a request may come while a pass of this range
+     * waits for its remote experts, its scratch in use) */
+    struct cb_layer *flayers;         /* n_flayers entries */
+    uint32_t *flayer_of;              /* n_flayers model layer numbers */
+    uint32_t n_flayers;
+    uint8_t *ftables, *fbuf;          /* device: address tables; ids, X, gate|up, act, Y */
+    size_t ftables_size, fbuf_size;
+    int32_t *fids, *h_fids;           /* device / pinned: the expert of each row */
+    float *fx, *fgu, *fact, *fy;
 };
 
 static double cb_now(void)
@@ -676,6 +687,84 @@ static int cb_upload_experts(struct backend_cuda *c, uint32_t l, struct cb_layer
             return rc;
         c->b->resident_experts++;
     }
+    return 0;
+}
+
+/* Foreign layers (cfg->foreign): their flags, expert bytes, tables and serve buffers. */
+static int cb_plan_foreign(struct backend_cuda *c, uint64_t *bytes)
+{
+    const uint32_t E = c->hp->n_expert, L = c->hp->n_layer;
+    *bytes = 0;
+    for (uint32_t l = 0; c->cfg.foreign && l < L; l++)
+        c->n_flayers += (l < c->l0 || l >= c->l1) && c->cfg.foreign[l];
+    if (!c->n_flayers)
+        return 0;
+    c->flayers = calloc(c->n_flayers, sizeof(*c->flayers));
+    c->flayer_of = calloc(c->n_flayers, sizeof(*c->flayer_of));
+    if (!c->flayers || !c->flayer_of)
+        return -ENOMEM;
+    uint32_t i = 0;
+    for (uint32_t l = 0; l < L; l++) {
+        if ((l >= c->l0 && l < c->l1) || !c->cfg.foreign[l])
+            continue;
+        struct cb_layer *F = &c->flayers[i];
+        c->flayer_of[i++] = l;
+        F->ly = &c->m->layers[l];
+        F->resident = calloc(E, 1);
+        if (!F->resident)
+            return -ENOMEM;
+        for (uint32_t e = 0; e < E; e++) {
+            F->resident[e] = (c->cfg.foreign[l][e / 8] >> (e % 8)) & 1;
+            F->n_resident += F->resident[e];
+        }
+        *bytes += (uint64_t)F->n_resident * cb_expert_bytes(F->ly);
+    }
+    const size_t P = (size_t)c->B * c->hp->n_expert_used, n = c->hp->n_embd;
+    const size_t Ff = c->hp->n_ff_exp;
+    c->ftables_size = cb_align((size_t)3 * E * c->n_flayers * sizeof(void *));
+    c->fbuf_size = cb_align(P * sizeof(int32_t)) + cb_align(P * n * sizeof(float)) * 2 +
+                   cb_align(P * 2 * Ff * sizeof(float)) + cb_align(P * Ff * sizeof(float));
+    *bytes += c->ftables_size + c->fbuf_size;
+    c->b->serve_max_rows = (uint32_t)P;
+    return 0;
+}
+
+/* Uploads the foreign experts and carves the serve buffers. */
+static int cb_upload_foreign(struct backend_cuda *c)
+{
+    const uint32_t E = c->hp->n_expert;
+    if (!c->n_flayers)
+        return 0;
+    const void **host = calloc((size_t)3 * E * c->n_flayers, sizeof(void *));
+    int rc = host ? 0 : -ENOMEM;
+    rc = rc ? rc : cb_malloc(&c->ftables, c->ftables_size, "foreign expert tables");
+    rc = rc ? rc : cb_malloc(&c->fbuf, c->fbuf_size, "foreign expert buffers");
+    rc = rc ? rc : cb_host_alloc(&c->h_fids, (size_t)c->B * c->hp->n_expert_used *
+                                                 sizeof(int32_t));
+    for (uint32_t i = 0; i < c->n_flayers && !rc; i++) {
+        const uint32_t before = c->b->resident_experts;
+        const void **t = host + (size_t)3 * E * i;
+        rc = cb_upload_experts(c, c->flayer_of[i], &c->flayers[i], t, t + E, t + 2 * E);
+        c->b->foreign_experts += c->b->resident_experts - before;
+        const void *const *d = (const void *const *)c->ftables + (size_t)3 * E * i;
+        c->flayers[i].tab_gate = d;
+        c->flayers[i].tab_up = d + E;
+        c->flayers[i].tab_down = d + 2 * E;
+    }
+    if (!rc)
+        rc = CUDA_CHECK(cudaMemcpy(c->ftables, host, (size_t)3 * E * c->n_flayers *
+                                   sizeof(void *), cudaMemcpyHostToDevice));
+    free(host);
+    if (rc)
+        return rc;
+    const size_t P = (size_t)c->B * c->hp->n_expert_used, n = c->hp->n_embd;
+    const size_t Ff = c->hp->n_ff_exp;
+    uint8_t *p = c->fbuf;
+    c->fids = (int32_t *)p, p += cb_align(P * sizeof(int32_t));
+    c->fx = (float *)p, p += cb_align(P * n * sizeof(float));
+    c->fy = (float *)p, p += cb_align(P * n * sizeof(float));
+    c->fgu = (float *)p, p += cb_align(P * 2 * Ff * sizeof(float));
+    c->fact = (float *)p;
     return 0;
 }
 
@@ -1266,6 +1355,15 @@ static void cb_fini(struct backend *b)
         cudaFree(c->layers[i].experts);
         free(c->layers[i].resident);
     }
+    for (uint32_t i = 0; c->flayers && i < c->n_flayers; i++) {
+        cudaFree(c->flayers[i].experts);
+        free(c->flayers[i].resident);
+    }
+    free(c->flayers);
+    free(c->flayer_of);
+    cudaFree(c->ftables);
+    cudaFree(c->fbuf);
+    cudaFreeHost(c->h_fids);
     void *dev[] = {c->trunk, c->state, c->scratch, c->tables, c->head, c->logits};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         cudaFree(dev[i]);
@@ -1335,11 +1433,13 @@ static int cb_plan_experts(struct backend_cuda *c, uint64_t *bytes)
 
 static int cb_setup(struct backend *b, struct backend_cuda *c)
 {
-    uint64_t experts = 0;
+    uint64_t experts = 0, foreign = 0;
     int rc = cb_select_device(c);
     rc = rc ? rc : cb_plan_experts(c, &experts);
+    rc = rc ? rc : cb_plan_foreign(c, &foreign);
     if (rc)
         return rc;
+    experts += foreign; /* charged like its own: experts, their tables, the serve buffers */
     if (!cb_types_ok(c) || !cb_shapes_ok(c))
         return -EINVAL;
     rc = cb_put_trunk(c); /* sizing pass */
@@ -1357,6 +1457,7 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     if (!rc)
         cb_carve_scratch(c);
     rc = rc ? rc : cb_upload_all_experts(c);
+    rc = rc ? rc : cb_upload_foreign(c);
     rc = rc ? rc : cb_alloc_state(c);
     rc = rc ? rc : cb_alloc_host(c);
     for (int i = 0; c->prof && !rc && i <= CB_PROF_MAX; i++)
@@ -1524,6 +1625,65 @@ static const struct forward_stats *cb_stats(const struct backend *b)
     return &c->stats;
 }
 
+/* One product of the foreign experts over the P rows (one input row per pair): int8 tensor
+ * cores where the type allows, else the matvec kernels, as cb_experts_mm but on the serve
+ * buffers and outside the profile. */
+static int cb_foreign_mm(struct backend_cuda *c, const struct arch_matrix *m,
+                         const void *const *tab, uint64_t rows, uint64_t n, uint32_t P,
+                         const float *X, size_t ldx, float *Y, size_t ldy)
+{
+    if (P > c->hp->n_expert_used && c->mmq_work) {
+        const int rc = cuda_mmq_experts(m->type, tab, c->hp->n_expert, m->row_bytes, rows, n,
+                                        c->fids, P, X, ldx, 1, Y, ldy, c->mmq_work,
+                                        c->mmq_work_bytes, c->stream);
+        if (rc != -ENOTSUP)
+            return rc;
+    }
+    return cuda_matvec_experts(m->type, tab, m->row_bytes, rows, n, c->fids, P, X, ldx, 1, Y,
+                               ldy, c->stream);
+}
+
+/* backend_ops.serve: rows of another worker's layer through the foreign experts held here,
+ * with the routed-expert kernels of the range's own layers; enqueued on the backend's
+ * stream (after whatever a waiting pass enqueued) and waited for. */
+static int cb_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
+                    const uint32_t *counts, uint32_t n_groups, const float *X, float *Y)
+{
+    struct backend_cuda *c = b->impl;
+    if (c->failed)
+        return -EIO;
+    const struct cb_layer *L = NULL;
+    for (uint32_t i = 0; i < c->n_flayers && !L; i++)
+        L = c->flayer_of[i] == layer ? &c->flayers[i] : NULL;
+    if (!L)
+        return -EINVAL;
+    const struct arch_layer *ly = L->ly;
+    const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp;
+    uint32_t P = 0;
+    for (uint32_t g = 0; g < n_groups; g++)
+        for (uint32_t r = 0; r < counts[g]; r++)
+            c->h_fids[P++] = (int32_t)experts[g];
+    int rc = CUDA_CHECK(cudaMemcpyAsync(c->fids, c->h_fids, P * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice, c->stream));
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(c->fx, X, P * n * sizeof(float),
+                                              cudaMemcpyHostToDevice, c->stream));
+    if (!rc && (!ly->gate_exps.data || L->gu_fused)) {
+        const struct arch_matrix *g = ly->gate_exps.data ? &ly->gate_exps : &ly->gate_up_exps;
+        rc = cb_foreign_mm(c, g, L->tab_gate, 2 * F, n, P, c->fx, n, c->fgu, 2 * F);
+    } else if (!rc) {
+        rc = cb_foreign_mm(c, &ly->gate_exps, L->tab_gate, F, n, P, c->fx, n, c->fgu, 2 * F);
+        rc = rc ? rc : cb_foreign_mm(c, &ly->up_exps, L->tab_up, F, n, P, c->fx, n,
+                                     c->fgu + F, 2 * F);
+    }
+    rc = rc ? rc : cuda_silu_mul(c->fgu, (uint32_t)F, P, c->fact, c->stream);
+    rc = rc ? rc : cb_foreign_mm(c, &ly->down_exps, L->tab_down, n, F, P, c->fact, F, c->fy, n);
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(Y, c->fy, P * n * sizeof(float),
+                                              cudaMemcpyDeviceToHost, c->stream));
+    rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    c->failed = rc == -EIO;
+    return rc;
+}
+
 const struct backend_ops backend_cuda_ops = {
     .name = "cuda",
     .init = cb_init,
@@ -1533,6 +1693,7 @@ const struct backend_ops backend_cuda_ops = {
     .layers = cb_layers,
     .logits = cb_logits,
     .stats = cb_stats,
+    .serve = cb_serve,
 };
 
 #endif /* LAMINA_CUDA */

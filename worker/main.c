@@ -8,6 +8,12 @@
  * sampled from them when the step asks: model/sampler.h, sampler_sample_given). Experts
  * it does not hold go to the coordinator's CPU pool, one request per layer.
  *
+ * Foreign experts (--experts-home any): the plan may give a worker experts of other workers'
+ * layers (LoadPlan.foreign) to hold on its backend. The coordinator forwards their rows as an
+ * ExpertRequest with a non-zero tag; the worker runs them and answers an ExpertReply with the
+ * same tag, both when idle and while it waits for its own expert reply (two workers could
+ * otherwise wait on each other with several sequences in flight).
+ *
  *   lamina-worker --connect ENDPOINT --index N [--server-key Z85]
  *   lamina-worker --probe DEVICE
  *
@@ -103,6 +109,12 @@ struct worker {
     struct shm_segment *shm;
     struct expert_ref **src;       /* per model layer: refs into shm */
     uint8_t **resident;            /* per model layer bitmaps */
+    uint8_t **foreign;             /* per model layer: foreign experts held, or NULL */
+    bool has_foreign;              /* any */
+    float *serve_y;                /* output rows of a forwarded request */
+    uint64_t served_req, served_rows;  /* forwarded requests answered, and their rows */
+    uint64_t served_rows_prev;     /* served_rows at the previous timing line */
+    uint64_t served_waiting;       /* of served_req, answered while waiting for its own */
     bool *trunk_on, *shexp_on;     /* per model layer: placed on the device (plan) */
     struct backend *be;
     float *h, *logits;
@@ -215,6 +227,57 @@ static int worker_submit(void *ctx, uint32_t layer, const uint32_t *experts,
     return rc;
 }
 
+/* Answers a forwarded request for foreign experts (tag != 0) with the same tag. Checks what
+ * the wire could not: the layer and experts are foreign experts this worker holds, the width
+ * is the model's. Returns 0 or an errno (logged; reported to the coordinator by the caller). */
+static int worker_serve(struct worker *w, const struct wire_msg *m)
+{
+    const struct wire_expert_request *r = &m->expert_request;
+    const uint32_t n_embd = w->m->hp.n_embd;
+    if (!r->tag || r->layer >= w->m->hp.n_layer || !w->foreign || !w->foreign[r->layer] ||
+        r->n_embd != n_embd) {
+        log_error("forwarded expert request (tag %llu) for layer %u, width %u: this worker holds "
+                  "no foreign experts of that layer, or the width is not %u",
+                  (unsigned long long)r->tag, r->layer, r->n_embd, n_embd);
+        return -EPROTO;
+    }
+    const uint32_t rows = (uint32_t)(m->tensor_bytes / (n_embd * sizeof(float)));
+    int rc = backend_serve(w->be, r->layer, r->experts, r->counts, (uint32_t)r->n_experts,
+                           m->tensor, w->serve_y);
+    if (rc)
+        return rc;
+    struct wire_msg o = {.type = WIRE_TYPE_EXPERT_REPLY};
+    o.expert_reply = (struct wire_expert_reply){.step = r->step, .layer = r->layer,
+                                                .n_rows = rows, .n_embd = n_embd, .tag = r->tag};
+    o.tensor = w->serve_y;
+    o.tensor_bytes = m->tensor_bytes;
+    rc = worker_send(w, w->coord, &o);
+    if (rc) {
+        log_error("cannot send the reply to forwarded request %llu: %s",
+                  (unsigned long long)r->tag, strerror(-rc));
+        return rc;
+    }
+    w->served_req++;
+    w->served_rows += rows;
+    return 0;
+}
+
+/* worker_serve, reporting a failure to the coordinator (which fails the step naming us).
+ * A request that does not fit the plan (-EPROTO, -EINVAL) is answered with that error and the
+ * worker goes on; a backend or socket failure ends it. */
+static int worker_serve_report(struct worker *w, const struct wire_msg *m)
+{
+    int rc = worker_serve(w, m);
+    if (rc) {
+        char what[160];
+        snprintf(what, sizeof(what), "serving foreign experts of layer %u (forwarded request "
+                 "%llu) failed: %s", m->expert_request.layer,
+                 (unsigned long long)m->expert_request.tag, strerror(-rc));
+        worker_report_error(w, rc, what);
+    }
+    return rc == -EPROTO || rc == -EINVAL ? 0 : rc;
+}
+
 /* Keeps a coordinator message that came during a step (taking over *m, which is zeroed) for
  * the main loop to run after it. -EPROTO (logged) when WORKER_QUEUE_MAX are waiting already:
  * the coordinator keeps at most one step per sequence in flight. */
@@ -252,6 +315,15 @@ static int worker_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
         }
         if (m.type == WIRE_TYPE_STEP || m.type == WIRE_TYPE_RESET) {
             rc = worker_defer(w, &m); /* the next sequence's step: after this one */
+            if (rc)
+                return rc;
+            continue;
+        }
+        if (m.type == WIRE_TYPE_EXPERT_REQUEST && w->has_foreign) { /* a peer's: answer now */
+            const uint64_t before = w->served_req;
+            rc = worker_serve_report(w, &m);
+            w->served_waiting += w->served_req - before;
+            wire_msg_free(&m);
             if (rc)
                 return rc;
             continue;
@@ -396,7 +468,9 @@ static int worker_build_refs(struct worker *w)
     w->src = calloc(L, sizeof(*w->src));
     if (!w->src)
         return -ENOMEM;
-    for (uint32_t l = w->l0; l < w->l1; l++) {
+    for (uint32_t l = 0; l < L; l++) {
+        if ((l < w->l0 || l >= w->l1) && !(w->foreign && w->foreign[l]))
+            continue;
         w->src[l] = calloc(E, sizeof(struct expert_ref));
         if (!w->src[l])
             return -ENOMEM;
@@ -433,6 +507,29 @@ static int worker_build_residency(struct worker *w, const struct wire_load_plan 
         if (!w->resident[r->layer])
             return -ENOMEM;
         memcpy(w->resident[r->layer], r->bitmap, r->bitmap_bytes);
+    }
+    w->foreign = calloc(L, sizeof(*w->foreign));
+    if (!w->foreign)
+        return -ENOMEM;
+    for (size_t i = 0; i < p->n_foreign; i++) { /* wire.c checked the layers */
+        const struct wire_layer_residency *r = &p->foreign[i];
+        if (r->bitmap_bytes != (E + 7) / 8 || r->layer >= L ||
+            (r->layer >= w->l0 && r->layer < w->l1)) {
+            log_error("load plan: foreign experts of layer %u: bitmap of %zu bytes (expected "
+                      "%u), or a layer of this worker's range %u-%u", r->layer, r->bitmap_bytes,
+                      (E + 7) / 8, w->l0, w->l1 - 1);
+            return -EPROTO;
+        }
+        if (E % 8 && r->bitmap[E / 8] >> (E % 8)) {
+            log_error("load plan: foreign bitmap of layer %u names experts past %u", r->layer,
+                      E - 1);
+            return -EPROTO;
+        }
+        w->foreign[r->layer] = malloc(r->bitmap_bytes);
+        if (!w->foreign[r->layer])
+            return -ENOMEM;
+        memcpy(w->foreign[r->layer], r->bitmap, r->bitmap_bytes);
+        w->has_foreign = true;
     }
     return 0;
 }
@@ -478,8 +575,8 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
     w->shm = shm_open_ro(p->shm_name, shm_model_hash(w->g));
     if (!w->shm)
         return -EPROTO;
-    rc = worker_build_refs(w);
-    rc = rc ? rc : worker_build_residency(w, p);
+    rc = worker_build_residency(w, p);
+    rc = rc ? rc : worker_build_refs(w);
     if (rc)
         return rc;
     struct backend_config bc = {
@@ -488,6 +585,7 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
         .kv_f16 = p->kv_f16, .max_batch = p->max_batch, .n_seq = p->n_seq,
         .resident = (const uint8_t *const *)w->resident,
         .trunk_on_device = w->trunk_on, .shexp_on_device = w->shexp_on, .lmhead = p->lmhead,
+        .foreign = w->has_foreign ? (const uint8_t *const *)w->foreign : NULL,
         .expert_src = (const struct expert_ref *const *)w->src,
         .remote = {.ctx = w, .submit = worker_submit, .collect = worker_collect},
         .progress = &w->progress, .fail = getenv("LAMINA_FAIL")};
@@ -513,6 +611,11 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
     rc = worker_nccl_join(w, p);
     if (rc)
         return rc;
+    if (w->has_foreign) {
+        w->serve_y = malloc((size_t)w->be->serve_max_rows * w->m->hp.n_embd * sizeof(float));
+        if (!w->serve_y)
+            return -ENOMEM;
+    }
     w->h = malloc((size_t)p->max_batch * w->m->hp.n_embd * sizeof(float));
     w->logits = malloc((size_t)p->max_batch * w->m->hp.n_vocab * sizeof(float));
     return w->h && w->logits ? 0 : -ENOMEM;
@@ -581,8 +684,9 @@ static int worker_start(struct worker *w)
     struct wire_msg r = {.type = WIRE_TYPE_READY};
     r.ready = (struct wire_ready){.device_mem_used = w->be->mem_used,
                                   .resident_experts = w->be->resident_experts};
-    log_info("layers %u-%u loaded: %u experts resident, %.1f MiB of device memory", w->l0,
-             w->l1 - 1, w->be->resident_experts, w->be->mem_used / 1048576.0);
+    log_info("layers %u-%u loaded: %u experts resident (%u of them foreign), %.1f MiB of device "
+             "memory", w->l0, w->l1 - 1, w->be->resident_experts, w->be->foreign_experts,
+             w->be->mem_used / 1048576.0);
     return worker_send(w, w->coord, &r);
 }
 
@@ -605,7 +709,8 @@ static void worker_send_timing(struct worker *w, const struct wire_step *st, dou
              "\"deltanet\":%.3f,\"router\":%.3f,\"experts_gpu\":%.3f,\"experts_page_in\":0,"
              "\"experts_cpu_wait\":%.3f,\"shared_expert\":%.3f,\"send\":%.3f,"
              "\"recv_wait\":%.3f,\"total\":%.3f,\"handoff\":%.3f,\"handoff_in\":%.3f},"
-             "\"experts\":{\"hit\":%llu,\"paged\":0,\"in_place\":0,\"cpu\":%llu},"
+             "\"experts\":{\"hit\":%llu,\"paged\":0,\"in_place\":0,\"cpu\":%llu,"
+             "\"served\":%llu},"
              "\"bytes\":{\"h2d\":0,\"nccl\":%llu,\"sent\":%llu}}",
              w->args.index, w->device, (unsigned long long)st->step, (unsigned long long)st->seq_id,
              st->n_tokens, w->l0, w->l1, via, 1e3 * (s->attn - p->attn),
@@ -615,8 +720,10 @@ static void worker_send_timing(struct worker *w, const struct wire_step *st, dou
              1e3 * total_s, handoff_ms, w->nccl_recv_ms,
              (unsigned long long)(s->expert_rows - p->expert_rows),
              (unsigned long long)(s->remote_rows - p->remote_rows),
+             (unsigned long long)(w->served_rows - w->served_rows_prev),
              (unsigned long long)w->nccl_bytes, (unsigned long long)sent);
     w->prev = *s;
+    w->served_rows_prev = w->served_rows;
     struct wire_msg m = {.type = WIRE_TYPE_TIMING};
     m.timing.json = json;
     worker_send(w, w->coord, &m);
@@ -802,6 +909,12 @@ static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, 
         return 1;
     case WIRE_TYPE_HEARTBEAT:
         return 0;
+    case WIRE_TYPE_EXPERT_REQUEST: /* a peer's, forwarded by the coordinator */
+        if (w->has_foreign)
+            return worker_serve_report(w, m);
+        log_warn("ignoring an unexpected %s message (this worker holds no foreign experts)",
+                 wire_msg_type_name(m->type));
+        return 0;
     default:
         log_warn("ignoring an unexpected %s message", wire_msg_type_name(m->type));
         return 0;
@@ -906,7 +1019,15 @@ static void worker_cleanup(struct worker *w)
             free(w->src[l]);
         if (w->resident)
             free(w->resident[l]);
+        if (w->foreign)
+            free(w->foreign[l]);
     }
+    free(w->foreign);
+    free(w->serve_y);
+    if (w->served_req)
+        log_info("served %llu forwarded expert requests (%llu rows) for other workers, %llu "
+                 "of them while waiting for its own", (unsigned long long)w->served_req,
+                 (unsigned long long)w->served_rows, (unsigned long long)w->served_waiting);
     free(w->src);
     free(w->resident);
     free(w->trunk_on);

@@ -28,7 +28,11 @@
  *   - the layers split over two cuda backends: within the bound;
  *   - f16 KV cache, cuda vs token-by-token cpu with f16 KV: within the bound
  *     of TBC_TOL_F16;
- *   - a device budget too small is refused.
+ *   - a device budget too small is refused;
+ *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
+ *     holding every expert of the second half serves grouped rows of those layers (decode
+ *     sized and prefill sized groups) within TBC_TOL_SERVE of expert_exec on the CPU, counts
+ *     them as foreign, and refuses an expert it does not hold.
  * Decode time of backend_layers per token with and without graphs is printed
  * (tiny models: it measures launch overhead, not bandwidth). Needs a CUDA
  * device: exits 1 with a message when there is none.
@@ -63,6 +67,7 @@
 #define TBC_BATCH 32     /* max_batch: the 93-token prompt takes 3 passes */
 #define TBC_DECODE 6     /* decode steps after the prompt */
 #define TBC_CTX 256
+#define TBC_TOL_SERVE 1e-4 /* served rows: max |cuda - expert_exec| / max |y| */
 
 /* The expert pool a coordinator would run: expert_exec on the CPU. */
 struct tbc_remote {
@@ -358,6 +363,92 @@ static void tbc_budget(const struct tbc_arch *a)
     log_set_level(LOG_LEVEL_INFO);
 }
 
+/* Foreign experts: the second half's experts on a backend of the first half. */
+static void tbc_serve(const struct tbc_arch *a)
+{
+    const uint32_t E = a->m->hp.n_expert, L = a->m->hp.n_layer, n = a->n_embd;
+    if (L < 2)
+        return;
+    const uint32_t P = TBC_BATCH * a->m->hp.n_expert_used; /* the most rows of one call */
+    uint8_t *all = malloc((E + 7) / 8);
+    const uint8_t **fg = calloc(L, sizeof(*fg));
+    uint32_t *ex = calloc(E, sizeof(uint32_t)), *cn = calloc(E, sizeof(uint32_t));
+    struct expert_ref *refs = calloc(E, sizeof(*refs));
+    float *X = malloc((size_t)P * n * sizeof(float)), *Yg = malloc((size_t)P * n * sizeof(float));
+    float *Yc = malloc((size_t)P * n * sizeof(float));
+    struct threadpool_config pc = {.n_threads = 2, .pin = false};
+    struct threadpool *pool = threadpool_create(&pc);
+    struct expert_exec_config xc = {.pool = pool, .n_embd = n, .n_ff = a->m->hp.n_ff_exp,
+                                    .max_rows = P};
+    struct expert_exec *xx = pool ? expert_exec_create(&xc) : NULL;
+    struct backend *b = NULL;
+    if (!all || !fg || !ex || !cn || !refs || !X || !Yg || !Yc || !xx) {
+        CHECK(false, "%s: serve setup", a->name);
+        goto out;
+    }
+    memset(all, 0xff, (E + 7) / 8);
+    if (E % 8)
+        all[E / 8] = (uint8_t)((1u << (E % 8)) - 1);
+    for (uint32_t l = L / 2; l < L; l++)
+        fg[l] = all;
+    struct backend_config cfg = tbc_config(a, 0, L / 2, TBC_BATCH);
+    cfg.foreign = fg;
+    b = backend_create("cuda", &cfg);
+    CHECK(b && b->foreign_experts == (L - L / 2) * E && b->serve_max_rows == P,
+          "%s: cuda backend with %u foreign experts (has %u, %u rows)", a->name,
+          (L - L / 2) * E, b ? b->foreign_experts : 0, b ? b->serve_max_rows : 0);
+    if (!b)
+        goto out;
+    uint64_t seed = 12345;
+    for (size_t i = 0; i < (size_t)P * n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        X[i] = (float)((double)(seed >> 11) / 9007199254740992.0 - 0.5);
+    }
+    double worst = 0;
+    for (uint32_t l = L / 2; l < L; l++) {
+        for (int shape = 0; shape < 2; shape++) {
+            /* decode sized: one row per expert of a few; prefill sized: every row, experts
+             * descending with uneven counts */
+            uint32_t g = 0, rows = 0;
+            for (uint32_t e = 0; e < E && rows < P; e++) {
+                const uint32_t want = shape ? 1 + (e * 7) % 13 : 1;
+                ex[g] = shape ? E - 1 - e : (e * 3) % E;
+                cn[g] = want < P - rows ? want : P - rows;
+                rows += cn[g++];
+                if (!shape && g == a->m->hp.n_expert_used)
+                    break;
+            }
+            for (uint32_t k = 0; k < g; k++)
+                refs[k] = expert_exec_model_ref(&a->m->layers[l], ex[k]);
+            memset(Yg, 0xff, (size_t)rows * n * sizeof(float));
+            int rc = backend_serve(b, l, ex, cn, g, X, Yg);
+            rc = rc ? rc : expert_exec_run(xx, &a->m->layers[l], refs, cn, g, X, Yc);
+            CHECK(rc == 0, "%s: serve layer %u shape %d: %d", a->name, l, shape, rc);
+            double d = 0, mag = 0;
+            for (size_t i = 0; i < (size_t)rows * n && !rc; i++) {
+                d = fmax(d, fabs((double)Yg[i] - Yc[i]));
+                mag = fmax(mag, fabs((double)Yc[i]));
+            }
+            worst = fmax(worst, mag > 0 ? d / mag : (isnan(d) ? 1 : d));
+        }
+    }
+    MEASURE("%s cuda serve of foreign experts: max |cuda - expert_exec| / max |y| %.3g", a->name,
+            worst);
+    CHECK(worst <= TBC_TOL_SERVE, "%s: served rows differ by %.3g of their magnitude", a->name,
+          worst);
+    log_set_level(LOG_LEVEL_ERROR);
+    ex[0] = 0;
+    cn[0] = 1;
+    CHECK(backend_serve(b, 0, ex, cn, 1, X, Yg) == -EINVAL, "%s: an expert of its own range "
+          "(not foreign) is refused", a->name);
+    log_set_level(LOG_LEVEL_INFO);
+out:
+    backend_destroy(b);
+    expert_exec_destroy(xx);
+    threadpool_destroy(pool);
+    free(all), free(fg), free(ex), free(cn), free(refs), free(X), free(Yg), free(Yc);
+}
+
 static void tbc_arch_run(struct tbc_arch *a)
 {
     const uint32_t L = a->m->hp.n_layer;
@@ -408,6 +499,7 @@ static void tbc_arch_run(struct tbc_arch *a)
     tbc_compare(a, gpu2, tmp, "cuda f16 KV vs token-by-token cpu f16 KV", TBC_TOL_F16);
     tbc_layers(a);
     tbc_budget(a);
+    tbc_serve(a);
 out:
     free(chunk), free(tok), free(gpu), free(gpu2), free(tmp);
 }
