@@ -18,9 +18,10 @@
 #              time per kernel kind (decode and prefill) in $OUT/profile.txt
 #     place    the placement benchmark (tools/bench-place.sh) at PLACE_BUDGETS
 #     cards    one card against two (tools/bench-cards.sh, issue 6; two GPUs)
-#     llama    run llama-bench -ngl 99 on the same file, from
+#     llama    run llama-bench -ngl 99 on the same file (one card), from
 #              .peerbuild/bin/llama-bench: llama.cpp built by hand from its
-#              public source on that machine (nothing here builds it)
+#              public source (nothing here builds it), either on that machine
+#              or elsewhere and carried as .peerpack.tar.xz (unpacked here)
 # Staging builds for sm_90 only (BUILD=build-dev) and strips the binaries, so
 # that the call's carry stays under its size limit.
 # The last lines printed are a short summary table.
@@ -70,6 +71,11 @@ stage() {
 libs() {
     if [ -f .devpack.tar.xz ]; then
         tar -xJf .devpack.tar.xz || { echo "device-check: cannot unpack .devpack.tar.xz"; exit 1; }
+    fi
+    # .peerpack.tar.xz: .peerbuild/bin/llama-bench, built by hand elsewhere and carried (never
+    # committed; nothing here builds it)
+    if [ -f .peerpack.tar.xz ] && [ ! -x .peerbuild/bin/llama-bench ]; then
+        tar -xJf .peerpack.tar.xz || echo "device-check: cannot unpack .peerpack.tar.xz"
     fi
     mkdir -p /tmp/devlib
     for f in .devdebs/*.deb; do dpkg -x "$f" /tmp/devlib; done
