@@ -18,26 +18,11 @@ set -u
 BUILD=${BUILD:-build}
 L=$BUILD/lamina
 T=$(mktemp -d /tmp/lamina-any-XXXXXX)
-fails=0
+. tests/lib/sys.sh
 export LAMINA_LOG=warn LAMINA_PROBE=off
 
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
-ok() { echo "ok: $*"; }
 cleanup() { rm -rf "$T"; }
 trap cleanup EXIT
-
-# No worker of coordinator $2 and no segment of pid $2 left.
-check_clean() {
-    sleep 0.2
-    left=$(pgrep -f "lamina-worker --connect ipc://.*/lamina-$2-" | tr '\n' ' ')
-    if [ -n "$left" ]; then
-        fail "$1: lamina-worker processes left: $left"
-        kill -9 $left 2>/dev/null
-    fi
-    if ls /dev/shm 2>/dev/null | grep -q "^lamina-$2-"; then
-        fail "$1: shm segment of pid $2 left: $(ls /dev/shm | grep "^lamina-$2-")"
-    fi
-}
 
 # Sum of the "$2" expert rows of worker $3 in timing file $1.
 rows_of() {

@@ -24,28 +24,11 @@ L=$BUILD/lamina
 W=$BUILD/lamina-worker
 FX=${LAMINA_FIXTURES:-../shared/fixtures}
 T=$(mktemp -d /tmp/lamina-sys-XXXXXX)
-fails=0
+. tests/lib/sys.sh
 export LAMINA_LOG=warn
-
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
-ok() { echo "ok: $*"; }
 
 cleanup() { rm -rf "$T"; }
 trap cleanup EXIT
-
-# No worker of coordinator $2 (its runtime directory is in the endpoint), and
-# no segment of pid $2, is left.
-check_clean() {
-    sleep 0.2
-    left=$(pgrep -f "lamina-worker --connect ipc://.*/lamina-$2-" | tr '\n' ' ')
-    if [ -n "$left" ]; then
-        fail "$1: lamina-worker processes left: $left"
-        kill -9 $left 2>/dev/null
-    fi
-    if ls /dev/shm 2>/dev/null | grep -q "^lamina-$2-"; then
-        fail "$1: shm segment of pid $2 left: $(ls /dev/shm | grep "^lamina-$2-")"
-    fi
-}
 
 ids_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open('$FX/conformance/refs.json'))['$1']['prompt_ids'])))"; }
 

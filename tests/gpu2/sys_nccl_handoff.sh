@@ -14,12 +14,10 @@ set -u
 BUILD=${BUILD:-build}
 L=$BUILD/lamina
 T=$(mktemp -d /tmp/lamina-gpu2-XXXXXX)
-fails=0
+. tests/lib/sys.sh
 export NCCL_NVLS_ENABLE=0 # the machines' owners require NVLink multicast off
 export LAMINA_LOG=${LAMINA_LOG:-warn}
 
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
-ok() { echo "ok: $*"; }
 cleanup() { rm -rf "$T"; }
 trap cleanup EXIT
 
@@ -38,19 +36,6 @@ if [ -z "${LAMINA_NCCL_LIB:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl
         echo "using $lib"
     fi
 fi
-
-# No worker of coordinator $2 and no segment of pid $2 is left.
-check_clean() {
-    sleep 0.2
-    left=$(pgrep -f "lamina-worker --connect ipc://.*/lamina-$2-" | tr '\n' ' ')
-    if [ -n "$left" ]; then
-        fail "$1: lamina-worker processes left: $left"
-        kill -9 $left 2>/dev/null
-    fi
-    if ls /dev/shm 2>/dev/null | grep -q "^lamina-$2-"; then
-        fail "$1: shm segment of pid $2 left"
-    fi
-}
 
 # Mean coordinator step time (ms) of the one-token steps in a timing dump.
 decode_ms() {
