@@ -18,6 +18,8 @@
  *     every prompt position and to the greedy continuation at every decode
  *     step; a second run after reset() byte-identical;
  *   - the same with graphs off (LAMINA_CUDA_GRAPHS=0): byte-identical;
+ *   - the local expert rows counted (timing dumps' hits) equal the cpu
+ *     backend's with decode through the graph;
  *   - the same without programmatic dependent launch (LAMINA_CUDA_PDL=0; on
  *     sm_90 and later the default chains the kernels with PDL, elsewhere
  *     both runs launch alike): byte-identical, the kernels' maths is the same;
@@ -189,6 +191,9 @@ static struct backend_config tbc_config(const struct tbc_arch *a, uint32_t l0, u
                                    .n_threads = 2, .n_ctx = TBC_CTX, .max_batch = batch};
 }
 
+/* (token, expert) pairs the last tbc_run's first sequence computed locally. */
+static uint64_t tbc_last_rows;
+
 /* One backend over all layers: a run, optionally a second after reset;
  * returns the decode ms per token (tbc_decode_ms) or -1. */
 static double tbc_run(const struct tbc_arch *a, const char *kind, struct backend_config cfg,
@@ -200,6 +205,7 @@ static double tbc_run(const struct tbc_arch *a, const char *kind, struct backend
         return -1;
     int rc = tbc_sequence(a, &b, 1, out);
     CHECK(rc == 0, "%s: %s sequence ran", a->name, kind);
+    tbc_last_rows = backend_stats(b)->expert_rows;
     if (again && !rc) {
         backend_reset(b);
         rc = tbc_sequence(a, &b, 1, again);
@@ -461,9 +467,13 @@ static void tbc_arch_run(struct tbc_arch *a)
     if (!chunk || !tok || !gpu || !gpu2 || !tmp)
         goto out;
     double ms_cpu = tbc_run(a, "cpu", tbc_config(a, 0, L, TBC_BATCH), chunk, NULL);
+    const uint64_t rows_cpu = tbc_last_rows;
     tbc_run(a, "cpu", tbc_config(a, 0, L, 1), tok, NULL);
     tbc_check_argmax(a, chunk, "cpu");
     double ms_graph = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), gpu, gpu2);
+    /* graph replays count their expert rows as the captured step did */
+    CHECK(tbc_last_rows == rows_cpu, "%s: cuda counted %llu local expert rows, cpu %llu",
+          a->name, (unsigned long long)tbc_last_rows, (unsigned long long)rows_cpu);
     for (size_t s = 0; s < a->rows; s++)
         a->spread[s] = tbc_maxdiff(chunk + s * a->V, tok + s * a->V, a->V);
     tbc_compare(a, tok, gpu, "cuda full residency vs token-by-token cpu", TBC_TOL);
