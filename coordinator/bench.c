@@ -20,6 +20,7 @@
 #include "model/quant.h"
 #include "model/sampler.h"
 #include "worker/forward.h"
+#include "worker/probe.h"
 
 
 struct bench_job {
@@ -112,8 +113,9 @@ static int bench_setup(struct bench_job *j)
     return j->logits && j->ids ? 0 : -ENOMEM;
 }
 
+/* bw: GB/s of the memory the weights are read from (0: not measured); what: its name. */
 static void bench_print(struct bench_job *j, double pp_med, double pp_spr, double tg_med,
-                        double tg_spr, double bw)
+                        double tg_spr, double bw, const char *what)
 {
     const struct bench_config *cfg = j->cfg;
     const double bpt = bench_bytes_per_token(j->m);
@@ -142,9 +144,12 @@ static void bench_print(struct bench_job *j, double pp_med, double pp_spr, doubl
         printf("| %s %u layers | %.2f GiB | %s | %d | tg%u | %.2f +- %.2f |\n",
                j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_gen, tg_med,
                tg_spr);
-    printf("\nweights read per generated token: %.1f MB; host read bandwidth %.1f GB/s; "
-           "roofline %.1f tok/s; tg at %.0f%% of it\n",
-           bpt / 1e6, bw, roof, roof > 0 ? 100 * tg_med / roof : 0.0);
+    if (bw > 0)
+        printf("\nweights read per generated token: %.1f MB; %s %.1f GB/s; roofline %.1f tok/s; "
+               "tg at %.0f%% of it\n", bpt / 1e6, what, bw, roof, 100 * tg_med / roof);
+    else
+        printf("\nweights read per generated token: %.1f MB (%s not measured: no roofline)\n",
+               bpt / 1e6, what);
     engine_print_summary(j->eng, stdout);
 }
 
@@ -428,10 +433,35 @@ static int bench_run_parallel(const struct bench_config *cfg)
     return rc;
 }
 
+/* True when the layers run on a GPU: an in-process CUDA backend, or workers that are all
+ * CUDA devices. */
+static bool bench_on_gpu(const struct bench_config *cfg)
+{
+    if (cfg->cluster) {
+        for (int i = 0; i < cfg->cluster->n_workers; i++)
+            if (!cfg->cluster->backends[i] || strncmp(cfg->cluster->backends[i], "cuda:", 5))
+                return false;
+        return cfg->cluster->n_workers > 0;
+    }
+    return cfg->backend && !strncmp(cfg->backend, "cuda:", 5);
+}
+
 int bench_run(const struct bench_config *cfg)
 {
     if (cfg->parallel)
         return bench_run_parallel(cfg);
+    /* The roofline's bandwidth: for an in-process CUDA backend the card's own (a GEMV
+     * probe, before the model is loaded: the probe leaves the card as it found it);
+     * for CUDA workers it is not measured here (their cards may hold other experts'
+     * misses too); else the host's read bandwidth, after the runs. */
+    const bool gpu = bench_on_gpu(cfg);
+    const char *bw_what = gpu ? "device memory bandwidth (GEMV probe)" : "host read bandwidth";
+    double dev_bw = 0;
+    if (cfg->membw && gpu && !cfg->cluster) {
+        struct probe_result r;
+        if (probe_device(cfg->backend, 0, QUANT_TYPE_Q4_0, &r) == 0)
+            dev_bw = r.gemv_bw / 1e9;
+    }
     struct bench_job j = {.cfg = cfg};
     int rc = cfg->reps ? bench_setup(&j) : -EINVAL;
     double *pp = calloc(cfg->reps + 1, sizeof(double)), *tg = calloc(cfg->reps + 1, sizeof(double));
@@ -450,8 +480,8 @@ int bench_run(const struct bench_config *cfg)
     if (!rc) {
         bench_stats(pp, cfg->reps, &pp_med, &pp_spr);
         bench_stats(tg, cfg->reps, &tg_med, &tg_spr);
-        bw = cfg->membw ? planner_probe_host_bandwidth(cfg->n_threads) / 1e9 : 0;
-        bench_print(&j, pp_med, pp_spr, tg_med, tg_spr, bw);
+        bw = !cfg->membw ? 0 : gpu ? dev_bw : planner_probe_host_bandwidth(cfg->n_threads) / 1e9;
+        bench_print(&j, pp_med, pp_spr, tg_med, tg_spr, bw, bw_what);
     }
     free(pp);
     free(tg);
