@@ -63,6 +63,10 @@ struct backend_config {
     struct forward_remote remote;     /* for the experts not held */
     struct backend_handoff handoff;   /* device hand-off (cuda only), or zeroes */
     volatile uint64_t *progress;      /* bumped per layer (watchdog), or NULL */
+    /* cuda: time the GPU stages of each layer with CUDA events into stats() (attn, deltanet,
+     * router, experts, shared_expert); off, those stay 0. The worker sets it from
+     * LAMINA_CUDA_STAGE_TIMES=1 (docs/timings.md). The cpu backend always times them. */
+    bool stage_times;
     const char *fail;                 /* failure injection spec (tests), or NULL:
                                          "step:N" fail the N-th layers call with -EIO,
                                          "hang:N" never return from it,

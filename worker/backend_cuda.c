@@ -78,8 +78,26 @@
  * refuses every later call (style.md habit 8: the worker exits).
  * The DeltaNet state lives on the device only: reset() zeroes it there (no
  * host copy yet: a CPU step of these layers is not possible).
- * Stage timings: only remote_wait (host time in collect) and the row and
- * token counters are kept; GPU stages are timed only by the profile mode.
+ * Stage timings: remote_wait (host time in collect) and the row and token
+ * counters are always kept. With cfg->stage_times (the worker's
+ * LAMINA_CUDA_STAGE_TIMES=1) each layer's GPU stages are timed too, between
+ * CUDA events (timing enabled, 2 x layers x CB_STAGES of them made at init):
+ * the mixer (the first layer's norm, attention or DeltaNet, add + ffn norm)
+ * into attn or deltanet, router product and top-k into router, the routed
+ * experts held here into experts (main stream), and the shared expert on the
+ * stream it runs on (the side stream, between the fork and the join) into
+ * shared_expert; the combine stays untimed ("other", as on the cpu backend).
+ * The shared expert overlaps router and experts, so the five sums may exceed
+ * the step's wall time; the main-stream ones never do. A prefill records
+ * the events eagerly; a decode graph captured with them holds one
+ * event-record node each (cudaEventRecordExternal), which every replay
+ * records again. The slots' graphs share the events: a pass reads them
+ * (cudaEventElapsedTime, after its final synchronisation) before the next
+ * pass, of whatever slot, records them again, as passes never overlap. A
+ * failure of any of this logs once and turns stage timings off, never the
+ * step: a capture that fails with the events is retried without them. Off,
+ * no event exists and nothing is recorded or captured (the graph is the
+ * same). The profile mode times every kernel instead (below).
  */
 #ifdef LAMINA_CUDA
 
@@ -105,6 +123,15 @@
 #define CB_LOGIT_ROWS 16              /* rows of logits per output-head pass */
 #define CB_PROF_MAX 4096              /* kernels per profiled pass, at most */
 #define CB_PROF_ROWS 48               /* distinct labels in the profile */
+
+/* The timed stages of a layer (cfg->stage_times). */
+enum cb_stage {
+    CB_STAGE_MIXER,   /* first norm, attention or DeltaNet, add + ffn norm */
+    CB_STAGE_ROUTER,  /* router product and top-k */
+    CB_STAGE_EXPERTS, /* routed experts held here */
+    CB_STAGE_SHARED,  /* shared expert (on the side stream when forked) */
+    CB_STAGES
+};
 
 /* A weight matrix in device memory (possibly a row range of a larger one). */
 struct cb_mat {
@@ -208,6 +235,10 @@ struct backend_cuda {
     uint64_t launches;                /* kernels enqueued so far */
     bool launches_logged;
     struct forward_stats stats;
+    /* stage timings (cfg->stage_times): events [layer - l0][stage][begin, end] */
+    cudaEvent_t *st_ev;               /* 2 x (l1 - l0) x CB_STAGES, timing enabled; or NULL */
+    bool st_on;                       /* recording; cleared for good after a failure */
+    bool capturing;                   /* a decode graph is being captured: record as nodes */
     /* foreign experts (cfg->foreign, --experts-home any): layers outside the range, each
      * with its experts, device address tables and host flags as a range layer has; served
      * by cb_serve with buffers of its own (a request may come while a pass of this range
@@ -905,6 +936,67 @@ static void cb_prof_report(const struct backend_cuda *c)
     }
 }
 
+/* ---- stage timings (cfg->stage_times) ---- */
+
+/* Turns stage timings off for good, logging why once. */
+static void cb_stage_off(struct backend_cuda *c, const char *what, cudaError_t e)
+{
+    if (!c->st_on)
+        return;
+    c->st_on = false;
+    log_warn("cuda layers %u-%u: stage timings off: %s failed: %s", c->l0, c->l1 - 1, what,
+             cudaGetErrorString(e));
+}
+
+static cudaEvent_t cb_stage_ev(const struct backend_cuda *c, uint32_t l, enum cb_stage s,
+                               int end)
+{
+    return c->st_ev[((size_t)(l - c->l0) * CB_STAGES + s) * 2 + end];
+}
+
+/* Records the begin (end 0) or end (1) of stage s of layer l on `stream`; in a
+ * capture as an event-record node of the graph. */
+static void cb_stage_mark(struct backend_cuda *c, uint32_t l, enum cb_stage s, int end,
+                          cudaStream_t stream)
+{
+    if (!c->st_on)
+        return;
+    const unsigned flags = c->capturing ? cudaEventRecordExternal : cudaEventRecordDefault;
+    const cudaError_t e = cudaEventRecordWithFlags(cb_stage_ev(c, l, s, end), stream, flags);
+    if (e != cudaSuccess)
+        cb_stage_off(c, "cudaEventRecordWithFlags", e);
+}
+
+/* After a pass's final synchronisation: adds the GPU time of every stage the
+ * pass recorded (every stage of every layer; the shared expert's where there
+ * is one) to the stats. Nothing is added when a query fails. */
+static void cb_stage_collect(struct backend_cuda *c)
+{
+    if (!c->st_on)
+        return;
+    double ms[CB_STAGES + 1] = {0}; /* the last: the mixer of attention layers */
+    for (uint32_t l = c->l0; l < c->l1; l++) {
+        const struct cb_layer *L = &c->layers[l - c->l0];
+        for (int s = 0; s < CB_STAGES; s++) {
+            if (s == CB_STAGE_SHARED && !L->sh)
+                continue;
+            float t = 0.0f;
+            const cudaError_t e = cudaEventElapsedTime(&t, cb_stage_ev(c, l, s, 0),
+                                                       cb_stage_ev(c, l, s, 1));
+            if (e != cudaSuccess) {
+                cb_stage_off(c, "cudaEventElapsedTime", e);
+                return;
+            }
+            ms[s == CB_STAGE_MIXER && !L->ly->recurrent ? CB_STAGES : s] += t;
+        }
+    }
+    c->stats.deltanet += 1e-3 * ms[CB_STAGE_MIXER];
+    c->stats.attn += 1e-3 * ms[CB_STAGES];
+    c->stats.router += 1e-3 * ms[CB_STAGE_ROUTER];
+    c->stats.experts += 1e-3 * ms[CB_STAGE_EXPERTS];
+    c->stats.shared_expert += 1e-3 * ms[CB_STAGE_SHARED];
+}
+
 /* ---- the layer pass ---- */
 
 /* A kernel launch: marks it for the profile, counts it, passes its result. */
@@ -1161,9 +1253,14 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
         rc = c->cfg.remote.submit(c->cfg.remote.ctx, l, c->grp_expert, c->grp_count, n_groups,
                                   c->h_xr, rows);
     }
+    cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
     rc = rc ? rc : cb_local_experts(c, L, S);
-    if (!rc && L->sh)
+    cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
+    if (!rc && L->sh) {
+        cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
         rc = cb_shared_expert(c, L, S);
+        cb_stage_mark(c, l, CB_STAGE_SHARED, 1, c->stream);
+    }
     const double t0 = cb_now();
     if (!rc && rows)
         rc = c->cfg.remote.collect(c->cfg.remote.ctx, l, c->h_yr, rows);
@@ -1192,20 +1289,35 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         rc = rc ? rc : CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_fork, 0));
         cudaStream_t main_stream = c->stream;
         c->stream = c->side;
+        if (!rc)
+            cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->side);
         rc = rc ? rc : cb_shared_expert(c, L, S);
+        if (!rc)
+            cb_stage_mark(c, l, CB_STAGE_SHARED, 1, c->side);
         c->stream = main_stream;
         rc = rc ? rc : CUDA_CHECK(cudaEventRecord(c->ev_join, c->side));
     }
+    if (!rc)
+        cb_stage_mark(c, l, CB_STAGE_ROUTER, 0, c->stream);
     rc = rc ? rc : cb_mm(c, "moe.router", &L->router, c->xa, n, S, c->rl, hp->n_expert);
     rc = rc ? rc : CB_K(c, "moe.topk", cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S,
                                                        c->ids, c->w, c->stream));
     if (rc)
         return rc;
+    cb_stage_mark(c, l, CB_STAGE_ROUTER, 1, c->stream);
     if (local) {
+        cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
         rc = cb_local_experts(c, L, S);
-        if (!rc && L->sh)
-            rc = fork ? CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_join, 0))
-                      : cb_shared_expert(c, L, S);
+        if (!rc)
+            cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
+        if (!rc && L->sh && fork) {
+            rc = CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_join, 0));
+        } else if (!rc && L->sh) {
+            cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
+            rc = cb_shared_expert(c, L, S);
+            if (!rc)
+                cb_stage_mark(c, l, CB_STAGE_SHARED, 1, c->stream);
+        }
         c->stats.expert_rows += S * k;
     } else {
         rc = cb_moe_remote(c, L, l, S);
@@ -1229,6 +1341,7 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     const uint32_t n = hp->n_embd;
     for (uint32_t l = c->l0; l < c->l1; l++) {
         const struct cb_layer *L = &c->layers[l - c->l0];
+        cb_stage_mark(c, l, CB_STAGE_MIXER, 0, c->stream);
         /* the first layer normalises h; the others got c->xa from the
          * previous layer's combine, the same bits (cuda_rmsnorm_wide) */
         int rc = l > c->l0 ? 0
@@ -1238,6 +1351,8 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
             rc = L->ly->recurrent ? cb_deltanet(c, L, S) : cb_attention(c, L, S, pos0);
         rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm, n,
                                                             S, hp->eps, c->stream));
+        if (!rc)
+            cb_stage_mark(c, l, CB_STAGE_MIXER, 1, c->stream);
         rc = rc ? rc : cb_moe(c, L, l, S, l + 1 < c->l1 ? L[1].attn_norm : NULL);
         if (rc)
             return rc;
@@ -1247,27 +1362,49 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     return 0;
 }
 
+/* Captures one decode step of the layers into c->gexec (NULL on failure;
+ * the counters the capture bumped are then taken back). */
+static int cb_capture(struct backend_cuda *c)
+{
+    cudaGraph_t graph = NULL;
+    const double t0 = cb_now();
+    const uint64_t k0 = c->launches, rows0 = c->stats.expert_rows;
+    int rc = CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    if (rc)
+        return rc;
+    c->capturing = true;
+    rc = cb_enqueue_layers(c, 1, 0);
+    c->capturing = false;
+    const int rc_end = CUDA_CHECK(cudaStreamEndCapture(c->stream, &graph));
+    rc = rc ? rc : rc_end;
+    rc = rc ? rc : CUDA_CHECK(cudaGraphInstantiate(&c->gexec, graph, 0));
+    if (graph)
+        cudaGraphDestroy(graph);
+    c->graph_capture_s = cb_now() - t0;
+    c->graph_kernels = c->launches - k0;
+    c->graph_expert_rows = c->stats.expert_rows - rows0;
+    if (rc) {
+        c->gexec = NULL;
+        c->launches = k0;
+        c->stats.expert_rows = rows0;
+    }
+    return rc;
+}
+
 /* Decode steps as one CUDA graph: captured at the first step (positions
  * reach the kernels through c->d_pos, so the graph never changes) and
- * replayed after. */
+ * replayed after. A capture with stage-timing events that fails is made
+ * again without them (diagnostics never fail a step). */
 static int cb_graph_step(struct backend_cuda *c)
 {
     if (!c->gexec) {
-        cudaGraph_t graph = NULL;
-        const double t0 = cb_now();
-        const uint64_t k0 = c->launches, rows0 = c->stats.expert_rows;
-        int rc = CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
-        if (rc)
-            return rc;
-        rc = cb_enqueue_layers(c, 1, 0);
-        const int rc_end = CUDA_CHECK(cudaStreamEndCapture(c->stream, &graph));
-        rc = rc ? rc : rc_end;
-        rc = rc ? rc : CUDA_CHECK(cudaGraphInstantiate(&c->gexec, graph, 0));
-        if (graph)
-            cudaGraphDestroy(graph);
-        c->graph_capture_s = cb_now() - t0;
-        c->graph_kernels = c->launches - k0;
-        c->graph_expert_rows = c->stats.expert_rows - rows0;
+        const bool st = c->st_on;
+        int rc = cb_capture(c);
+        if (rc && st) {
+            /* cudaGetLastError also clears what the failed capture left */
+            cb_stage_off(c, "capturing the decode graph with the events", cudaGetLastError());
+            rc = cb_capture(c);
+        }
         if (rc)
             return rc;
     } else {
@@ -1311,6 +1448,7 @@ static int cb_pass(struct backend_cuda *c, float *h, uint32_t S)
     if (rc)
         return rc;
     cb_prof_collect(c, S == 1);
+    cb_stage_collect(c);
     if (!ho->send)
         memcpy(h, c->h_h, bytes);
     c->pos += S;
@@ -1342,6 +1480,10 @@ static void cb_fini(struct backend *b)
     for (int i = 0; c->prof && i <= CB_PROF_MAX; i++)
         if (c->prof_ev[i])
             cudaEventDestroy(c->prof_ev[i]);
+    for (size_t i = 0; c->st_ev && i < (size_t)2 * (c->l1 - c->l0) * CB_STAGES; i++)
+        if (c->st_ev[i])
+            cudaEventDestroy(c->st_ev[i]);
+    free(c->st_ev);
     if (c->slot_gexec)
         c->slot_gexec[c->seq] = c->gexec;
     for (uint32_t i = 0; c->slot_gexec && i < c->n_seq; i++)
@@ -1431,6 +1573,22 @@ static int cb_plan_experts(struct backend_cuda *c, uint64_t *bytes)
     return 0;
 }
 
+/* The stage-timing events (cfg->stage_times), timing enabled; none when off. */
+static int cb_stage_events(struct backend_cuda *c)
+{
+    if (!c->cfg.stage_times)
+        return 0;
+    const size_t n = (size_t)2 * (c->l1 - c->l0) * CB_STAGES;
+    c->st_ev = calloc(n, sizeof(*c->st_ev));
+    if (!c->st_ev)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        if (CUDA_CHECK(cudaEventCreate(&c->st_ev[i])))
+            return -EIO;
+    c->st_on = true;
+    return 0;
+}
+
 static int cb_setup(struct backend *b, struct backend_cuda *c)
 {
     uint64_t experts = 0, foreign = 0;
@@ -1462,6 +1620,7 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     rc = rc ? rc : cb_alloc_host(c);
     for (int i = 0; c->prof && !rc && i <= CB_PROF_MAX; i++)
         rc = CUDA_CHECK(cudaEventCreate(&c->prof_ev[i]));
+    rc = rc ? rc : cb_stage_events(c);
     if (rc)
         return rc;
     b->mem_used = experts + c->trunk_size + c->tables_size + c->state_size + c->scratch_size;

@@ -589,6 +589,8 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
         .expert_src = (const struct expert_ref *const *)w->src,
         .remote = {.ctx = w, .submit = worker_submit, .collect = worker_collect},
         .progress = &w->progress, .fail = getenv("LAMINA_FAIL")};
+    const char *st = getenv("LAMINA_CUDA_STAGE_TIMES"); /* GPU stage times in the timing lines */
+    bc.stage_times = st && !strcmp(st, "1");
     char want[16];
     snprintf(want, sizeof(want), "%d:", w->args.index);
     if (bc.fail && strncmp(bc.fail, want, strlen(want)) == 0)
