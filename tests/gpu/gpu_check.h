@@ -1,7 +1,7 @@
 /*
- * gpu_check: what the GPU tests share: CU() for the harness's own CUDA calls
- * and the xorshift64 generator their random data comes from (one stream per
- * seed, the same in every test that uses it).
+ * gpu_check: what the GPU tests share: CU() for the harness's own CUDA calls,
+ * the xorshift64 generator their random data comes from (one stream per
+ * seed, the same in every test that uses it), and host/device buffer helpers.
  */
 #ifndef TESTS_GPU_GPU_CHECK_H
 #define TESTS_GPU_GPU_CHECK_H
@@ -39,6 +39,35 @@ static inline uint64_t rng_next(struct rng *r)
 static inline float rng_float(struct rng *r)
 {
     return (float)((double)(rng_next(r) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+/* malloc that ends the test when the host is out of memory. */
+static inline void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+/* count floats uniform in [-1, 1) from r. */
+static inline float *rand_floats(size_t count, struct rng *r)
+{
+    float *x = xmalloc(count * sizeof(float));
+    for (size_t i = 0; i < count; i++)
+        x[i] = rng_float(r);
+    return x;
+}
+
+/* A device copy of h[0 .. count) (16 bytes of slack after it). */
+static inline float *dev_floats(const float *h, size_t count)
+{
+    float *d;
+    CU(cudaMalloc((void **)&d, count * sizeof(float) + 16));
+    CU(cudaMemcpy(d, h, count * sizeof(float), cudaMemcpyHostToDevice));
+    return d;
 }
 
 #endif

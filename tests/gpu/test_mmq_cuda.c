@@ -46,16 +46,6 @@ static const uint32_t types[] = {QUANT_TYPE_Q4_0, QUANT_TYPE_Q8_0, QUANT_TYPE_Q4
                                  QUANT_TYPE_Q5_K};
 #define N_TYPES (sizeof(types) / sizeof(types[0]))
 
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (!p) {
-        fprintf(stderr, "out of memory (%zu bytes)\n", n);
-        exit(1);
-    }
-    return p;
-}
-
 static bool is_poison(float v)
 {
     uint32_t b;
@@ -122,22 +112,6 @@ static const void *mat_upload(const struct mat *m, size_t off, void **base)
     CU(cudaMalloc(base, m->bytes + off + 16));
     CU(cudaMemcpy((char *)*base + off, m->w, m->bytes, cudaMemcpyHostToDevice));
     return (const char *)*base + off;
-}
-
-static float *rand_floats(size_t count, struct rng *r)
-{
-    float *x = xmalloc(count * sizeof(float));
-    for (size_t i = 0; i < count; i++)
-        x[i] = rng_float(r);
-    return x;
-}
-
-static float *dev_floats(const float *h, size_t count)
-{
-    float *d;
-    CU(cudaMalloc((void **)&d, count * sizeof(float) + 16));
-    CU(cudaMemcpy(d, h, count * sizeof(float), cudaMemcpyHostToDevice));
-    return d;
 }
 
 static float *dev_poison(size_t count)

@@ -47,16 +47,6 @@ static double rng_unit(struct rng *r)
     return (double)(rng_next(r) >> 11) * 0x1.0p-53;
 }
 
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (!p) {
-        fprintf(stderr, "out of memory (%zu bytes)\n", n);
-        exit(1);
-    }
-    return p;
-}
-
 enum dist { DIST_FLAT, DIST_PEAKED, DIST_TIES, DIST_HOLES, DIST_WIDE, DIST_ALL_NEG_INF,
             DIST_NAN, DIST_POS_INF, N_DIST };
 static const char *const dist_name[N_DIST] = {"flat", "peaked", "ties", "-inf/NaN holes", "wide",
