@@ -56,6 +56,7 @@
 #include "model/gguf.h"
 #include "model/quant.h"
 #include "tests/check.h"
+#include "tests/gpu/gpu_fixture.h"
 #include "tests/fixture.h"
 #include "worker/backend.h"
 #include "worker/expert_exec.h"
@@ -481,24 +482,23 @@ static void tbc_arch_run(struct tbc_arch *a)
     tbc_check_argmax(a, gpu, "cuda");
     CHECK(!memcmp(gpu, gpu2, sz), "%s: second cuda run after reset differs (max %.3g)", a->name,
           tbc_maxdiff(gpu, gpu2, a->rows * a->V));
-    setenv("LAMINA_CUDA_GRAPHS", "0", 1);
-    double ms_plain = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
-    unsetenv("LAMINA_CUDA_GRAPHS");
-    CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without graphs differs (max %.3g)", a->name,
-          tbc_maxdiff(gpu, tmp, a->rows * a->V));
-    setenv("LAMINA_CUDA_PDL", "0", 1);
-    double ms_no_pdl = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
-    unsetenv("LAMINA_CUDA_PDL");
-    CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without PDL differs (max %.3g)", a->name,
-          tbc_maxdiff(gpu, tmp, a->rows * a->V));
-    setenv("LAMINA_CUDA_FUSE", "0", 1);
-    double ms_no_fuse = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
-    unsetenv("LAMINA_CUDA_FUSE");
-    CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without decode fusions differs (max %.3g)", a->name,
-          tbc_maxdiff(gpu, tmp, a->rows * a->V));
+    /* each switch off alone: the same bits */
+    static const struct {
+        const char *env, *what;
+    } offs[] = {{"LAMINA_CUDA_GRAPHS", "graphs"},
+                {"LAMINA_CUDA_PDL", "PDL"},
+                {"LAMINA_CUDA_FUSE", "decode fusions"}};
+    double ms_off[3];
+    for (int k = 0; k < 3; k++) {
+        setenv(offs[k].env, "0", 1);
+        ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
+        unsetenv(offs[k].env);
+        CHECK(!memcmp(gpu, tmp, sz), "%s: cuda without %s differs (max %.3g)", a->name,
+              offs[k].what, tbc_maxdiff(gpu, tmp, a->rows * a->V));
+    }
     MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
             "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f", a->name,
-            TBC_TIMED, ms_cpu, ms_graph, ms_plain, ms_no_pdl, ms_no_fuse);
+            TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);
@@ -516,19 +516,13 @@ out:
 
 static bool tbc_load(struct tbc_arch *a, const char *json)
 {
-    char path[512], rel[256];
     a->n = fixture_refs_ints(json, a->name, "prompt_ids", a->ids, 512);
     int nt = fixture_refs_ints(json, a->name, "top1", a->top1, 512);
     a->n_greedy = fixture_refs_ints(json, a->name, "greedy", a->greedy, 64);
     CHECK(a->n > 0 && nt == a->n && a->n_greedy > TBC_DECODE, "%s: refs.json lists", a->name);
     if (a->n <= 0 || nt != a->n || a->n_greedy <= TBC_DECODE)
         return false;
-    snprintf(rel, sizeof(rel), "conformance/%s/%s-f32.gguf", a->name, a->name);
-    struct gguf_config gc = {.path = test_fixture(path, sizeof(path), rel)};
-    a->g = gguf_open(&gc);
-    struct arch_config ac = {.gguf = a->g};
-    a->m = a->g ? arch_load(&ac) : NULL;
-    CHECK(a->m != NULL, "%s: %s loads", a->name, path);
+    a->m = gpu_fixture_model(a->name, &a->g);
     return a->m != NULL;
 }
 

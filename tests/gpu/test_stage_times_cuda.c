@@ -40,6 +40,7 @@
 #include "model/gguf.h"
 #include "model/quant.h"
 #include "tests/check.h"
+#include "tests/gpu/gpu_fixture.h"
 #include "tests/fixture.h"
 #include "worker/backend.h"
 
@@ -202,18 +203,12 @@ out:
 
 static bool tst_load(struct tst_arch *a, const char *json)
 {
-    char path[512], rel[256];
     a->n = fixture_refs_ints(json, a->name, "prompt_ids", a->ids, 512);
     a->n_greedy = fixture_refs_ints(json, a->name, "greedy", a->greedy, 64);
     CHECK(a->n > 0 && a->n_greedy > TST_DECODE, "%s: refs.json lists", a->name);
     if (a->n <= 0 || a->n_greedy <= TST_DECODE)
         return false;
-    snprintf(rel, sizeof(rel), "conformance/%s/%s-f32.gguf", a->name, a->name);
-    struct gguf_config gc = {.path = test_fixture(path, sizeof(path), rel)};
-    a->g = gguf_open(&gc);
-    struct arch_config ac = {.gguf = a->g};
-    a->m = a->g ? arch_load(&ac) : NULL;
-    CHECK(a->m != NULL, "%s: %s loads", a->name, path);
+    a->m = gpu_fixture_model(a->name, &a->g);
     return a->m != NULL;
 }
 
