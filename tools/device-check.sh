@@ -135,7 +135,7 @@ bench() {
             echo "== lamina bench ${v:-(default)}"
             # shellcheck disable=SC2086
             env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc \
-                --backend cuda:0 --no-membw 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
+                --backend cuda:0 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
                 grep -v " info: "
         done
 }
