@@ -115,6 +115,7 @@
 #include "kernels/cuda/mmq.h"
 #include "kernels/cuda/mvq.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/tail.h"
 #include "model/quant.h"
 #include "worker/backend.h"
 
@@ -203,6 +204,11 @@ struct backend_cuda {
     size_t dn_work_bytes, mmq_work_bytes, mmq_side_bytes;
     bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
     bool fuse;                        /* decode: fused conv + DeltaNet heads (LAMINA_CUDA_FUSE) */
+    bool tails;                       /* decode: norms, top-k and combine as product tails
+                                       * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
+    unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
+    bool prefetch;                    /* decode: gate/up asks for the down experts in L2
+                                       * (LAMINA_CUDA_PF) */
     int32_t *ids;
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
@@ -612,6 +618,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
                                                       c->n_ctx);
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
     c->d_pos = cb_take(c, &off, 1);
+    c->tail_ctr = cb_take(c, &off, 1);
     c->dn_work_bytes = 0;
     for (uint32_t l = c->l0; l < c->l1; l++)
         if (c->m->layers[l].recurrent)
@@ -1028,11 +1035,35 @@ static int cb_mm(struct backend_cuda *c, const char *label, const struct cb_mat 
                                       Y, ldy, c->stream));
 }
 
+/* A decode product (one row) followed by a tail in its last block
+ * (kernels/cuda/tail.h); t NULL: cb_mm. */
+static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb_mat *w,
+                      const float *X, float *Y, const struct cuda_tail *t)
+{
+    if (!t)
+        return cb_mm(c, label, w, X, w->n_in, 1, Y, w->n_out);
+    return CB_K(c, label, cuda_matvec_tail(w->type, w->d, w->row_bytes, w->n_out, w->n_in, X, Y,
+                                           t, c->stream));
+}
+
+/* The residual add + norm after layer L's mixer as the tail of its output
+ * product (decode with tails on), else NULL (cuda_add_rmsnorm after it). */
+static const struct cuda_tail *cb_norm_tail(struct backend_cuda *c, const struct cb_layer *L,
+                                            uint32_t S, struct cuda_tail *t)
+{
+    if (S != 1 || !c->tails)
+        return NULL;
+    *t = (struct cuda_tail){.kind = CUDA_TAIL_ADD_NORM, .counter = c->tail_ctr,
+                            .n = c->hp->n_embd, .eps = c->hp->eps, .h = c->h,
+                            .norm_w = L->ffn_norm, .out = c->xa};
+    return t;
+}
+
 /* Attention mixer. Decode: one product for q|k|v when the three share a type
  * (into c->dec), the fused norm/rope/store, and attention at the position in
  * device memory (so the graph never changes). */
 static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
-                        uint32_t pos0)
+                        uint32_t pos0, const struct cuda_tail *tail)
 {
     const struct arch_hparams *hp = c->hp;
     const uint32_t hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
@@ -1064,10 +1095,13 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
                                                           c->cfg.kv_f16, nh, nkv, hd, S, pos0,
                                                           hp->attn_scale, hp->attn_gated,
                                                           c->att, c->stream));
+    if (tail)
+        return rc ? rc : cb_mm_tail(c, "attn.out", &L->wo, c->att, c->mix, tail);
     return rc ? rc : cb_mm(c, "attn.out", &L->wo, c->att, (size_t)nh * hd, S, c->mix, n);
 }
 
-static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
+static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
+                       const struct cuda_tail *tail)
 {
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, cd = arch_conv_dim(hp), nv = hp->ssm_nv;
@@ -1090,6 +1124,8 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
                                                     z, L->ssm_norm, c->y, hp->ssm_nk, hp->ssm_nv,
                                                     hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled,
                                                     hp->eps, c->stream));
+        if (tail)
+            return rc ? rc : cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
         return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
     }
     rc = rc ? rc : CB_K(c, "dn.conv", cuda_deltanet_conv(L->conv_st, L->conv, hp->ssm_conv, qkv,
@@ -1107,6 +1143,8 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
                                                               hp->ssm_nv, hp->ssm_dk, hp->ssm_dv,
                                                               hp->ssm_tiled, S, hp->eps,
                                                               c->stream));
+    if (tail)
+        return rc ? rc : cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
     return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
 }
 
@@ -1129,8 +1167,12 @@ static int cb_experts_mm(struct backend_cuda *c, const char *label, const struct
                                               ldx, x_div, Y, ldy, c->stream));
 }
 
-/* Routed experts held here (pairs of non-resident experts are skipped). */
-static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
+/* Routed experts held here (pairs of non-resident experts are skipped).
+ * combine: the layer's combine as the tail of the down product (one token;
+ * the shared expert's output ready before); *combined tells whether it ran
+ * (not where the down product cannot take it). */
+static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
+                            const struct cuda_tail *combine, bool *combined)
 {
     const struct arch_layer *ly = L->ly;
     const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp, k = c->hp->n_expert_used;
@@ -1140,8 +1182,18 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
         /* one 2F-row matrix per expert: the stacked gate_up, or gate and up
          * uploaded back to back with one row format */
         const struct arch_matrix *g = ly->gate_exps.data ? &ly->gate_exps : &ly->gate_up_exps;
-        rc = cb_experts_mm(c, "moe.gate_up", g, L->tab_gate, 2 * F, n, P, c->xa, n, (uint32_t)k,
-                           c->gu, 2 * F);
+        rc = -ENOTSUP;
+        if (S == 1 && c->prefetch && cuda_mvq_pays(n, 2 * F)) { /* the down experts into L2 */
+            rc = CB_K(c, "moe.gate_up", cuda_mvq_experts_prefetch(
+                                            g->type, L->tab_gate, g->row_bytes, 2 * F, n, c->ids,
+                                            P, c->xa, n, (uint32_t)k, c->gu, 2 * F, L->tab_down,
+                                            ly->down_exps.mat_bytes, c->stream));
+            if (rc == -ENOTSUP)
+                cb_unlaunch(c);
+        }
+        if (rc == -ENOTSUP)
+            rc = cb_experts_mm(c, "moe.gate_up", g, L->tab_gate, 2 * F, n, P, c->xa, n,
+                               (uint32_t)k, c->gu, 2 * F);
     } else {
         const struct arch_matrix *g = &ly->gate_exps, *u = &ly->up_exps;
         rc = cb_experts_mm(c, "moe.gate", g, L->tab_gate, F, n, P, c->xa, n, (uint32_t)k, c->gu,
@@ -1152,6 +1204,16 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
     if (rc)
         return rc;
     const struct arch_matrix *d = &ly->down_exps;
+    *combined = false;
+    if (S == 1 && combine) { /* the SiLU gate inside, the combine after, one launch */
+        rc = CB_K(c, "moe.down", cuda_mvq_experts_glu_tail(d->type, L->tab_down, d->row_bytes, n,
+                                                          F, c->ids, P, c->gu, 2 * F, true, c->Y,
+                                                          combine, c->stream));
+        *combined = rc == 0;
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+    }
     if (S == 1) { /* the SiLU gate inside the down product */
         rc = CB_K(c, "moe.down", cuda_mvq_experts_glu(d->type, L->tab_down, d->row_bytes, n, F,
                                                      c->ids, P, c->gu, 2 * F, 1, true, c->Y, n,
@@ -1254,7 +1316,8 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
                                   c->h_xr, rows);
     }
     cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
-    rc = rc ? rc : cb_local_experts(c, L, S);
+    bool combined;
+    rc = rc ? rc : cb_local_experts(c, L, S, NULL, &combined);
     cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
     if (!rc && L->sh) {
         cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
@@ -1297,22 +1360,50 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         c->stream = main_stream;
         rc = rc ? rc : CUDA_CHECK(cudaEventRecord(c->ev_join, c->side));
     }
+    /* decode with tails: top-k in the router product, the combine (and the
+     * next norm) in the down product */
+    const bool tails = S == 1 && c->tails;
     if (!rc)
         cb_stage_mark(c, l, CB_STAGE_ROUTER, 0, c->stream);
-    rc = rc ? rc : cb_mm(c, "moe.router", &L->router, c->xa, n, S, c->rl, hp->n_expert);
-    rc = rc ? rc : CB_K(c, "moe.topk", cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S,
-                                                       c->ids, c->w, c->stream));
+    if (tails) {
+        const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
+                                     .k = (uint32_t)k, .ids = c->ids, .w = c->w};
+        rc = rc ? rc : cb_mm_tail(c, "moe.router", &L->router, c->xa, c->rl, &tk);
+    } else {
+        rc = rc ? rc : cb_mm(c, "moe.router", &L->router, c->xa, n, S, c->rl, hp->n_expert);
+        rc = rc ? rc : CB_K(c, "moe.topk", cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S,
+                                                           c->ids, c->w, c->stream));
+    }
     if (rc)
         return rc;
     cb_stage_mark(c, l, CB_STAGE_ROUTER, 1, c->stream);
+    bool combined = false, shared_done = false;
     if (local) {
-        cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
-        rc = cb_local_experts(c, L, S);
+        /* with a combine tail the shared expert's output must be there before
+         * the down product: join its branch (or run it) first */
+        struct cuda_tail tc = {.kind = CUDA_TAIL_COMBINE, .counter = c->tail_ctr,
+                               .n = (uint32_t)n, .eps = hp->eps, .h = c->h,
+                               .norm_w = next_norm, .out = c->xa, .k = (uint32_t)k, .w = c->w,
+                               .so = L->sh ? c->so : NULL, .shexp_gate = L->shexp_gate,
+                               .f = c->xa};
+        if (tails && L->sh && fork) {
+            rc = CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_join, 0));
+            shared_done = true;
+        } else if (tails && L->sh) {
+            cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
+            rc = cb_shared_expert(c, L, S);
+            if (!rc)
+                cb_stage_mark(c, l, CB_STAGE_SHARED, 1, c->stream);
+            shared_done = true;
+        }
+        if (!rc)
+            cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
+        rc = rc ? rc : cb_local_experts(c, L, S, tails ? &tc : NULL, &combined);
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
-        if (!rc && L->sh && fork) {
+        if (!rc && L->sh && fork && !shared_done) {
             rc = CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_join, 0));
-        } else if (!rc && L->sh) {
+        } else if (!rc && L->sh && !shared_done) {
             cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
             rc = cb_shared_expert(c, L, S);
             if (!rc)
@@ -1322,7 +1413,7 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     } else {
         rc = cb_moe_remote(c, L, l, S);
     }
-    if (rc)
+    if (rc || combined)
         return rc;
     if (next_norm)
         return CB_K(c, "moe.combine", cuda_moe_combine_norm(
@@ -1347,10 +1438,13 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
         int rc = l > c->l0 ? 0
                            : CB_K(c, "norm", cuda_rmsnorm_wide(c->xa, c->h, L->attn_norm, n, S,
                                                                hp->eps, c->stream));
+        struct cuda_tail tn;
+        const struct cuda_tail *tail = cb_norm_tail(c, L, S, &tn);
         if (!rc)
-            rc = L->ly->recurrent ? cb_deltanet(c, L, S) : cb_attention(c, L, S, pos0);
-        rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm, n,
-                                                            S, hp->eps, c->stream));
+            rc = L->ly->recurrent ? cb_deltanet(c, L, S, tail) : cb_attention(c, L, S, pos0, tail);
+        if (!tail)
+            rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm,
+                                                                n, S, hp->eps, c->stream));
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_MIXER, 1, c->stream);
         rc = rc ? rc : cb_moe(c, L, l, S, l + 1 < c->l1 ? L[1].attn_norm : NULL);
@@ -1614,6 +1708,7 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     rc = rc ? rc : cb_malloc(&c->scratch, c->scratch_size, "scratch");
     if (!rc)
         cb_carve_scratch(c);
+    rc = rc ? rc : CUDA_CHECK(cudaMemset(c->tail_ctr, 0, sizeof(*c->tail_ctr)));
     rc = rc ? rc : cb_upload_all_experts(c);
     rc = rc ? rc : cb_upload_foreign(c);
     rc = rc ? rc : cb_alloc_state(c);
@@ -1655,6 +1750,10 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->mmq = !(mq && !strcmp(mq, "0"));
     const char *fu = getenv("LAMINA_CUDA_FUSE");
     c->fuse = !(fu && !strcmp(fu, "0"));
+    const char *ta = getenv("LAMINA_CUDA_TAIL");
+    c->tails = !(ta && !strcmp(ta, "0"));
+    const char *pf = getenv("LAMINA_CUDA_PF");
+    c->prefetch = !(pf && !strcmp(pf, "0"));
     c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
     int rc = c->layers ? cb_setup(b, c) : -ENOMEM;
     if (rc) {

@@ -48,6 +48,7 @@
 #include "kernels/cuda/mvq.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/sgemm.h"
+#include "kernels/cuda/tail.cuh"
 
 #include <errno.h>
 
@@ -61,6 +62,7 @@ extern "C" {
 namespace {
 
 constexpr int kWarps = 8;              /* warps per block */
+static_assert(kWarps * 32 == kTailThreads, "cuda tails assume blocks of kTailThreads");
 constexpr int kRows = 8;               /* rows per warp (R); F32 and Q6_K take 4 */
 constexpr int kGroup = 256;            /* elements per group */
 constexpr float kMagic = 8388608.0f;   /* 2^23: a float whose low byte is an integer */
@@ -362,6 +364,7 @@ struct MvArgs {
     int ks_log2;     /* warps per row group: 1 << ks_log2 */
     bool x_vec4;     /* every activation row is 16-byte aligned */
     bool rows_align; /* row_bytes and the row size are multiples of VW */
+    TailArgs tail;   /* run by the launch's last block (tail.cuh; NS = 1 only) */
 };
 
 /* Staging buffer bytes per row: a step plus the word rdw reads past it,
@@ -832,6 +835,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
         reduce_store<T, R, NS>(acc, red, a, y, block_row0, warp, lane);
         __syncthreads();
     }
+    if constexpr (NS == 1)
+        tail_finish(a.tail);
 }
 
 /* ---- launchers ------------------------------------------------------------ */
@@ -962,6 +967,11 @@ bool mvq_pays(uint64_t n, uint64_t n_rows)
 
 } /* namespace */
 
+extern "C" bool cuda_mvq_pays(uint64_t n, uint64_t n_rows)
+{
+    return mvq_pays(n, n_rows);
+}
+
 extern "C" bool cuda_matvec_supports(uint32_t type)
 {
     uint32_t ee, eb;
@@ -972,6 +982,73 @@ extern "C" int cuda_matvec(uint32_t type, const void *d_w, size_t row_bytes, uin
                            uint64_t n, const float *d_x, float *d_y, cudaStream_t stream)
 {
     return cuda_matmul(type, d_w, row_bytes, n_rows, n, d_x, n, 1, d_y, n_rows, stream);
+}
+
+extern "C" bool cuda_tail_ok(const struct cuda_tail *t, uint64_t n_out)
+{
+    bool ok = t && t->counter;
+    if (ok) {
+        switch (t->kind) {
+        case CUDA_TAIL_ADD_NORM:
+            ok = t->h && t->out && t->n == n_out && t->n > 0;
+            break;
+        case CUDA_TAIL_TOPK:
+            ok = t->ids && t->w && n_out > 0 && n_out <= ROUTER_MAX_E && t->k > 0 &&
+                 t->k <= ROUTER_MAX_K && t->k <= n_out;
+            break;
+        case CUDA_TAIL_COMBINE:
+            ok = t->h && t->w && t->k > 0 && t->n == n_out && t->n > 0 &&
+                 (!t->norm_w || t->out) && (!(t->so && t->shexp_gate) || t->f);
+            break;
+        default: ok = false; break;
+        }
+    }
+    if (!ok)
+        log_debug("cuda tail: kind %d does not take %llu outputs", t ? static_cast<int>(t->kind) : -1,
+                  static_cast<unsigned long long>(n_out));
+    return ok;
+}
+
+extern "C" int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes,
+                                uint64_t n_rows, uint64_t n, const float *d_x, float *d_y,
+                                const struct cuda_tail *t, cudaStream_t stream)
+{
+    if (!t || t->kind == CUDA_TAIL_NONE)
+        return cuda_matvec(type, d_w, row_bytes, n_rows, n, d_x, d_y, stream);
+    const char *what = "cuda matvec_tail";
+    if (t->kind == CUDA_TAIL_COMBINE || !cuda_tail_ok(t, n_rows)) {
+        log_error("%s: a tail of kind %d does not follow a product of %llu rows", what,
+                  static_cast<int>(t->kind), (unsigned long long)n_rows);
+        return -EINVAL;
+    }
+    int rc = check_weights(what, type, reinterpret_cast<uintptr_t>(d_w), row_bytes, n);
+    if (rc)
+        return rc;
+    if (!d_w || !d_x || !d_y ||
+        (reinterpret_cast<uintptr_t>(d_x) | reinterpret_cast<uintptr_t>(d_y)) & 3) {
+        log_error("%s: bad buffers (w %p x %p y %p)", what, d_w, static_cast<const void *>(d_x),
+                  static_cast<void *>(d_y));
+        return -EINVAL;
+    }
+    if (mvq_pays(n, n_rows)) {
+        rc = cuda_mvq_tail(type, d_w, row_bytes, n_rows, n, d_x, d_y, t, stream);
+        if (rc != -ENOTSUP)
+            return rc;
+    }
+    MvArgs a = {};
+    a.w = static_cast<const uint8_t *>(d_w);
+    a.row_bytes = row_bytes;
+    a.n_rows = n_rows;
+    a.n = n;
+    a.x = d_x;
+    a.ldx = n;
+    a.x_div = 1;
+    a.y = d_y;
+    a.ldy = n_rows;
+    a.n_jobs = 1;
+    a.x_vec4 = x_vec4(d_x, 0);
+    a.tail = tail_args(t, d_y, n_rows);
+    return launch<1>(type, a, 1, stream);
 }
 
 extern "C" int cuda_matmul(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,

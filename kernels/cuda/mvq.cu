@@ -39,6 +39,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/tail.cuh"
 
 extern "C" {
 #include "common/log.h"
@@ -48,6 +49,7 @@ extern "C" {
 namespace {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == kTailThreads, "cuda tails assume blocks of kTailThreads");
 constexpr int kWarps = kThreads / 32;
 constexpr uint32_t kMaxN = 16384; /* activation elements held in shared memory */
 constexpr size_t kPrefetch = 64 * 1024; /* weight bytes a block asks for in L2 before its wait */
@@ -64,6 +66,9 @@ struct MvqArgs {
     bool glu;                     /* x rows are [gate n | up n]: x = silu(gate) * up */
     float *y;
     size_t ldy;
+    TailArgs tail;                /* run by the launch's last block (tail.cuh) */
+    const void *const *pf_addr;   /* experts: the next product's table (L2 prefetch), or NULL */
+    size_t pf_bytes;              /* bytes of one of its experts */
 };
 
 template <int TYPE>
@@ -184,10 +189,21 @@ __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
     if (a.ids) {
         const int32_t e = a.ids[job];
         w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
-        if (!w)
-            return; /* the whole block: the pair runs elsewhere */
+        if (!w) { /* the whole block: the pair runs elsewhere */
+            tail_finish(a.tail);
+            return;
+        }
         x += static_cast<size_t>(job / a.x_div) * a.ldx;
         issue(sub);
+        /* the next product reads this expert's other matrix: the pair's
+         * blocks ask for a share of it each, in L2 beside this product */
+        if (a.pf_addr && threadIdx.x == 0) {
+            const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[e]);
+            const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
+            const size_t off = static_cast<size_t>(blockIdx.x) * share;
+            if (p && off < a.pf_bytes)
+                pdl_prefetch_l2(p + off, a.pf_bytes - off < share ? a.pf_bytes - off : share);
+        }
     }
 
     /* round the activation row into shared memory: warp w takes blocks
@@ -271,6 +287,7 @@ __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
         y[row0 + sub] = out;
     }
     }
+    tail_finish(a.tail);
 }
 
 /* Two blocks per SM of the current device: the blocks a launch should have
@@ -375,6 +392,28 @@ bool usable(uint32_t type, uint64_t n_rows, uint64_t n, const float *x, size_t l
 
 } /* namespace */
 
+/* cuda_mvq with a tail (matvec.cu's cuda_matvec_tail; t checked there). */
+extern "C" int cuda_mvq_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                             uint64_t n, const float *d_x, float *d_y, const struct cuda_tail *t,
+                             cudaStream_t stream)
+{
+    if (!usable(type, n_rows, n, d_x, n, n_rows, false) || !d_w || !d_y)
+        return -ENOTSUP;
+    MvqArgs a = {};
+    a.w = static_cast<const uint8_t *>(d_w);
+    a.row_bytes = row_bytes;
+    a.n_rows = static_cast<uint32_t>(n_rows);
+    a.n = static_cast<uint32_t>(n);
+    a.nb = a.n / 32;
+    a.x = d_x;
+    a.ldx = n;
+    a.x_div = 1;
+    a.y = d_y;
+    a.ldy = n_rows;
+    a.tail = tail_args(t, d_y, n_rows);
+    return dispatch(type, a, 1, stream);
+}
+
 extern "C" int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
                         uint64_t n, const float *d_x, float *d_y, cudaStream_t stream)
 {
@@ -433,5 +472,65 @@ extern "C" int cuda_mvq_experts_glu(uint32_t type, const void *const *d_addr, si
     a.glu = glu;
     a.y = d_Y;
     a.ldy = ldy;
+    return dispatch(type, a, n_pairs, stream);
+}
+
+extern "C" int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_addr,
+                                         size_t row_bytes, uint64_t n_rows, uint64_t n,
+                                         const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
+                                         size_t ldx, bool glu, float *d_Y,
+                                         const struct cuda_tail *t, cudaStream_t stream)
+{
+    if (!usable(type, n_rows, n, d_X, ldx, n_rows, glu) || !d_addr || !d_ids || !d_Y ||
+        n_pairs == 0 || n_pairs > 65535)
+        return -ENOTSUP;
+    if (t && t->kind != CUDA_TAIL_NONE &&
+        (t->kind != CUDA_TAIL_COMBINE || t->n != n_rows || t->k != n_pairs ||
+         !cuda_tail_ok(t, n_rows))) {
+        log_error("cuda mvq experts: a tail of kind %d does not follow %u pairs of %llu rows",
+                  static_cast<int>(t->kind), n_pairs, static_cast<unsigned long long>(n_rows));
+        return -EINVAL;
+    }
+    MvqArgs a = {};
+    a.addr = d_addr;
+    a.ids = d_ids;
+    a.row_bytes = row_bytes;
+    a.n_rows = static_cast<uint32_t>(n_rows);
+    a.n = static_cast<uint32_t>(n);
+    a.nb = a.n / 32;
+    a.x = d_X;
+    a.ldx = ldx;
+    a.x_div = 1;
+    a.glu = glu;
+    a.y = d_Y;
+    a.ldy = n_rows;
+    a.tail = tail_args(t, d_Y, n_rows);
+    return dispatch(type, a, n_pairs, stream);
+}
+
+extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr,
+                                         size_t row_bytes, uint64_t n_rows, uint64_t n,
+                                         const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
+                                         size_t ldx, uint32_t x_div, float *d_Y, size_t ldy,
+                                         const void *const *d_next_addr, size_t next_bytes,
+                                         cudaStream_t stream)
+{
+    if (!usable(type, n_rows, n, d_X, ldx, ldy, false) || !d_addr || !d_ids || !d_Y ||
+        x_div == 0 || n_pairs == 0 || n_pairs > 65535)
+        return -ENOTSUP;
+    MvqArgs a = {};
+    a.addr = d_addr;
+    a.ids = d_ids;
+    a.row_bytes = row_bytes;
+    a.n_rows = static_cast<uint32_t>(n_rows);
+    a.n = static_cast<uint32_t>(n);
+    a.nb = a.n / 32;
+    a.x = d_X;
+    a.ldx = ldx;
+    a.x_div = x_div;
+    a.y = d_Y;
+    a.ldy = ldy;
+    a.pf_addr = d_next_addr;
+    a.pf_bytes = d_next_addr ? next_bytes : 0;
     return dispatch(type, a, n_pairs, stream);
 }

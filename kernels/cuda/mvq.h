@@ -41,6 +41,26 @@ int cuda_mvq_experts_glu(uint32_t type, const void *const *d_addr, size_t row_by
                          const float *d_X, size_t ldx, uint32_t x_div, bool glu, float *d_Y,
                          size_t ldy, cudaStream_t stream);
 
+/* Whether cuda_matvec and cuda_matvec_experts take these kernels for one
+ * activation row of n over n_rows (the rule in matvec.cu; LAMINA_CUDA_MVQ=0:
+ * never). */
+bool cuda_mvq_pays(uint64_t n, uint64_t n_rows);
+
+/* cuda_mvq_experts that also asks for the pairs' experts in a second table
+ * (next_bytes each from d_next_addr[id]; NULL entries skipped) in L2 while
+ * it runs: the decode gate/up product prefetches the down matrices the next
+ * launch reads. The same outputs as cuda_mvq_experts. */
+int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t row_bytes,
+                              uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
+                              const float *d_X, size_t ldx, uint32_t x_div, float *d_Y,
+                              size_t ldy, const void *const *d_next_addr, size_t next_bytes,
+                              cudaStream_t stream);
+
+/* cuda_mvq followed by a tail (tail.h; checked by the caller). */
+struct cuda_tail;
+int cuda_mvq_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+                  const float *d_x, float *d_y, const struct cuda_tail *t, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

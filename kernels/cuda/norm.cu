@@ -20,7 +20,7 @@
 #include "kernels/cuda/ops_device.cuh"
 #include "kernels/cuda/pdl.cuh"
 
-static unsigned int norm_threads(uint32_t n)
+extern "C" unsigned int cuda_norm_threads(uint32_t n)
 {
     unsigned int t = (n / 4 + 31) / 32 * 32;
     return t < 32 ? 32 : t > 256 ? 256 : t;
@@ -84,7 +84,7 @@ extern "C" int cuda_rmsnorm(float *d_y, size_t y_stride, const float *d_x, size_
     }
     if (rows == 0)
         return 0;
-    pdl_launch(norm_rows_kernel<false>, rows, norm_threads(n), 0, stream, d_y, y_stride,
+    pdl_launch(norm_rows_kernel<false>, rows, cuda_norm_threads(n), 0, stream, d_y, y_stride,
                (float *)d_x, x_stride, (const float *)nullptr, d_w, n, eps);
     return OPS_LAUNCH_CHECK("cuda_rmsnorm");
 }
@@ -112,7 +112,7 @@ extern "C" int cuda_add_rmsnorm(float *d_h, const float *d_delta, float *d_y, co
     int rc = norm_check("cuda_add_rmsnorm", d_y, d_h, n, rows);
     if (rc || rows == 0)
         return rc;
-    pdl_launch(norm_rows_kernel<true>, rows, norm_threads(n), 0, stream, d_y, (size_t)n, d_h,
+    pdl_launch(norm_rows_kernel<true>, rows, cuda_norm_threads(n), 0, stream, d_y, (size_t)n, d_h,
                (size_t)n, d_delta, d_w, n, eps);
     return OPS_LAUNCH_CHECK("cuda_add_rmsnorm");
 }

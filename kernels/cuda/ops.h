@@ -35,6 +35,10 @@ int cuda_rmsnorm_wide(float *d_y, const float *d_x, const float *d_w, uint32_t n
  * columns a thread, 32..1024 threads. */
 unsigned int cuda_norm_wide_threads(uint32_t n);
 
+/* Block width of cuda_rmsnorm and cuda_add_rmsnorm: four columns a
+ * thread, 32..256 threads. */
+unsigned int cuda_norm_threads(uint32_t n);
+
 /* Fused residual + norm: h[r] += delta[r]; y[r] = rmsnorm(h[r]) * w (rows of n,
  * contiguous). delta may be NULL (norm only). */
 int cuda_add_rmsnorm(float *d_h, const float *d_delta, float *d_y, const float *d_w, uint32_t n,

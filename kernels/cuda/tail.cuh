@@ -1,0 +1,188 @@
+/*
+ * tail.cuh: the device side of cuda tails (tail.h): what the last block of
+ * a product launch runs. Private to the .cu files of kernels/cuda.
+ *
+ * The product kernels (matvec.cu's mv_kernel, mvq.cu's mvq_kernel) are
+ * blocks of kTailThreads threads; each calls tail_finish once at its end,
+ * with every thread, after its last store of y.
+ *
+ * Bit-exactness: the stand-alone kernels are one block per row of W threads
+ * (cuda_norm_threads(n) for the residual norm, cuda_norm_wide_threads(n) for
+ * the combine), thread v owning columns v, v + W, ... and summing them in
+ * order, the block adding the per-thread sums with ops_block_sum (warp
+ * butterflies, then one butterfly over the warp sums). Here thread t plays
+ * virtual threads t, t + 256, ... < W: the same per-thread sums, each
+ * virtual warp's sum by the same butterfly, the same final butterfly over
+ * the W / 32 warp sums. Element-wise work uses the stand-alone kernels'
+ * expressions (explicit __fadd_rn / __fmul_rn where they have them), so
+ * the outputs are the same bits.
+ */
+#ifndef KERNELS_CUDA_TAIL_CUH
+#define KERNELS_CUDA_TAIL_CUH
+
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/router.cuh"
+#include "kernels/cuda/tail.h"
+
+constexpr int kTailThreads = 256;
+constexpr int kTailVirtual = 1024 / kTailThreads; /* virtual threads a thread plays, at most */
+
+/* What a product kernel carries: the caller's tail, the product's output and
+ * the emulated block width (TOPK: the logit count). */
+struct TailArgs {
+    struct cuda_tail t;
+    const float *y;
+    uint32_t width;
+};
+
+/* Host: the TailArgs of a launch (kind NONE when t is NULL). */
+static inline TailArgs tail_args(const struct cuda_tail *t, const float *y, uint64_t n_out)
+{
+    TailArgs a = {};
+    if (!t || t->kind == CUDA_TAIL_NONE)
+        return a;
+    a.t = *t;
+    a.y = y;
+    switch (t->kind) {
+    case CUDA_TAIL_ADD_NORM: a.width = cuda_norm_threads(t->n); break;
+    case CUDA_TAIL_COMBINE: a.width = cuda_norm_wide_threads(t->n); break;
+    default: a.width = static_cast<uint32_t>(n_out); break;
+    }
+    return a;
+}
+
+/* ops_block_sum over a block of `width` virtual threads (a multiple of 32,
+ * at most 1024) whose sums are part[m] of thread threadIdx.x - 256 m. */
+template <int M>
+static __device__ __forceinline__ float tail_vsum(const float (&part)[M], uint32_t width,
+                                                  float *s_tmp)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        const float v = ops_warp_sum(part[m]);
+        const uint32_t vw = static_cast<uint32_t>(warp + m * (kTailThreads / 32));
+        if (lane == 0 && vw < width / 32)
+            s_tmp[vw] = v;
+    }
+    __syncthreads();
+    float v = static_cast<uint32_t>(lane) < width / 32 ? s_tmp[lane] : 0.0f;
+    v = ops_warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+/* cuda_add_rmsnorm of one row (norm.cu's norm_rows_kernel<true>). */
+static __device__ __forceinline__ void tail_add_norm(const TailArgs &a)
+{
+    __shared__ float s_tmp[32];
+    const uint32_t width = a.width, n = a.t.n, v0 = threadIdx.x;
+    float *h = a.t.h;
+    float part[1] = {0.0f};
+    if (v0 < width)
+        for (uint32_t i = v0; i < n; i += width) {
+            float v = h[i];
+            v += __ldcg(a.y + i);
+            h[i] = v;
+            part[0] += v * v;
+        }
+    const float sum = tail_vsum<1>(part, width, s_tmp);
+    const float scale = 1.0f / sqrtf(sum / (float)n + a.t.eps);
+    if (v0 < width)
+        for (uint32_t i = v0; i < n; i += width) {
+            const float v = h[i] * scale;
+            a.t.out[i] = a.t.norm_w ? v * a.t.norm_w[i] : v;
+        }
+}
+
+/* cuda_moe_combine(_norm) of one token (combine.cu's
+ * moe_combine_norm_kernel). */
+static __device__ __forceinline__ void tail_combine(const TailArgs &a)
+{
+    __shared__ float s_tmp[32];
+    const uint32_t width = a.width, n = a.t.n, k = a.t.k;
+    const float *Y = a.y, *w = a.t.w, *so = a.t.so, *gate = a.t.shexp_gate, *f = a.t.f;
+    float *h = a.t.h;
+    float part[kTailVirtual];
+    float gs = 1.0f;
+    if (so && gate) {
+#pragma unroll
+        for (int m = 0; m < kTailVirtual; m++) {
+            const uint32_t v = threadIdx.x + m * kTailThreads;
+            float d = 0.0f;
+            if (v < width)
+                for (uint32_t j = v; j < n; j += width)
+                    d += gate[j] * f[j];
+            part[m] = d;
+        }
+        const float d = tail_vsum<kTailVirtual>(part, width, s_tmp);
+        gs = 1.0f / (1.0f + expf(-d));
+    }
+#pragma unroll
+    for (int m = 0; m < kTailVirtual; m++) {
+        const uint32_t v = threadIdx.x + m * kTailThreads;
+        float sum = 0.0f;
+        if (v < width)
+            for (uint32_t j = v; j < n; j += width) {
+                float out = 0.0f;
+                for (uint32_t i = 0; i < k; i++)
+                    out = __fadd_rn(out, __fmul_rn(w[i], __ldcg(Y + (size_t)i * n + j)));
+                if (so)
+                    out = __fadd_rn(out, __fmul_rn(gs, so[j]));
+                const float hv = __fadd_rn(h[j], out);
+                h[j] = hv;
+                sum += hv * hv;
+            }
+        part[m] = sum;
+    }
+    if (!a.t.norm_w)
+        return;
+    const float sum = tail_vsum<kTailVirtual>(part, width, s_tmp);
+    const float scale = 1.0f / sqrtf(sum / (float)n + a.t.eps);
+#pragma unroll
+    for (int m = 0; m < kTailVirtual; m++) {
+        const uint32_t v = threadIdx.x + m * kTailThreads;
+        if (v < width)
+            for (uint32_t j = v; j < n; j += width) {
+                const float hv = h[j] * scale;
+                a.t.out[j] = hv * a.t.norm_w[j];
+            }
+    }
+}
+
+/* cuda_router_topk of one token (router.cu's kernel): its first warp. */
+static __device__ __forceinline__ void tail_topk(const TailArgs &a)
+{
+    if (threadIdx.x < 32)
+        router_topk_warp(a.y, a.width, a.t.k, a.t.ids, a.t.w);
+}
+
+/* Called by every thread of every block of the product at its end: the
+ * block that completes the launch runs the tail. */
+static __device__ __forceinline__ void tail_finish(const TailArgs &a)
+{
+    if (a.t.kind == CUDA_TAIL_NONE)
+        return;
+    __shared__ unsigned int s_last;
+    __threadfence(); /* this thread's outputs before the block's arrival */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int total = gridDim.x * gridDim.y * gridDim.z;
+        s_last = atomicAdd(a.t.counter, 1u) + 1u == total;
+        if (s_last)
+            *a.t.counter = 0; /* every block has arrived: ready for the next launch */
+    }
+    __syncthreads();
+    if (!s_last)
+        return;
+    __threadfence(); /* the other blocks' outputs, seen through L2 (__ldcg) */
+    switch (a.t.kind) {
+    case CUDA_TAIL_ADD_NORM: tail_add_norm(a); break;
+    case CUDA_TAIL_TOPK: tail_topk(a); break;
+    case CUDA_TAIL_COMBINE: tail_combine(a); break;
+    default: break;
+    }
+}
+
+#endif

@@ -1,0 +1,89 @@
+/*
+ * cuda tail: the small row operation that follows a decode product, run by
+ * the product's own last block instead of a launch of its own. Every block
+ * of the product fences its outputs and bumps a counter in device memory;
+ * the block that brings the counter to the launch's block count sets it
+ * back to 0 and runs the tail over the complete output. A decode layer has
+ * three such boundaries (mixer output -> residual add + norm, router
+ * logits -> top-k, expert outputs -> combine + next norm), each worth a
+ * kernel launch per layer.
+ *
+ * Each tail computes what its stand-alone kernel computes, bit for bit: the
+ * tail loops emulate that kernel's block width (the row kernels' threads own
+ * strided columns and sum in a fixed tree; the tail's 256 threads play
+ * those threads' parts, virtual warp by virtual warp), so fusing never
+ * changes a result.
+ *
+ * The counter: one unsigned int per stream of launches (launches that may
+ * run at the same time need their own), 0 before the first launch; each
+ * launch leaves it at 0. With programmatic dependent launch a kernel may
+ * start before the one before it ends, but it touches the counter only
+ * after its griddepcontrol.wait, when the earlier launch has completed.
+ */
+#ifndef KERNELS_CUDA_TAIL_H
+#define KERNELS_CUDA_TAIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum cuda_tail_kind {
+    CUDA_TAIL_NONE = 0,
+    /* the product's y (n floats) is the mixer's output delta:
+     * cuda_add_rmsnorm(h, y, out, norm_w, n, 1, eps) */
+    CUDA_TAIL_ADD_NORM,
+    /* the product's y (E floats) are router logits: cuda_router_topk(y, E,
+     * k, 1, ids, w) */
+    CUDA_TAIL_TOPK,
+    /* the product's y are the k expert rows (n floats each, ldy n) of one
+     * token: cuda_moe_combine(h, y, w, k, so, shexp_gate, f, n, 1), and with
+     * norm_w cuda_moe_combine_norm's norm into out */
+    CUDA_TAIL_COMBINE,
+};
+
+struct cuda_tail {
+    enum cuda_tail_kind kind;
+    unsigned int *counter; /* device; 0 before and after the launch */
+    uint32_t n;            /* ADD_NORM, COMBINE: row length */
+    float eps;
+    float *h;              /* ADD_NORM, COMBINE: the residual row, updated */
+    const float *norm_w;   /* ADD_NORM: norm weights (NULL: 1); COMBINE: NULL = no norm */
+    float *out;            /* ADD_NORM, COMBINE with norm_w: the normalised row */
+    uint32_t k;            /* TOPK, COMBINE: experts per token */
+    int32_t *ids;          /* TOPK: the k expert ids */
+    float *w;              /* TOPK: their weights; COMBINE: the weights read */
+    const float *so;       /* COMBINE: shared expert output or NULL */
+    const float *shexp_gate; /* COMBINE: its gate (NULL: 1) */
+    const float *f;        /* COMBINE: the normalised input the gate reads */
+};
+
+/* Whether a tail of this kind can follow a product with n_out outputs
+ * (n_out: E for TOPK, n for ADD_NORM; COMBINE products write k rows of n).
+ * False (logged at debug level) for arguments the tail does not take. */
+bool cuda_tail_ok(const struct cuda_tail *t, uint64_t n_out);
+
+/* cuda_matvec (matvec.h) followed by the tail: y = W x, then the tail over
+ * y. t NULL or kind NONE: cuda_matvec. */
+int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                     uint64_t n, const float *d_x, float *d_y, const struct cuda_tail *t,
+                     cudaStream_t stream);
+
+/* cuda_mvq_experts_glu (mvq.h) for the k pairs of one token, then a
+ * COMBINE tail over their rows (d_Y, ldy = n_rows = the tail's n).
+ * -ENOTSUP where cuda_mvq_experts_glu would return it. */
+int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_addr, size_t row_bytes,
+                              uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
+                              const float *d_X, size_t ldx, bool glu, float *d_Y,
+                              const struct cuda_tail *t, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

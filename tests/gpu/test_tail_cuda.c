@@ -1,0 +1,523 @@
+/*
+ * test_tail_cuda: the cuda tails (kernels/cuda/tail.h) give the bits of the
+ * stand-alone kernels they replace.
+ *
+ * On fresh random data (outputs poisoned before each run), each fused
+ * launch is compared byte for byte with the two launches it replaces:
+ *   - ADD_NORM: cuda_matvec_tail of a Q4_0 product (rows of n_in 1024: the
+ *     int8 kernel; 4096: the f32 kernel) against cuda_matvec then
+ *     cuda_add_rmsnorm: y, h and the normalised row;
+ *   - TOPK: an F32 router product against cuda_matvec then cuda_router_topk:
+ *     logits, ids and weights;
+ *   - COMBINE: the SiLU-gated Q4_0 expert down product of one token's k
+ *     pairs (cuda_mvq_experts_glu_tail) against cuda_mvq_experts_glu then
+ *     cuda_moe_combine_norm / cuda_moe_combine, with and without the gated
+ *     shared expert and the next norm: Y, h and the normalised row;
+ * at hidden sizes whose stand-alone block widths differ (32 up to 1024
+ * threads), each fused launch three times in a row (the counter must come
+ * back to 0, checked after). Bad tails are refused (-EINVAL).
+ * Then, timed: the three boundaries of a decode layer of the 80b-a3b shape
+ * fused and unfused, each as a CUDA graph of 48 copies replayed (median of
+ * 20 replays after warm-up): [measure] lines in us per layer boundary.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/matvec.h"
+#include "kernels/cuda/mvq.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/tail.h"
+#include "model/quant.h"
+#include "tests/gpu/gpu_check.h"
+
+static int failures;
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                   \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+/* Random Q4_0 rows x n (rows of quant_row_size bytes) on the device. */
+static void *dev_q4_0(uint64_t rows, uint64_t n, struct rng *r)
+{
+    const size_t rb = quant_row_size(QUANT_TYPE_Q4_0, n);
+    uint8_t *h = xmalloc(rows * rb);
+    float *f = xmalloc(n * sizeof(float));
+    for (uint64_t i = 0; i < rows; i++) {
+        for (uint64_t j = 0; j < n; j++)
+            f[j] = rng_float(r) * (1.0f + (float)(j % 7));
+        if (quant_quantize_row(QUANT_TYPE_Q4_0, f, h + i * rb, n)) {
+            fprintf(stderr, "quantize failed\n");
+            exit(1);
+        }
+    }
+    void *d;
+    CU(cudaMalloc(&d, rows * rb + 16));
+    CU(cudaMemcpy(d, h, rows * rb, cudaMemcpyHostToDevice));
+    free(h);
+    free(f);
+    return d;
+}
+
+static void poison(void *d, size_t bytes)
+{
+    CU(cudaMemset(d, 0xC3, bytes));
+}
+
+/* Byte comparison of count floats of two device buffers. */
+static bool same(const void *a, const void *b, size_t bytes, const char *what)
+{
+    uint8_t *ha = xmalloc(bytes), *hb = xmalloc(bytes);
+    CU(cudaMemcpy(ha, a, bytes, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(hb, b, bytes, cudaMemcpyDeviceToHost));
+    size_t first = bytes;
+    for (size_t i = 0; i < bytes && first == bytes; i++)
+        if (ha[i] != hb[i])
+            first = i;
+    CHECK(first == bytes, "%s: differs from byte %zu of %zu", what, first, bytes);
+    free(ha);
+    free(hb);
+    return first == bytes;
+}
+
+static unsigned int counter_value(const unsigned int *d)
+{
+    unsigned int v;
+    CU(cudaMemcpy(&v, d, sizeof(v), cudaMemcpyDeviceToHost));
+    return v;
+}
+
+/* ---- ADD_NORM -------------------------------------------------------------- */
+
+static void test_add_norm(uint32_t n, uint32_t n_in, unsigned int *ctr, struct rng *r)
+{
+    char what[96];
+    void *W = dev_q4_0(n, n_in, r);
+    const size_t rb = quant_row_size(QUANT_TYPE_Q4_0, n_in);
+    float *hx = rand_floats(n_in, r), *hh = rand_floats(n, r), *hw = rand_floats(n, r);
+    float *x = dev_floats(hx, n_in), *nw = dev_floats(hw, n);
+    float *h[2], *y[2], *out[2];
+    for (int i = 0; i < 2; i++) {
+        h[i] = dev_floats(hh, n);
+        y[i] = dev_floats(hh, n);
+        out[i] = dev_floats(hh, n);
+        poison(y[i], n * sizeof(float));
+        poison(out[i], n * sizeof(float));
+    }
+    const float eps = 1e-6f;
+    int rc = cuda_matvec(QUANT_TYPE_Q4_0, W, rb, n, n_in, x, y[0], 0);
+    rc = rc ? rc : cuda_add_rmsnorm(h[0], y[0], out[0], nw, n, 1, eps, 0);
+    CHECK(rc == 0, "add_norm n %u: unfused rc %d", n, rc);
+    const struct cuda_tail t = {.kind = CUDA_TAIL_ADD_NORM, .counter = ctr, .n = n, .eps = eps,
+                                .h = h[1], .norm_w = nw, .out = out[1]};
+    rc = cuda_matvec_tail(QUANT_TYPE_Q4_0, W, rb, n, n_in, x, y[1], &t, 0);
+    CHECK(rc == 0, "add_norm n %u: fused rc %d", n, rc);
+    CU(cudaDeviceSynchronize());
+    snprintf(what, sizeof(what), "add_norm n %u n_in %u: y", n, n_in);
+    bool ok = same(y[0], y[1], n * sizeof(float), what);
+    snprintf(what, sizeof(what), "add_norm n %u n_in %u: h", n, n_in);
+    ok &= same(h[0], h[1], n * sizeof(float), what);
+    snprintf(what, sizeof(what), "add_norm n %u n_in %u: norm", n, n_in);
+    ok &= same(out[0], out[1], n * sizeof(float), what);
+    /* twice more: the counter must have come back to 0 each time */
+    for (int rep = 0; rep < 2; rep++) {
+        rc = cuda_matvec(QUANT_TYPE_Q4_0, W, rb, n, n_in, x, y[0], 0);
+        rc = rc ? rc : cuda_add_rmsnorm(h[0], y[0], out[0], nw, n, 1, eps, 0);
+        rc = rc ? rc : cuda_matvec_tail(QUANT_TYPE_Q4_0, W, rb, n, n_in, x, y[1], &t, 0);
+        CHECK(rc == 0, "add_norm n %u: repeat rc %d", n, rc);
+    }
+    CU(cudaDeviceSynchronize());
+    snprintf(what, sizeof(what), "add_norm n %u n_in %u: h after 3 launches", n, n_in);
+    ok &= same(h[0], h[1], n * sizeof(float), what);
+    snprintf(what, sizeof(what), "add_norm n %u n_in %u: norm after 3 launches", n, n_in);
+    ok &= same(out[0], out[1], n * sizeof(float), what);
+    CHECK(counter_value(ctr) == 0, "add_norm n %u: counter %u after the launches", n,
+          counter_value(ctr));
+    printf("add_norm n %u n_in %u (%s): %s\n", n, n_in, n_in <= 2048 ? "int8 kernel" : "f32 kernel",
+           ok ? "identical" : "DIFFERENT");
+    for (int i = 0; i < 2; i++) {
+        cudaFree(h[i]);
+        cudaFree(y[i]);
+        cudaFree(out[i]);
+    }
+    cudaFree(W);
+    cudaFree(x);
+    cudaFree(nw);
+    free(hx);
+    free(hh);
+    free(hw);
+}
+
+/* ---- TOPK ------------------------------------------------------------------ */
+
+static void test_topk(uint32_t E, uint32_t k, uint32_t n, unsigned int *ctr, struct rng *r)
+{
+    char what[96];
+    float *hW = rand_floats((size_t)E * n, r), *hx = rand_floats(n, r);
+    if (E >= 8) /* planted ties: equal rows give equal logits */
+        memcpy(hW + (size_t)5 * n, hW + (size_t)2 * n, n * sizeof(float));
+    float *W = dev_floats(hW, (size_t)E * n), *x = dev_floats(hx, n);
+    float *lg[2], *w[2];
+    int32_t *ids[2];
+    for (int i = 0; i < 2; i++) {
+        CU(cudaMalloc((void **)&lg[i], E * sizeof(float)));
+        CU(cudaMalloc((void **)&w[i], k * sizeof(float)));
+        CU(cudaMalloc((void **)&ids[i], k * sizeof(int32_t)));
+        poison(lg[i], E * sizeof(float));
+        poison(w[i], k * sizeof(float));
+        poison(ids[i], k * sizeof(int32_t));
+    }
+    int rc = cuda_matvec(QUANT_TYPE_F32, W, n * sizeof(float), E, n, x, lg[0], 0);
+    rc = rc ? rc : cuda_router_topk(lg[0], E, k, 1, ids[0], w[0], 0);
+    CHECK(rc == 0, "topk E %u: unfused rc %d", E, rc);
+    const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k, .ids = ids[1],
+                                .w = w[1]};
+    for (int rep = 0; rep < 3 && rc == 0; rep++)
+        rc = cuda_matvec_tail(QUANT_TYPE_F32, W, n * sizeof(float), E, n, x, lg[1], &t, 0);
+    CHECK(rc == 0, "topk E %u: fused rc %d", E, rc);
+    CU(cudaDeviceSynchronize());
+    snprintf(what, sizeof(what), "topk E %u k %u: logits", E, k);
+    bool ok = same(lg[0], lg[1], E * sizeof(float), what);
+    snprintf(what, sizeof(what), "topk E %u k %u: ids", E, k);
+    ok &= same(ids[0], ids[1], k * sizeof(int32_t), what);
+    snprintf(what, sizeof(what), "topk E %u k %u: weights", E, k);
+    ok &= same(w[0], w[1], k * sizeof(float), what);
+    CHECK(counter_value(ctr) == 0, "topk: counter %u after the launches", counter_value(ctr));
+    printf("topk E %u k %u n %u: %s\n", E, k, n, ok ? "identical" : "DIFFERENT");
+    for (int i = 0; i < 2; i++) {
+        cudaFree(lg[i]);
+        cudaFree(w[i]);
+        cudaFree(ids[i]);
+    }
+    cudaFree(W);
+    cudaFree(x);
+    free(hW);
+    free(hx);
+}
+
+/* ---- COMBINE --------------------------------------------------------------- */
+
+struct experts {
+    uint32_t E, n, F;
+    size_t rb;
+    void **d_w;         /* per expert: n x F Q4_0 */
+    const void **d_tab; /* device table of their addresses */
+};
+
+static struct experts make_experts(uint32_t E, uint32_t n, uint32_t F, struct rng *r)
+{
+    struct experts x = {E, n, F, quant_row_size(QUANT_TYPE_Q4_0, F), NULL, NULL};
+    x.d_w = xmalloc(E * sizeof(void *));
+    for (uint32_t e = 0; e < E; e++)
+        x.d_w[e] = dev_q4_0(n, F, r);
+    CU(cudaMalloc((void **)&x.d_tab, E * sizeof(void *)));
+    CU(cudaMemcpy(x.d_tab, x.d_w, E * sizeof(void *), cudaMemcpyHostToDevice));
+    return x;
+}
+
+static void free_experts(struct experts *x)
+{
+    for (uint32_t e = 0; e < x->E; e++)
+        cudaFree(x->d_w[e]);
+    free(x->d_w);
+    cudaFree((void *)x->d_tab);
+}
+
+/* k distinct ids of E, uploaded. */
+static int32_t *dev_ids(uint32_t E, uint32_t k, struct rng *r)
+{
+    int32_t h[16];
+    for (uint32_t i = 0; i < k; i++) {
+        bool dup;
+        do {
+            h[i] = (int32_t)(rng_next(r) % E);
+            dup = false;
+            for (uint32_t j = 0; j < i; j++)
+                dup |= h[j] == h[i];
+        } while (dup);
+    }
+    int32_t *d;
+    CU(cudaMalloc((void **)&d, k * sizeof(int32_t)));
+    CU(cudaMemcpy(d, h, k * sizeof(int32_t), cudaMemcpyHostToDevice));
+    return d;
+}
+
+static void test_combine(uint32_t n, uint32_t F, uint32_t k, bool shared, bool gated, bool norm,
+                         unsigned int *ctr, struct rng *r)
+{
+    char what[128];
+    const uint32_t E = 24;
+    struct experts X = make_experts(E, n, F, r);
+    int32_t *ids = dev_ids(E, k, r);
+    float *hgu = rand_floats((size_t)k * 2 * F, r), *hwt = rand_floats(k, r);
+    float *hh = rand_floats(n, r), *hso = rand_floats(n, r), *hg = rand_floats(n, r);
+    float *hf = rand_floats(n, r), *hnw = rand_floats(n, r);
+    float *gu = dev_floats(hgu, (size_t)k * 2 * F), *wt = dev_floats(hwt, k);
+    float *so = dev_floats(hso, n), *gate = dev_floats(hg, n), *nw = dev_floats(hnw, n);
+    float *h[2], *xa[2], *Y[2];
+    for (int i = 0; i < 2; i++) {
+        h[i] = dev_floats(hh, n);
+        xa[i] = dev_floats(hf, n); /* the gate's input, overwritten by the norm */
+        CU(cudaMalloc((void **)&Y[i], (size_t)k * n * sizeof(float)));
+        poison(Y[i], (size_t)k * n * sizeof(float));
+    }
+    const float eps = 1e-6f;
+    int rc = cuda_mvq_experts_glu(QUANT_TYPE_Q4_0, X.d_tab, X.rb, n, F, ids, k, gu, 2 * F, 1,
+                                  true, Y[0], n, 0);
+    if (norm)
+        rc = rc ? rc : cuda_moe_combine_norm(h[0], Y[0], wt, k, shared ? so : NULL,
+                                             gated ? gate : NULL, xa[0], n, 1, nw, eps, xa[0], 0);
+    else
+        rc = rc ? rc : cuda_moe_combine(h[0], Y[0], wt, k, shared ? so : NULL,
+                                        gated ? gate : NULL, xa[0], n, 1, 0);
+    CHECK(rc == 0, "combine n %u: unfused rc %d", n, rc);
+    const struct cuda_tail t = {.kind = CUDA_TAIL_COMBINE, .counter = ctr, .n = n, .eps = eps,
+                                .h = h[1], .norm_w = norm ? nw : NULL, .out = xa[1], .k = k,
+                                .w = wt, .so = shared ? so : NULL,
+                                .shexp_gate = gated ? gate : NULL, .f = xa[1]};
+    rc = cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, X.d_tab, X.rb, n, F, ids, k, gu, 2 * F, true,
+                                   Y[1], &t, 0);
+    CHECK(rc == 0, "combine n %u: fused rc %d", n, rc);
+    CU(cudaDeviceSynchronize());
+    const char *shape = shared ? (gated ? "gated shared" : "shared") : "no shared";
+    snprintf(what, sizeof(what), "combine n %u k %u %s%s: Y", n, k, shape, norm ? " norm" : "");
+    bool ok = same(Y[0], Y[1], (size_t)k * n * sizeof(float), what);
+    snprintf(what, sizeof(what), "combine n %u k %u %s%s: h", n, k, shape, norm ? " norm" : "");
+    ok &= same(h[0], h[1], n * sizeof(float), what);
+    snprintf(what, sizeof(what), "combine n %u k %u %s%s: xa", n, k, shape, norm ? " norm" : "");
+    ok &= same(xa[0], xa[1], n * sizeof(float), what);
+    CHECK(counter_value(ctr) == 0, "combine: counter %u after the launch", counter_value(ctr));
+    printf("combine n %u F %u k %u, %s%s (%u threads stand-alone): %s\n", n, F, k, shape,
+           norm ? ", next norm" : "", cuda_norm_wide_threads(n), ok ? "identical" : "DIFFERENT");
+    for (int i = 0; i < 2; i++) {
+        cudaFree(h[i]);
+        cudaFree(xa[i]);
+        cudaFree(Y[i]);
+    }
+    cudaFree(gu);
+    cudaFree(wt);
+    cudaFree(so);
+    cudaFree(gate);
+    cudaFree(nw);
+    cudaFree(ids);
+    free_experts(&X);
+    free(hgu);
+    free(hwt);
+    free(hh);
+    free(hso);
+    free(hg);
+    free(hf);
+    free(hnw);
+}
+
+static void test_refusals(unsigned int *ctr)
+{
+    float *d;
+    CU(cudaMalloc((void **)&d, 4096 * sizeof(float)));
+    struct cuda_tail t = {.kind = CUDA_TAIL_ADD_NORM, .counter = ctr, .n = 64, .h = d, .out = d};
+    /* n must equal the product's rows */
+    int rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 32, 32, d, d, &t, 0);
+    CHECK(rc == -EINVAL, "add_norm with n 64 after 32 rows: rc %d, want -EINVAL", rc);
+    t.counter = NULL;
+    t.n = 32;
+    rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 32, 32, d, d, &t, 0);
+    CHECK(rc == -EINVAL, "a tail without a counter: rc %d, want -EINVAL", rc);
+    t = (struct cuda_tail){.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = 17, .ids = (int32_t *)d,
+                           .w = d};
+    rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 32, 32, d, d, &t, 0);
+    CHECK(rc == -EINVAL, "top-17: rc %d, want -EINVAL", rc);
+    t.k = 4;
+    rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 600, 32, d, d, &t, 0);
+    CHECK(rc == -EINVAL, "top-k of 600 logits: rc %d, want -EINVAL", rc);
+    t = (struct cuda_tail){.kind = CUDA_TAIL_COMBINE, .counter = ctr, .n = 32, .h = d, .w = d,
+                           .k = 2};
+    rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 32, 32, d, d, &t, 0);
+    CHECK(rc == -EINVAL, "a combine after a plain product: rc %d, want -EINVAL", rc);
+    CU(cudaDeviceSynchronize());
+    CHECK(counter_value(ctr) == 0, "refusals touched the counter (%u)", counter_value(ctr));
+    cudaFree(d);
+    printf("bad tails refused\n");
+}
+
+/* ---- timing ---------------------------------------------------------------- */
+
+static int cmp_f(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median over 20 replays of a graph of `copies` captured calls of fn, in
+ * us per call. */
+static float time_graph(void (*fn)(void *, cudaStream_t), void *arg, int copies)
+{
+    cudaStream_t s;
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < copies; i++)
+        fn(arg, s);
+    CU(cudaStreamEndCapture(s, &g));
+    CU(cudaGraphInstantiate(&ge, g, 0));
+    cudaEvent_t a, b;
+    CU(cudaEventCreate(&a));
+    CU(cudaEventCreate(&b));
+    for (int i = 0; i < 3; i++)
+        CU(cudaGraphLaunch(ge, s));
+    float t[20];
+    for (int i = 0; i < 20; i++) {
+        CU(cudaEventRecord(a, s));
+        CU(cudaGraphLaunch(ge, s));
+        CU(cudaEventRecord(b, s));
+        CU(cudaEventSynchronize(b));
+        CU(cudaEventElapsedTime(&t[i], a, b));
+    }
+    qsort(t, 20, sizeof(float), cmp_f);
+    CU(cudaGraphExecDestroy(ge));
+    CU(cudaGraphDestroy(g));
+    CU(cudaEventDestroy(a));
+    CU(cudaEventDestroy(b));
+    CU(cudaStreamDestroy(s));
+    return t[10] * 1000.0f / (float)copies;
+}
+
+/* The three boundaries of one 80b-a3b decode layer (n 2048, DeltaNet output
+ * 4096 -> 2048 Q4_0, F32 router 512 x 2048 top-10, 10 experts of 512 -> 2048
+ * Q4_0 with the shared expert gated and the next norm). */
+struct bench {
+    bool fused;
+    void *Wo, *Wr;
+    struct experts X;
+    int32_t *ids;
+    float *x4096, *mix, *h, *xa, *nw, *rl, *w, *gu, *Y, *so, *gate;
+    unsigned int *ctr;
+};
+
+static void bench_layer(void *arg, cudaStream_t s)
+{
+    struct bench *b = arg;
+    const uint32_t n = 2048, E = 512, k = 10, F = 512;
+    const size_t rbo = quant_row_size(QUANT_TYPE_Q4_0, 4096);
+    int rc;
+    if (!b->fused) {
+        rc = cuda_matvec(QUANT_TYPE_Q4_0, b->Wo, rbo, n, 4096, b->x4096, b->mix, s);
+        rc |= cuda_add_rmsnorm(b->h, b->mix, b->xa, b->nw, n, 1, 1e-6f, s);
+        rc |= cuda_matvec(QUANT_TYPE_F32, b->Wr, n * sizeof(float), E, n, b->xa, b->rl, s);
+        rc |= cuda_router_topk(b->rl, E, k, 1, b->ids, b->w, s);
+        rc |= cuda_mvq_experts_glu(QUANT_TYPE_Q4_0, b->X.d_tab, b->X.rb, n, F, b->ids, k, b->gu,
+                                   2 * F, 1, true, b->Y, n, s);
+        rc |= cuda_moe_combine_norm(b->h, b->Y, b->w, k, b->so, b->gate, b->xa, n, 1, b->nw, 1e-6f,
+                                    b->xa, s);
+    } else {
+        const struct cuda_tail tn = {.kind = CUDA_TAIL_ADD_NORM, .counter = b->ctr, .n = n,
+                                     .eps = 1e-6f, .h = b->h, .norm_w = b->nw, .out = b->xa};
+        const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = b->ctr, .k = k,
+                                     .ids = b->ids, .w = b->w};
+        const struct cuda_tail tc = {.kind = CUDA_TAIL_COMBINE, .counter = b->ctr, .n = n,
+                                     .eps = 1e-6f, .h = b->h, .norm_w = b->nw, .out = b->xa,
+                                     .k = k, .w = b->w, .so = b->so, .shexp_gate = b->gate,
+                                     .f = b->xa};
+        rc = cuda_matvec_tail(QUANT_TYPE_Q4_0, b->Wo, rbo, n, 4096, b->x4096, b->mix, &tn, s);
+        rc |= cuda_matvec_tail(QUANT_TYPE_F32, b->Wr, n * sizeof(float), E, n, b->xa, b->rl, &tk,
+                               s);
+        rc |= cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, b->X.d_tab, b->X.rb, n, F, b->ids, k,
+                                        b->gu, 2 * F, true, b->Y, &tc, s);
+    }
+    if (rc) {
+        fprintf(stderr, "bench launch failed\n");
+        exit(1);
+    }
+}
+
+static void bench_boundaries(unsigned int *ctr, struct rng *r)
+{
+    const uint32_t n = 2048, E = 512, F = 512;
+    struct bench b = {0};
+    b.ctr = ctr;
+    b.Wo = dev_q4_0(n, 4096, r);
+    float *hWr = rand_floats((size_t)E * n, r);
+    b.Wr = dev_floats(hWr, (size_t)E * n);
+    b.X = make_experts(E, n, F, r);
+    CU(cudaMalloc((void **)&b.ids, 16 * sizeof(int32_t)));
+    float *hx = rand_floats(8192, r);
+    b.x4096 = dev_floats(hx, 4096);
+    b.mix = dev_floats(hx, n);
+    b.h = dev_floats(hx + 4096, n);
+    b.xa = dev_floats(hx, n);
+    b.nw = dev_floats(hx + 2048, n);
+    b.rl = dev_floats(hx, E);
+    b.w = dev_floats(hx, 16);
+    float *hgu = rand_floats(10 * 2 * F, r);
+    b.gu = dev_floats(hgu, 10 * 2 * F);
+    CU(cudaMalloc((void **)&b.Y, 10 * n * sizeof(float)));
+    b.so = dev_floats(hx + 1024, n);
+    b.gate = dev_floats(hx + 3072, n);
+    float us[2];
+    for (int f = 0; f < 2; f++) {
+        b.fused = f == 1;
+        /* keep h bounded: start each timing from the same row */
+        CU(cudaMemcpy(b.h, hx + 4096, n * sizeof(float), cudaMemcpyHostToDevice));
+        us[f] = time_graph(bench_layer, &b, 48);
+    }
+    printf("[measure] 80b-a3b layer boundaries (out+add_norm, router+top-k, down+combine+norm), "
+           "graph of 48 layers, median of 20: unfused %.2f us/layer (6 kernels), fused %.2f "
+           "us/layer (3 kernels)\n",
+           us[0], us[1]);
+    CHECK(counter_value(ctr) == 0, "bench: counter %u after the runs", counter_value(ctr));
+    free_experts(&b.X);
+    free(hWr);
+    free(hx);
+    free(hgu);
+}
+
+int main(void)
+{
+    int dev_count = 0;
+    if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+        fprintf(stderr, "test_tail_cuda: no CUDA device\n");
+        return 1;
+    }
+    struct rng r = {0x7A11C0DEull};
+    unsigned int *ctr;
+    CU(cudaMalloc((void **)&ctr, sizeof(*ctr)));
+    CU(cudaMemset(ctr, 0, sizeof(*ctr)));
+    /* hidden sizes: stand-alone norm widths 32, 128, 256 (capped) and combine
+     * widths 32, 256, 768, 1024 */
+    const uint32_t ns[] = {64, 512, 1536, 2048, 3072};
+    for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++) {
+        test_add_norm(ns[i], 1024, ctr, &r);
+        test_add_norm(ns[i], 4096, ctr, &r);
+    }
+    test_topk(8, 2, 64, ctr, &r);
+    test_topk(64, 8, 1024, ctr, &r);
+    test_topk(128, 8, 2048, ctr, &r);
+    test_topk(512, 10, 2048, ctr, &r);
+    for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++) {
+        test_combine(ns[i], 512, 8, true, true, true, ctr, &r);
+        test_combine(ns[i], 256, 4, false, false, true, ctr, &r);
+        test_combine(ns[i], 512, 10, true, false, false, ctr, &r);
+    }
+    test_combine(2048, 512, 10, true, true, false, ctr, &r);
+    test_refusals(ctr);
+    bench_boundaries(ctr, &r);
+    cudaFree(ctr);
+    if (failures) {
+        fprintf(stderr, "test_tail_cuda: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_tail_cuda: all passed\n");
+    return 0;
+}
