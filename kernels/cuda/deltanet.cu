@@ -50,6 +50,38 @@
  * read (an atomic counter per key head, dn_conv_readers, set back to 0 by
  * that block) rewrites their state: no block reads a rewritten state.
  *
+ * DN_SPLIT (sm_90 and later): dn_heads_split_kernel and
+ * dn_conv_heads_split_kernel spread a head over a thread block cluster of nb
+ * blocks (grid nv * nb, 4 * dv / nb threads), so that more SMs load and store
+ * the state: one block per head leaves most SMs idle on a decode step (32 of
+ * 132 on an H200 at nv = 32) and waits on its own 64 KiB of state. Rows are
+ * independent in the delta rule; block b of a head's cluster holds the
+ * head's warps b * W .. b * W + W - 1 (W = dv / 8 / nb), so thread t of the
+ * head still owns row t / 4 and chunks sub = t % 4 and every warp covers the
+ * same 8 rows as in the one-block kernels. What couples the rows:
+ *   - q and k: each block's warps 0 and 1 compute them (W >= 2);
+ *   - the norm's sum of o_j^2: every warp writes its warp sum into its slot
+ *     of `red` in every block of the cluster (distributed shared memory),
+ *     one cluster barrier (which also serves as barrier B), then every
+ *     thread adds the dv / 8 sums in warp order, as the one-block kernels do;
+ *     the token-by-token kernel alternates two `red` arrays, so that one
+ *     barrier per token keeps a block from overwriting sums that another
+ *     still reads; a cluster barrier right after start (arrive at once, wait
+ *     before the first remote write) makes sure every block of the cluster
+ *     runs before its shared memory is written, and no block reads another's
+ *     after the last barrier, so blocks may exit;
+ *   - the q and k conv state: warps 0 and 1 of every block read it; each
+ *     counts itself at once (dn_conv_qk_readers: nv / nk * nb readers of a
+ *     key head's q, as many of its k) and the last warp 0 and the last warp
+ *     1 rewrite the state at the end, with no block barrier on the count.
+ * Same sums in the same order: y, delta state and conv state equal the
+ * one-block kernels' bit for bit. nb (dn_split_blocks): a power of two up to
+ * DN_SPLIT_MAX that keeps at least two whole warps per block, the one that
+ * leaves the fewest state rows on the busiest SM, ceil(nv * nb / SMs) * dv /
+ * nb, the smallest of equals (4 at nv = 32, dv = 128 on 132 SMs: 128 blocks
+ * of 128 threads). LAMINA_CUDA_DN_SPLIT=0 (read at each launch): one block
+ * per head; "2", "4" or "8": that nb where dv allows it.
+ *
  * Chunked prefill (cuda_deltanet_heads_chunked, S >= DN_CHUNK_MIN_S, dk = dv
  * in {64, 128}, sm_80 and later): the WY form of deltanet_chunk_head
  * (transformers' chunk_gated_delta_rule), chunks of DN_CH = 64 tokens, in
@@ -88,6 +120,7 @@
 
 #include <errno.h>
 
+#include <cooperative_groups.h>
 #include <mma.h>
 
 #include "kernels/cuda/pdl.cuh"
@@ -104,6 +137,7 @@ extern "C" {
 #define DN_SLICE 32       /* value columns per block of dn_state_kernel */
 #define DN_CK_THREADS 256 /* threads per block of the chunked kernels */
 #define DN_CHUNK_MIN_S 16 /* fewest tokens that take the chunked path */
+#define DN_SPLIT_MAX 8    /* most blocks per head of the split decode kernels (a cluster) */
 
 static_assert(DN_CH == DELTANET_CHUNK, "the CPU twin's chunk");
 static_assert(DN_CK_THREADS == 32 * 4 * (DN_SLICE / 16), "dn_state_kernel: a warp per o tile");
@@ -248,20 +282,15 @@ __device__ __forceinline__ void dn_norm_qk(const struct dn_heads_args &p, uint32
     }
 }
 
-/* Token s of head h for the threads of dn_heads_kernel: the delta rule on
- * the thread's state chunks st and its output y[s][h*dv + j] (the per-token
- * body shared by the plain and the conv-fused kernels). */
+/* The delta rule of one token on the thread's state chunks st of its row,
+ * after barrier A (q, k, beta and decay in shared memory); returns o_j,
+ * equal in the row's four lanes. */
 template <int DK>
-__device__ __forceinline__ void dn_step(const struct dn_heads_args &p, uint32_t h, uint32_t s,
-                                        const struct dn_tok<DK> &cur, float4 (&st)[DK / 16],
-                                        float4 *qs, float4 *ks, float *sc, float *red, float wj)
+__device__ __forceinline__ float dn_rule(const struct dn_tok<DK> &cur, float4 (&st)[DK / 16],
+                                         const float4 *qs, const float4 *ks, const float *sc)
 {
     constexpr int NC = DK / 16; /* float4 chunks of one row a thread owns */
-    const uint32_t t = threadIdx.x, j = t / 4, sub = t % 4;
-    const uint32_t n_warps = blockDim.x / 32, warp = t / 32;
-    const size_t vd = (size_t)p.nv * p.dv;
-    dn_norm_qk<DK>(p, h, cur, reinterpret_cast<float *>(qs), reinterpret_cast<float *>(ks), sc);
-    __syncthreads(); /* A */
+    const uint32_t sub = threadIdx.x % 4;
     const float beta = sc[0], decay = sc[1];
     float mem = 0.0f;
 #pragma unroll
@@ -288,17 +317,59 @@ __device__ __forceinline__ void dn_step(const struct dn_heads_args &p, uint32_t 
     }
     o += __shfl_xor_sync(0xffffffffu, o, 1);
     o += __shfl_xor_sync(0xffffffffu, o, 2);
-    const float ss = dn_warp_sum(sub == 0 ? o * o : 0.0f);
+    return o;
+}
+
+/* Token s of head h for the threads of a block of dn_heads_kernel (or of a
+ * split block): q, k, beta and decay into shared memory, barrier A, the
+ * delta rule (dn_rule); returns o_j. */
+template <int DK>
+__device__ __forceinline__ float dn_rows(const struct dn_heads_args &p, uint32_t h,
+                                         const struct dn_tok<DK> &cur, float4 (&st)[DK / 16],
+                                         float4 *qs, float4 *ks, float *sc)
+{
+    dn_norm_qk<DK>(p, h, cur, reinterpret_cast<float *>(qs), reinterpret_cast<float *>(ks), sc);
+    __syncthreads(); /* A */
+    return dn_rule<DK>(cur, st, qs, ks, sc);
+}
+
+/* The sum of o_j^2 over the 8 rows of the calling warp, in all its lanes
+ * (the xor butterfly adds the same two values in every lane of a pair, so
+ * every lane ends with the same bits). */
+__device__ __forceinline__ float dn_warp_sq(float o)
+{
+    return dn_warp_sum(threadIdx.x % 4 == 0 ? o * o : 0.0f);
+}
+
+/* y[s][h*dv + j] = o_j / sqrt(total / dv + eps) * norm_w[j] * silu(z_j),
+ * written by lane sub 0 of the row; total: the head's sum of o^2. */
+__device__ __forceinline__ void dn_out(const struct dn_heads_args &p, uint32_t h, uint32_t s,
+                                       uint32_t j, float o, float total, float z, float wj)
+{
+    if (threadIdx.x % 4 == 0) {
+        const float scale = 1.0f / sqrtf(total / (float)p.dv + p.eps);
+        p.y[(size_t)s * p.nv * p.dv + (size_t)h * p.dv + j] = o * scale * wj * dn_silu(z);
+    }
+}
+
+/* Token s of head h for the threads of dn_heads_kernel: the delta rule on
+ * the thread's state chunks st and its output y[s][h*dv + j] (the per-token
+ * body shared by the plain and the conv-fused kernels). */
+template <int DK>
+__device__ __forceinline__ void dn_step(const struct dn_heads_args &p, uint32_t h, uint32_t s,
+                                        const struct dn_tok<DK> &cur, float4 (&st)[DK / 16],
+                                        float4 *qs, float4 *ks, float *sc, float *red, float wj)
+{
+    const uint32_t t = threadIdx.x, n_warps = blockDim.x / 32;
+    const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+    const float ss = dn_warp_sq(o);
     if (t % 32 == 0)
-        red[warp] = ss;
+        red[t / 32] = ss;
     __syncthreads(); /* B */
     float total = 0.0f;
     for (uint32_t w = 0; w < n_warps; w++)
         total += red[w];
-    if (sub == 0) {
-        const float scale = 1.0f / sqrtf(total / (float)p.dv + p.eps);
-        p.y[(size_t)s * vd + (size_t)h * p.dv + j] = o * scale * wj * dn_silu(cur.z);
-    }
+    dn_out(p, h, s, t / 4, o, total, cur.z, wj);
 }
 
 template <int DK>
@@ -379,14 +450,78 @@ __device__ __forceinline__ void dn_conv_store(const struct dn_conv_args &c, size
             c.state[ch * (c.K - 1) + t] = nst[t];
 }
 
+/* The conv part of a decode step for the threads of a block of head h,
+ * thread row j (dn_conv_heads_kernel and its split form): the conv outputs
+ * the threads would have read from u into cur (warps 0 and 1 q and k of key
+ * head g, lane 4j of row j its v_j, shared with lanes 4j + 1 .. 4j + 3 by
+ * a shuffle), z_j and (warp 0 lane 0) the beta and alpha inputs. Lane 4j
+ * rewrites the v_j conv state; warps 0 and 1 keep the new q and k conv state
+ * in nqk for dn_conv_store_qk. After pdl_wait. */
+template <int DK>
+__device__ __forceinline__ void dn_conv_in(const struct dn_heads_args &p,
+                                           const struct dn_conv_args &c, uint32_t h, uint32_t g,
+                                           uint32_t j, struct dn_tok<DK> &cur,
+                                           float (&nqk)[DK >= 32 ? DK / 32 : 1][DN_MAX_K - 1])
+{
+    constexpr int NQ = DK >= 32 ? DK / 32 : 1;
+    const uint32_t t = threadIdx.x, warp = t / 32, lane = t % 32;
+    const size_t kd = (size_t)p.nk * DK, vch = 2 * kd + (size_t)h * p.dv + j;
+    float nst[DN_MAX_K - 1];
+    float v = 0.0f;
+    if (t % 4 == 0) {
+        v = dn_conv_token(c, vch, nst);
+        dn_conv_store(c, vch, nst);
+    }
+    cur.v = __shfl_sync(0xffffffffu, v, lane & ~3u);
+    cur.z = p.z[(size_t)h * p.dv + j];
+    if (warp > 1)
+        return;
+    const size_t ch0 = (warp == 0 ? 0 : kd) + (size_t)g * DK;
+#pragma unroll
+    for (int m = 0; m < NQ; m++)
+        cur.qk[m] = lane + 32 * m < DK ? dn_conv_token(c, ch0 + lane + 32 * m, nqk[m]) : 0.0f;
+    if (warp == 0 && lane == 0) {
+        cur.b = p.b[h];
+        cur.alpha = p.alpha[h];
+    }
+}
+
+/* Warps 0 and 1: the new q and k conv state of key head g (from dn_conv_in). */
+template <int DK>
+__device__ __forceinline__ void dn_conv_store_qk(const struct dn_heads_args &p,
+                                                 const struct dn_conv_args &c, uint32_t g,
+                                                 const float (&nqk)[DK >= 32 ? DK / 32 : 1]
+                                                                   [DN_MAX_K - 1])
+{
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp > 1)
+        return;
+    const size_t ch0 = (warp == 0 ? 0 : (size_t)p.nk * DK) + (size_t)g * DK;
+#pragma unroll
+    for (int m = 0; m < (DK >= 32 ? DK / 32 : 1); m++)
+        if (lane + 32 * m < DK)
+            dn_conv_store(c, ch0 + lane + 32 * m, nqk[m]);
+}
+
+/* Thread 0 of a block that has read key head g's q and k conv state (after a
+ * barrier behind the reading warps' fences): counts it in dn_conv_readers[g];
+ * whether it is the last of `readers` (then the counter is set back to 0). */
+__device__ __forceinline__ bool dn_conv_count(uint32_t g, uint32_t readers)
+{
+    __threadfence();
+    const bool last = atomicAdd(&dn_conv_readers[g], 1u) == readers - 1;
+    if (last)
+        atomicExch(&dn_conv_readers[g], 0u);
+    __threadfence();
+    return last;
+}
+
 /* dn_conv_kernel and dn_heads_kernel for one token (S = 1) in one launch:
- * the threads compute the conv outputs they would have read from u (warps
- * 0 and 1 q and k of the key head, lane 4j of each row j its v_j, shared
- * with lanes 4j + 1 .. 4j + 3 by a shuffle). The v conv state of head h is
- * rewritten by its block; q and k channels are read by the nv / nk blocks
- * of their key head, and rewritten by the last of them to have read them
- * (dn_conv_readers). Outputs and states equal the two launches' bit for
- * bit. */
+ * the threads compute the conv outputs they would have read from u
+ * (dn_conv_in). The v conv state of head h is rewritten by its block; q and
+ * k channels are read by the nv / nk blocks of their key head, and
+ * rewritten by the last of them to have read them (dn_conv_readers).
+ * Outputs and states equal the two launches' bit for bit. */
 template <int DK>
 __global__ void __launch_bounds__(512)
     dn_conv_heads_kernel(const struct dn_heads_args p, const struct dn_conv_args c)
@@ -397,55 +532,26 @@ __global__ void __launch_bounds__(512)
     __shared__ float red[16];
     __shared__ bool s_last;
     const uint32_t h = blockIdx.x, t = threadIdx.x, j = t / 4, sub = t % 4;
-    const uint32_t warp = t / 32, lane = t % 32, r = p.nv / p.nk;
-    const uint32_t g = p.tiled ? h % p.nk : h / r;
-    const size_t kd = (size_t)p.nk * DK;
+    const uint32_t r = p.nv / p.nk, g = p.tiled ? h % p.nk : h / r;
     float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
     const float wj = p.norm_w[j];
     pdl_wait(); /* x, z, b, alpha and the states come from the kernels before */
     pdl_trigger();
     struct dn_tok<DK> cur;
-    float nst[DN_MAX_K - 1], nqk[NQ][DN_MAX_K - 1];
-    const size_t vch = 2 * kd + (size_t)h * p.dv + j;
-    float v = 0.0f;
-    if (sub == 0) {
-        v = dn_conv_token(c, vch, nst);
-        dn_conv_store(c, vch, nst);
-    }
-    cur.v = __shfl_sync(0xffffffffu, v, lane & ~3u);
-    cur.z = p.z[(size_t)h * p.dv + j];
-    if (warp <= 1) {
-        const size_t ch0 = (warp == 0 ? 0 : kd) + (size_t)g * DK;
-#pragma unroll
-        for (int m = 0; m < NQ; m++)
-            cur.qk[m] = lane + 32 * m < DK ? dn_conv_token(c, ch0 + lane + 32 * m, nqk[m]) : 0.0f;
-        if (warp == 0 && lane == 0) {
-            cur.b = p.b[h];
-            cur.alpha = p.alpha[h];
-        }
-    }
+    float nqk[NQ][DN_MAX_K - 1];
+    dn_conv_in<DK>(p, c, h, g, j, cur, nqk);
     bool last = true;
     if (r > 1) { /* q and k inputs are read (and used) by warps 0 and 1 above */
-        if (warp <= 1)
+        if (t < 64)
             __threadfence(); /* their reads are done before the count says so */
         __syncthreads();
-        if (t == 0) {
-            __threadfence();
-            s_last = atomicAdd(&dn_conv_readers[g], 1u) == r - 1;
-            if (s_last)
-                atomicExch(&dn_conv_readers[g], 0u);
-            __threadfence();
-        }
+        if (t == 0)
+            s_last = dn_conv_count(g, r);
         __syncthreads();
         last = s_last;
     }
-    if (last && warp <= 1) {
-        const size_t ch0 = (warp == 0 ? 0 : kd) + (size_t)g * DK;
-#pragma unroll
-        for (int m = 0; m < NQ; m++)
-            if (lane + 32 * m < DK)
-                dn_conv_store(c, ch0 + lane + 32 * m, nqk[m]);
-    }
+    if (last)
+        dn_conv_store_qk<DK>(p, c, g, nqk);
     float4 st[NC];
 #pragma unroll
     for (int m = 0; m < NC; m++)
@@ -454,6 +560,150 @@ __global__ void __launch_bounds__(512)
 #pragma unroll
     for (int m = 0; m < NC; m++)
         srow[sub + 4 * m] = st[m];
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+namespace cg = cooperative_groups;
+
+/* The head's sum of o^2 in a split block (its cluster's blocks hold the
+ * head's warps in rank order): the calling warp's sum ss goes into slot w,
+ * the warp's index in the head, of red in every block of the cluster (lane
+ * q writes block q's), a cluster barrier (which is also barrier B), then
+ * every thread adds red[0 .. n_warps) in order, as dn_step adds its warp
+ * sums: the same bits. Every block of the cluster must have started before
+ * the first call (a cluster barrier after start), and red is written again
+ * at the earliest two calls later, by which time every block has read it. */
+__device__ __forceinline__ float dn_cluster_sum(float ss, float *red, uint32_t n_warps)
+{
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t w = cg::this_cluster().block_rank() * (blockDim.x / 32) + threadIdx.x / 32;
+    if (lane < cg::this_cluster().num_blocks())
+        cg::this_cluster().map_shared_rank(red, (int)lane)[w] = ss;
+    cg::this_cluster().sync();
+    float total = 0.0f;
+    for (uint32_t i = 0; i < n_warps; i++)
+        total += red[i];
+    return total;
+}
+#endif
+
+/* dn_heads_kernel split over a cluster of nb blocks per head (DN_SPLIT in
+ * the file comment), grid nv * nb of 4 * dv / nb threads. One cluster
+ * barrier per token replaces barrier B; the warp sums alternate between two
+ * slots of red. sm_90 and later; empty elsewhere (never launched there). */
+template <int DK>
+__global__ void __launch_bounds__(256) dn_heads_split_kernel(const struct dn_heads_args p)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int NC = DK / 16;
+    __shared__ float4 qs[DK / 4], ks[DK / 4];
+    __shared__ float sc[2];
+    __shared__ float red[2][16];
+    cg::this_cluster().barrier_arrive(); /* waited for before the first write to red */
+    const uint32_t nb = cg::this_cluster().num_blocks(), h = blockIdx.x / nb, sub = threadIdx.x % 4;
+    const uint32_t j = (cg::this_cluster().block_rank() * blockDim.x + threadIdx.x) / 4;
+    const uint32_t g = p.tiled ? h % p.nk : h / (p.nv / p.nk);
+    float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
+    pdl_wait(); /* u, z, b, alpha and the state come from the kernels before */
+    pdl_trigger();
+    struct dn_tok<DK> next;
+    dn_fetch<DK>(p, 0, g, h, j, next);
+    float4 st[NC];
+#pragma unroll
+    for (int m = 0; m < NC; m++)
+        st[m] = srow[sub + 4 * m];
+    const float wj = p.norm_w[j];
+    cg::this_cluster().barrier_wait();
+    for (uint32_t s = 0; s < p.S; s++) {
+        const struct dn_tok<DK> cur = next;
+        if (s + 1 < p.S)
+            dn_fetch<DK>(p, s + 1, g, h, j, next);
+        const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+        const float total = dn_cluster_sum(dn_warp_sq(o), red[s % 2], p.dv / 8);
+        dn_out(p, h, s, j, o, total, cur.z, wj);
+    }
+#pragma unroll
+    for (int m = 0; m < NC; m++)
+        srow[sub + 4 * m] = st[m];
+#endif
+}
+
+/* Per key head g, q (2g) and k (2g + 1): warps of the current
+ * dn_conv_heads_split_kernel launch that have read the head's q or k conv
+ * state (warp 0 or 1 of each block of g's value heads); the last one
+ * rewrites that state and sets the counter back to 0, so it is 0 between
+ * launches (one launch at a time per device, as dn_conv_readers). */
+__device__ unsigned int dn_conv_qk_readers[2 * DN_MAX_NK];
+
+/* Warp 0 or 1 of a split block, once its lanes have read their q or k conv
+ * state: counts the warp in dn_conv_qk_readers[i]; lane 0 gets the count
+ * before it (its ticket), the other lanes 0. */
+__device__ __forceinline__ unsigned dn_conv_ticket(uint32_t i)
+{
+    __threadfence(); /* this lane's reads are done before the count says so */
+    __syncwarp();
+    return threadIdx.x % 32 == 0 ? atomicAdd(&dn_conv_qk_readers[i], 1u) : 0u;
+}
+
+/* Whether the warp that took `ticket` (lane 0's) from dn_conv_qk_readers[i]
+ * was the last of `readers`; that one sets the counter back to 0 and then
+ * may rewrite the state. */
+__device__ __forceinline__ bool dn_conv_is_last(uint32_t i, unsigned ticket, uint32_t readers)
+{
+    const bool last = __shfl_sync(0xffffffffu, ticket, 0) == readers - 1;
+    if (last) {
+        if (threadIdx.x % 32 == 0)
+            atomicExch(&dn_conv_qk_readers[i], 0u);
+        __threadfence();
+        __syncwarp();
+    }
+    return last;
+}
+
+/* dn_conv_heads_kernel split over a cluster of nb blocks per head (DN_SPLIT
+ * in the file comment), grid nv * nb of 4 * dv / nb threads. Each block
+ * computes q and k itself; its warps 0 and 1 count themselves as readers of
+ * their key head's q and k conv state (nv / nk * nb each,
+ * dn_conv_qk_readers) right after reading it, and the last warp 0 and the
+ * last warp 1 rewrite that state at the end: no block barrier waits on the
+ * count. The state rows are loaded before the conv. sm_90 and later; empty
+ * elsewhere (never launched there). */
+template <int DK>
+__global__ void __launch_bounds__(256)
+    dn_conv_heads_split_kernel(const struct dn_heads_args p, const struct dn_conv_args c)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int NC = DK / 16, NQ = DK >= 32 ? DK / 32 : 1;
+    __shared__ float4 qs[DK / 4], ks[DK / 4];
+    __shared__ float sc[2];
+    __shared__ float red[16];
+    cg::this_cluster().barrier_arrive(); /* waited for before the first write to red */
+    const uint32_t nb = cg::this_cluster().num_blocks(), h = blockIdx.x / nb;
+    const uint32_t t = threadIdx.x, sub = t % 4, warp = t / 32;
+    const uint32_t j = (cg::this_cluster().block_rank() * blockDim.x + t) / 4;
+    const uint32_t g = p.tiled ? h % p.nk : h / (p.nv / p.nk), readers = p.nv / p.nk * nb;
+    float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
+    const float wj = p.norm_w[j];
+    pdl_wait(); /* x, z, b, alpha and the states come from the kernels before */
+    pdl_trigger();
+    float4 st[NC];
+#pragma unroll
+    for (int m = 0; m < NC; m++)
+        st[m] = srow[sub + 4 * m];
+    struct dn_tok<DK> cur;
+    float nqk[NQ][DN_MAX_K - 1];
+    dn_conv_in<DK>(p, c, h, g, j, cur, nqk);
+    const unsigned ticket = warp <= 1 ? dn_conv_ticket(2 * g + warp) : 0u;
+    const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+    cg::this_cluster().barrier_wait();
+    const float total = dn_cluster_sum(dn_warp_sq(o), red, p.dv / 8);
+    dn_out(p, h, 0, j, o, total, cur.z, wj);
+    if (warp <= 1 && dn_conv_is_last(2 * g + warp, ticket, readers))
+        dn_conv_store_qk<DK>(p, c, g, nqk);
+#pragma unroll
+    for (int m = 0; m < NC; m++)
+        srow[sub + 4 * m] = st[m];
+#endif
 }
 
 /* Arguments of the chunked kernels, passed by value. */
@@ -907,6 +1157,66 @@ static bool dn_heads_args_ok(const float *d_state, const float *d_u, const float
            (!S || (d_u && d_b && d_alpha && d_z && d_y));
 }
 
+/* Whether the split kernels can take dv: whole warps per block, at least
+ * the two that compute q and k. */
+static bool dn_split_fits(uint32_t dv, uint32_t nb)
+{
+    const uint32_t n_warps = dv / 8;
+    return n_warps % nb == 0 && n_warps / nb >= 2;
+}
+
+/* Blocks per value head of the decode kernels into *nb (DN_SPLIT in the file
+ * comment), for the current device: 1 below compute capability 9.0, where
+ * LAMINA_CUDA_DN_SPLIT is "0" or where dv cannot be split; "2", "4" or "8"
+ * ask for that many where dv allows (a test's and a measurement's switch:
+ * results are the same bits); otherwise the nb in {1, 2, 4, 8} that leaves
+ * the fewest rows on the busiest SM, ceil(nv * nb / SMs) * dv / nb, the
+ * smallest of equals. Read at each launch. -EIO when the device query
+ * fails. */
+static int dn_split_blocks(uint32_t nv, uint32_t dv, const char *what, uint32_t *nb)
+{
+    *nb = 1;
+    const char *env = getenv("LAMINA_CUDA_DN_SPLIT");
+    if (env && env[0] == '0')
+        return 0;
+    int dev = 0, major = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess || sms <= 0) {
+        log_error("%s: device query failed: %s", what, cudaGetErrorString(e));
+        return -EIO;
+    }
+    if (major < 9)
+        return 0;
+    const uint32_t want = env ? (uint32_t)atoi(env) : 0;
+    if (want == 2 || want == 4 || want == 8) {
+        *nb = dn_split_fits(dv, want) ? want : 1;
+        return 0;
+    }
+    uint64_t best = ((uint64_t)nv + sms - 1) / sms * dv;
+    for (uint32_t n = 2; n <= DN_SPLIT_MAX; n *= 2) {
+        const uint64_t rows = ((uint64_t)nv * n + sms - 1) / sms * (dv / n);
+        if (dn_split_fits(dv, n) && rows < best) {
+            best = rows;
+            *nb = n;
+        }
+    }
+    return 0;
+}
+
+template <int DK>
+static void dn_heads_launch(const struct dn_heads_args &p, uint32_t nb, cudaStream_t stream)
+{
+    if (nb > 1)
+        pdl_launch_cluster(dn_heads_split_kernel<DK>, dim3(p.nv * nb), dim3(4 * p.dv / nb), nb, 0,
+                           stream, p);
+    else
+        pdl_launch(dn_heads_kernel<DK>, dim3(p.nv), dim3(4 * p.dv), 0, stream, p);
+}
+
 extern "C" int cuda_deltanet_heads(float *d_state, const float *d_u, const float *d_b,
                                    const float *d_alpha, const float *d_a, const float *d_dt,
                                    const float *d_z, const float *d_norm_w, float *d_y,
@@ -922,24 +1232,38 @@ extern "C" int cuda_deltanet_heads(float *d_state, const float *d_u, const float
     }
     if (S == 0)
         return 0;
+    uint32_t nb = 1;
+    const int rc = dn_split_blocks(nv, dv, "cuda_deltanet_heads", &nb);
+    if (rc)
+        return rc;
     const struct dn_heads_args p = {d_state, d_u,   d_b, d_alpha, d_a, d_dt, d_z, d_norm_w,
                                     d_y,     nk,    nv,  dv,      S,   tiled, eps};
-    const dim3 grid(nv), block(4 * dv);
     switch (dk) {
     case 16:
-        pdl_launch(dn_heads_kernel<16>, grid, block, 0, stream, p);
+        dn_heads_launch<16>(p, nb, stream);
         break;
     case 32:
-        pdl_launch(dn_heads_kernel<32>, grid, block, 0, stream, p);
+        dn_heads_launch<32>(p, nb, stream);
         break;
     case 64:
-        pdl_launch(dn_heads_kernel<64>, grid, block, 0, stream, p);
+        dn_heads_launch<64>(p, nb, stream);
         break;
     default:
-        pdl_launch(dn_heads_kernel<128>, grid, block, 0, stream, p);
+        dn_heads_launch<128>(p, nb, stream);
         break;
     }
     return dn_check_launch("cuda_deltanet_heads");
+}
+
+template <int DK>
+static void dn_conv_heads_launch(const struct dn_heads_args &p, const struct dn_conv_args &c,
+                                 uint32_t nb, cudaStream_t stream)
+{
+    if (nb > 1)
+        pdl_launch_cluster(dn_conv_heads_split_kernel<DK>, dim3(p.nv * nb), dim3(4 * p.dv / nb),
+                           nb, 0, stream, p, c);
+    else
+        pdl_launch(dn_conv_heads_kernel<DK>, dim3(p.nv), dim3(4 * p.dv), 0, stream, p, c);
 }
 
 extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
@@ -958,22 +1282,25 @@ extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv
                   K, DN_MAX_K, dk, dv, nk, DN_MAX_NK, nv);
         return -EINVAL;
     }
+    uint32_t nb = 1;
+    const int rc = dn_split_blocks(nv, dv, "cuda_deltanet_conv_heads", &nb);
+    if (rc)
+        return rc;
     const struct dn_heads_args p = {d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w,
                                     d_y,     nk,  nv,  dv,      1,   tiled, eps};
     const struct dn_conv_args c = {d_conv_state, d_conv_w, d_x, K};
-    const dim3 grid(nv), block(4 * dv);
     switch (dk) {
     case 16:
-        pdl_launch(dn_conv_heads_kernel<16>, grid, block, 0, stream, p, c);
+        dn_conv_heads_launch<16>(p, c, nb, stream);
         break;
     case 32:
-        pdl_launch(dn_conv_heads_kernel<32>, grid, block, 0, stream, p, c);
+        dn_conv_heads_launch<32>(p, c, nb, stream);
         break;
     case 64:
-        pdl_launch(dn_conv_heads_kernel<64>, grid, block, 0, stream, p, c);
+        dn_conv_heads_launch<64>(p, c, nb, stream);
         break;
     default:
-        pdl_launch(dn_conv_heads_kernel<128>, grid, block, 0, stream, p, c);
+        dn_conv_heads_launch<128>(p, c, nb, stream);
         break;
     }
     return dn_check_launch("cuda_deltanet_conv_heads");

@@ -6,7 +6,10 @@
  * channel); delta state per v-head dv rows of dk floats (key index fastest).
  * Launchers validate (-EINVAL), enqueue on `stream`, check the launch (-EIO).
  * On sm_90 and later the conv and step kernels chain with programmatic
- * dependent launch (kernels/cuda/pdl.cuh; LAMINA_CUDA_PDL=0: off).
+ * dependent launch (kernels/cuda/pdl.cuh; LAMINA_CUDA_PDL=0: off), and the
+ * token-by-token and decode kernels spread each head over a cluster of up to
+ * 8 blocks, as many as fill the SMs (same results to the bit;
+ * LAMINA_CUDA_DN_SPLIT=0: one block per head; 2, 4 or 8: that many blocks).
  */
 #ifndef KERNELS_CUDA_DELTANET_H
 #define KERNELS_CUDA_DELTANET_H
@@ -45,7 +48,7 @@ int cuda_deltanet_heads(float *d_state, const float *d_u, const float *d_b, cons
  * cuda_deltanet_heads (S = 1) in one launch, for a decode step: x is the
  * token's conv input (C floats: q | k | v), the conv outputs stay on chip
  * (no u is written); conv state, delta state and y come out equal bit for
- * bit to the two launches'. nk <= 1024. Uses a device-wide counter per key
+ * bit to the two launches'. nk <= 1024. Uses device-wide counters per key
  * head (left zero): launches on one device must not run concurrently. */
 int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
                              const float *d_x, float *d_state, const float *d_b,

@@ -107,4 +107,36 @@ static inline void pdl_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_
     (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
+/* pdl_launch for a kernel whose blocks form thread block clusters of
+ * cluster_x consecutive blocks along x (grid.x a multiple of cluster_x, at
+ * most 8): cudaLaunchKernelEx with the cluster dimension attribute, and the
+ * programmatic stream serialization attribute where pdl_on(). Clusters need
+ * compute capability 9.0 or later: the caller checks. The kernel keeps the
+ * contract above. Errors are left for cudaGetLastError, as after <<<>>>. */
+template <typename... P, typename... A>
+static inline void pdl_launch_cluster(void (*kernel)(P...), dim3 grid, dim3 block,
+                                      unsigned cluster_x, size_t smem, cudaStream_t stream,
+                                      A &&...args)
+{
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster_x;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    unsigned n_attrs = 1;
+    if (pdl_on()) {
+        attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[1].val.programmaticStreamSerializationAllowed = 1;
+        n_attrs = 2;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = n_attrs;
+    (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
 #endif

@@ -24,12 +24,23 @@
  *     dk = dv = 16, 64, 128, nk/nv 2/4, 16/32 and 4/4, grouped and tiled, K =
  *     4 and 2, TDC_CALLS steps with both states carried: outputs, conv state
  *     and delta state bit for bit equal (the same sums in the same order);
- *     the 80b shape also with CUDA graphs of 36 chained launches each way.
+ *     each of the two ways also with the heads split over a cluster of
+ *     blocks (LAMINA_CUDA_DN_SPLIT 1: the launcher's choice; 2, 4, 8 forced),
+ *     all ten bit for bit equal to conv then heads with one block per head;
+ *     also dk != dv (64/128, 128/64, 128/96, 32/48; K = 3), grouped and
+ *     tiled. The 80b shape also with CUDA graphs of 36 chained launches each
+ *     way, one block per head and split, and eager (median of 5 x 50 steps)
+ *     every way.
+ *   - cuda_deltanet_heads for TDC_SPLIT_S tokens per call, split (auto, 2,
+ *     4, 8) against one block per head: outputs and state bit for bit over
+ *     TDC_CALLS calls, seven shapes (dk 16..128, dv 16..128, grouped and
+ *     tiled).
  *   - bad shapes and short or misaligned work buffers are refused with -EINVAL.
  * Output buffers are poisoned with NaN bit patterns before every launch.
  * Timings (median of 20 after warm-up, CUDA events) at the 80b shape: the
- * token-by-token and chunked heads for S = 16 .. 512, the conv, and the
- * fused decode launch against the two (a graph of 36 layers' launches).
+ * token-by-token (split and one block per head) and chunked heads for S =
+ * 1 .. 512, the conv, and the fused decode launch against the two (a graph
+ * of 36 layers' launches; eager steps, split and one block per head).
  * Needs a CUDA device: exits 1 with a message when there is none.
  */
 #include <errno.h>
@@ -103,6 +114,19 @@ static bool tdc_ok(cudaError_t e, const char *what)
         return true;
     CHECK(false, "%s: %s", what, cudaGetErrorString(e));
     return false;
+}
+
+/* The LAMINA_CUDA_DN_SPLIT settings the decode comparisons run under: one
+ * block per head (the reference), the launchers' own choice, and each forced
+ * split (one block per head where dv does not allow it). */
+static const char *const tdc_splits[] = {"0", "1", "2", "4", "8"};
+#define TDC_N_SPLITS ((int)(sizeof(tdc_splits) / sizeof(tdc_splits[0])))
+#define TDC_WAYS (2 * TDC_N_SPLITS) /* way w: split tdc_splits[w / 2]; fused when w is odd */
+#define TDC_SPLIT_S 7               /* tokens per call of the multi-token split comparison */
+
+static void tdc_split(const char *setting)
+{
+    setenv("LAMINA_CUDA_DN_SPLIT", setting, 1);
 }
 
 /* One test shape. */
@@ -437,13 +461,18 @@ static void tdc_heads_timing(uint32_t S)
         goto out;
     void *d_work = x.d_work;
     x.d_work = NULL;
+    tdc_split("0");
+    const double ms_one = tdc_time(tdc_timed_heads, &x);
+    tdc_split("1");
     const double ms_tok = tdc_time(tdc_timed_heads, &x);
+    unsetenv("LAMINA_CUDA_DN_SPLIT");
     x.d_work = d_work;
     const double ms_chunk = d_work ? tdc_time(tdc_timed_heads, &x) : ms_tok;
     CHECK(tdc_ok(cudaDeviceSynchronize(), "timed heads"), "timed heads");
     MEASURE("heads dk=dv=128 nk/nv=16/32 S=%u: token by token %.1f us per call (%.2f us per "
-            "token); chunked %.1f us per call (%.3f us per token, %.1fx; work %.1f MB)", S,
-            ms_tok * 1e3, ms_tok * 1e3 / S, ms_chunk * 1e3, ms_chunk * 1e3 / S, ms_tok / ms_chunk,
+            "token; one block per head %.1f us, %.2fx); chunked %.1f us per call (%.3f us per "
+            "token, %.1fx; work %.1f MB)", S, ms_tok * 1e3, ms_tok * 1e3 / S, ms_one * 1e3,
+            ms_one / ms_tok, ms_chunk * 1e3, ms_chunk * 1e3 / S, ms_tok / ms_chunk,
             x.work_bytes / 1e6);
 out:
     cudaFree(x.d_work);
@@ -512,30 +541,31 @@ static void tdc_conv_run(uint32_t C, uint32_t S, uint64_t seed)
 }
 
 /* Device buffers of the fused-decode comparison: the conv input x, conv
- * taps, and per way (0: conv + heads, 1: fused) conv state, delta state and
- * output; the rest in tdc_bufs (u is the unfused conv output). */
+ * taps, and per way (TDC_WAYS) conv state, delta state and output; the rest
+ * in tdc_bufs (u is the unfused conv output). */
 struct tdc_fused {
     const struct tdc_case *c;
     struct tdc_bufs *t;
     uint32_t K;
-    float *d_x, *d_w, *d_cs[2], *d_st[2], *d_y[2];
+    float *d_x, *d_w, *d_cs[TDC_WAYS], *d_st[TDC_WAYS], *d_y[TDC_WAYS];
 };
 
-/* One decode step one way: 0 the two launches, 1 the fused one. */
-static int tdc_fused_step(const struct tdc_fused *f, int way)
+/* One decode step one way on stream s, under the split setting the caller
+ * set: conv then heads (even ways) or the fused launch (odd ways). */
+static int tdc_fused_step(const struct tdc_fused *f, int way, cudaStream_t s)
 {
     const struct tdc_case *c = f->c;
     const struct tdc_bufs *t = f->t;
     const uint32_t C = (uint32_t)t->ud;
-    if (way)
-        return cuda_deltanet_conv_heads(f->d_cs[1], f->d_w, f->K, f->d_x, f->d_st[1], t->d_b,
-                                        t->d_alpha, t->d_a, t->d_dt, t->d_z, t->d_nw, f->d_y[1],
-                                        c->nk, c->nv, c->dk, c->dv, c->tiled, 1e-6f, 0);
-    int rc = cuda_deltanet_conv(f->d_cs[0], f->d_w, f->K, f->d_x, t->d_u, C, 1, 0);
+    if (way % 2)
+        return cuda_deltanet_conv_heads(f->d_cs[way], f->d_w, f->K, f->d_x, f->d_st[way], t->d_b,
+                                        t->d_alpha, t->d_a, t->d_dt, t->d_z, t->d_nw, f->d_y[way],
+                                        c->nk, c->nv, c->dk, c->dv, c->tiled, 1e-6f, s);
+    int rc = cuda_deltanet_conv(f->d_cs[way], f->d_w, f->K, f->d_x, t->d_u, C, 1, s);
     return rc ? rc
-              : cuda_deltanet_heads(f->d_st[0], t->d_u, t->d_b, t->d_alpha, t->d_a, t->d_dt,
-                                    t->d_z, t->d_nw, f->d_y[0], c->nk, c->nv, c->dk, c->dv,
-                                    c->tiled, 1, 1e-6f, 0);
+              : cuda_deltanet_heads(f->d_st[way], t->d_u, t->d_b, t->d_alpha, t->d_a, t->d_dt,
+                                    t->d_z, t->d_nw, f->d_y[way], c->nk, c->nv, c->dk, c->dv,
+                                    c->tiled, 1, 1e-6f, s);
 }
 
 /* Whether device buffers a and b of n floats hold the same bytes. */
@@ -546,8 +576,19 @@ static bool tdc_same(const float *d_a, const float *d_b, size_t n, float *ha, fl
            !memcmp(ha, hb, n * sizeof(float));
 }
 
+static void tdc_sort(float *x, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && x[j] < x[j - 1]; j--) {
+            float v = x[j];
+            x[j] = x[j - 1];
+            x[j - 1] = v;
+        }
+}
+
 /* Median us of a graph of `layers` decode steps one way (each step on its
- * own state, as the layers of a model), after warm-up. */
+ * own state, as the layers of a model), after warm-up; captured under the
+ * split setting the caller set. */
 static double tdc_fused_graph_us(const struct tdc_fused *f, int way, uint32_t layers)
 {
     cudaStream_t s;
@@ -559,23 +600,9 @@ static double tdc_fused_graph_us(const struct tdc_fused *f, int way, uint32_t la
         return -1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
-    struct tdc_fused x = *f;
     bool ok = tdc_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
-    const struct tdc_case *c = f->c;
-    const struct tdc_bufs *t = f->t;
-    for (uint32_t l = 0; l < layers && ok; l++) {
-        const int rc = way ? cuda_deltanet_conv_heads(x.d_cs[1], x.d_w, x.K, x.d_x, x.d_st[1],
-                                                      t->d_b, t->d_alpha, t->d_a, t->d_dt,
-                                                      t->d_z, t->d_nw, x.d_y[1], c->nk, c->nv,
-                                                      c->dk, c->dv, c->tiled, 1e-6f, s)
-                           : cuda_deltanet_conv(x.d_cs[0], x.d_w, x.K, x.d_x, t->d_u,
-                                                (uint32_t)t->ud, 1, s) ||
-                                 cuda_deltanet_heads(x.d_st[0], t->d_u, t->d_b, t->d_alpha,
-                                                     t->d_a, t->d_dt, t->d_z, t->d_nw, x.d_y[0],
-                                                     c->nk, c->nv, c->dk, c->dv, c->tiled, 1,
-                                                     1e-6f, s);
-        ok = rc == 0;
-    }
+    for (uint32_t l = 0; l < layers && ok; l++)
+        ok = tdc_fused_step(f, way, s) == 0;
     ok = tdc_ok(cudaStreamEndCapture(s, &g), "end capture") && ok;
     ok = ok && tdc_ok(cudaGraphInstantiate(&ge, g, 0), "instantiate");
     for (int i = 0; i < 3 && ok; i++)
@@ -587,12 +614,8 @@ static double tdc_fused_graph_us(const struct tdc_fused *f, int way, uint32_t la
         ok = ok && tdc_ok(cudaEventSynchronize(e1), "graph run");
         cudaEventElapsedTime(&ms[i], e0, e1);
     }
-    for (int i = 1; i < 20; i++)
-        for (int j = i; j > 0 && ms[j] < ms[j - 1]; j--) {
-            float v = ms[j];
-            ms[j] = ms[j - 1];
-            ms[j - 1] = v;
-        }
+    if (ok)
+        tdc_sort(ms, 20);
     if (ge)
         cudaGraphExecDestroy(ge);
     if (g)
@@ -603,9 +626,104 @@ static double tdc_fused_graph_us(const struct tdc_fused *f, int way, uint32_t la
     return ok ? 1e3 * 0.5 * (ms[9] + ms[10]) : -1;
 }
 
-/* The fused decode launch against conv + heads: TDC_CALLS steps from the
- * same random states, outputs and both states compared bit for bit after
- * every step; timed at the 80b shape when `timed`. */
+/* Us per decode step one way, eager on stream 0 under the split setting the
+ * caller set: 5 warm-up steps, then the median of 5 runs of 50 steps between
+ * two events; -1 on a failure. */
+static double tdc_fused_eager_us(const struct tdc_fused *f, int way)
+{
+    cudaEvent_t e0, e1;
+    float ms[5];
+    if (!tdc_ok(cudaEventCreate(&e0), "event"))
+        return -1;
+    if (!tdc_ok(cudaEventCreate(&e1), "event")) {
+        cudaEventDestroy(e0);
+        return -1;
+    }
+    bool ok = true;
+    for (int i = 0; i < 5 && ok; i++)
+        ok = tdc_fused_step(f, way, 0) == 0;
+    for (int run = 0; run < 5 && ok; run++) {
+        ok = tdc_ok(cudaEventRecord(e0, 0), "record");
+        for (int i = 0; i < 50 && ok; i++)
+            ok = tdc_fused_step(f, way, 0) == 0;
+        ok = ok && tdc_ok(cudaEventRecord(e1, 0), "record") &&
+             tdc_ok(cudaEventSynchronize(e1), "eager steps") &&
+             tdc_ok(cudaEventElapsedTime(&ms[run], e0, e1), "elapsed");
+    }
+    if (ok)
+        tdc_sort(ms, 5);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return ok ? 1e3 * ms[2] / 50 : -1;
+}
+
+/* The timings of tdc_fused_run at the 80b shape: graphs of 36 layers' steps
+ * (one block per head and split), and eager steps every way. */
+static void tdc_fused_timing(const struct tdc_fused *f)
+{
+    const struct tdc_case *c = f->c;
+    double g[4], e[TDC_WAYS];
+    for (int w = 0; w < 4; w++) {
+        tdc_split(tdc_splits[w / 2]);
+        g[w] = tdc_fused_graph_us(f, w, 36);
+    }
+    MEASURE("conv+heads dk=dv=%u nk/nv=%u/%u, graph of 36 layers' launches (median of 20): "
+            "one block per head: conv then heads %.1f us (%.2f per layer), fused %.1f us (%.2f "
+            "per layer); split: conv then heads %.1f us (%.2f), fused %.1f us (%.2f)",
+            c->dk, c->nk, c->nv, g[0], g[0] / 36, g[1], g[1] / 36, g[2], g[2] / 36, g[3],
+            g[3] / 36);
+    for (int w = 0; w < TDC_WAYS; w++) {
+        tdc_split(tdc_splits[w / 2]);
+        e[w] = tdc_fused_eager_us(f, w);
+    }
+    for (int fused = 1; fused >= 0; fused--)
+        MEASURE("conv+heads %s dk=dv=%u nk/nv=%u/%u K=%u eager (median of 5 x 50 steps after "
+                "warm-up): one block per head %.2f us per step, split %.2f us (%.2fx faster); "
+                "forced split 2 / 4 / 8: %.2f / %.2f / %.2f us",
+                fused ? "fused" : "two launches", c->dk, c->nk, c->nv, f->K, e[fused],
+                e[2 + fused], e[fused] / e[2 + fused], e[4 + fused], e[6 + fused], e[8 + fused]);
+    bool ran = true;
+    for (int w = 0; w < TDC_WAYS; w++)
+        ran &= e[w] > 0 && (w >= 4 || g[w] > 0);
+    CHECK(ran, "fused timings ran");
+}
+
+/* Launches and compares one decode step every way (TDC_WAYS), against way
+ * 0 (conv then heads, one block per head): outputs, conv state and delta
+ * state bit for bit. Returns whether every way matched. */
+static bool tdc_fused_compare(struct tdc_fused *f, int step, size_t csn, float *ha, float *hb,
+                              bool *ok)
+{
+    const struct tdc_case *c = f->c;
+    const size_t vd = f->t->vd, st_n = f->t->st_n;
+    int rc[TDC_WAYS];
+    for (int w = 0; w < TDC_WAYS; w++) {
+        tdc_split(tdc_splits[w / 2]);
+        *ok = *ok && tdc_ok(cudaMemset(f->d_y[w], w ? 0xfe : 0xff, vd * 4), "poison");
+        rc[w] = *ok ? tdc_fused_step(f, w, 0) : -1;
+        CHECK(rc[w] == 0, "dk %u nk/nv %u/%u K %u way %d: launch returned %d", c->dk, c->nk,
+              c->nv, f->K, w, rc[w]);
+        *ok = *ok && rc[w] == 0;
+    }
+    *ok = *ok && tdc_ok(cudaDeviceSynchronize(), "fused step");
+    bool all = *ok;
+    for (int w = 1; w < TDC_WAYS && *ok; w++) {
+        const bool y = tdc_same(f->d_y[0], f->d_y[w], vd, ha, hb);
+        const bool s1 = tdc_same(f->d_cs[0], f->d_cs[w], csn, ha, hb);
+        const bool s2 = tdc_same(f->d_st[0], f->d_st[w], st_n, ha, hb);
+        CHECK(y && s1 && s2, "dk %u dv %u nk/nv %u/%u %s K %u step %d: %s split %s %s%s%s "
+              "differ from conv then heads, one block per head", c->dk, c->dv, c->nk, c->nv,
+              c->tiled ? "tiled" : "grouped", f->K, step, w % 2 ? "fused" : "conv then heads",
+              tdc_splits[w / 2], y ? "" : "y ", s1 ? "" : "conv-state ", s2 ? "" : "state");
+        all &= y && s1 && s2;
+    }
+    return all;
+}
+
+/* The fused decode launch against conv + heads, each with one block per head
+ * and split (TDC_WAYS): TDC_CALLS steps from the same random states, outputs
+ * and both states compared bit for bit after every step; timed at the 80b
+ * shape when `timed`. */
 static void tdc_fused_run(const struct tdc_case *c, uint32_t K, uint64_t seed, bool timed)
 {
     struct tdc_bufs t = {0};
@@ -618,7 +736,7 @@ static void tdc_fused_run(const struct tdc_case *c, uint32_t K, uint64_t seed, b
     float *ha = malloc(hn * sizeof(float)), *hb = malloc(hn * sizeof(float));
     ok = ok && w && cs && ha && hb && tdc_ok(cudaMalloc((void **)&f.d_x, C * 4), "malloc") &&
          tdc_ok(cudaMalloc((void **)&f.d_w, C * K * 4), "malloc");
-    for (int i = 0; i < 2 && ok; i++)
+    for (int i = 0; i < TDC_WAYS && ok; i++)
         ok = tdc_ok(cudaMalloc((void **)&f.d_cs[i], csn * 4 + 4), "malloc") &&
              tdc_ok(cudaMalloc((void **)&f.d_st[i], t.st_n * 4), "malloc") &&
              tdc_ok(cudaMalloc((void **)&f.d_y[i], t.vd * 4), "malloc");
@@ -626,42 +744,82 @@ static void tdc_fused_run(const struct tdc_case *c, uint32_t K, uint64_t seed, b
     if (ok) {
         tdc_fill(&r, w, C * K, -1.0f, 1.0f);
         tdc_fill(&r, cs, csn, -1.0f, 1.0f);
-        ok = tdc_upload(f.d_w, w, C * K) && tdc_upload(f.d_cs[0], cs, csn) &&
-             tdc_upload(f.d_cs[1], cs, csn) && tdc_upload(f.d_st[0], t.st_step, t.st_n) &&
-             tdc_upload(f.d_st[1], t.st_step, t.st_n);
+        ok = tdc_upload(f.d_w, w, C * K);
+        for (int i = 0; i < TDC_WAYS && ok; i++)
+            ok = tdc_upload(f.d_cs[i], cs, csn) && tdc_upload(f.d_st[i], t.st_step, t.st_n);
     }
     int steps = 0;
     for (int call = 0; call < TDC_CALLS && ok; call++) {
         ok = tdc_new_inputs(c, &t, &r, 1) && tdc_upload(f.d_x, t.u, C) &&
-             tdc_ok(cudaMemset(t.d_u, 0xff, C * 4), "poison") &&
-             tdc_ok(cudaMemset(f.d_y[0], 0xff, t.vd * 4), "poison") &&
-             tdc_ok(cudaMemset(f.d_y[1], 0xfe, t.vd * 4), "poison");
-        const int r0 = ok ? tdc_fused_step(&f, 0) : -1, r1 = ok ? tdc_fused_step(&f, 1) : -1;
-        CHECK(r0 == 0 && r1 == 0, "dk %u nk/nv %u/%u K %u: launches returned %d %d", c->dk, c->nk,
-              c->nv, K, r0, r1);
-        ok = ok && r0 == 0 && r1 == 0 && tdc_ok(cudaDeviceSynchronize(), "fused step");
-        const bool y = ok && tdc_same(f.d_y[0], f.d_y[1], t.vd, ha, hb);
-        const bool s1 = ok && tdc_same(f.d_cs[0], f.d_cs[1], csn, ha, hb);
-        const bool s2 = ok && tdc_same(f.d_st[0], f.d_st[1], t.st_n, ha, hb);
-        CHECK(y && s1 && s2, "dk %u dv %u nk/nv %u/%u %s K %u step %d: fused %s%s%s differ%s",
-              c->dk, c->dv, c->nk, c->nv, c->tiled ? "tiled" : "grouped", K, call,
-              y ? "" : "y ", s1 ? "" : "conv-state ", s2 ? "" : "state", ok ? "" : " (error)");
-        steps += y && s1 && s2;
+             tdc_ok(cudaMemset(t.d_u, 0xff, C * 4), "poison");
+        steps += tdc_fused_compare(&f, call, csn, ha, hb, &ok);
     }
-    MEASURE("conv+heads fused dk=%u dv=%u nk/nv=%u/%u %s K=%u: %d of %d steps bit for bit equal "
-            "to conv then heads", c->dk, c->dv, c->nk, c->nv, c->tiled ? "tiled" : "grouped", K,
-            steps, TDC_CALLS);
-    if (ok && timed) {
-        const double us0 = tdc_fused_graph_us(&f, 0, 36), us1 = tdc_fused_graph_us(&f, 1, 36);
-        MEASURE("conv+heads dk=dv=%u nk/nv=%u/%u, graph of 36 layers' launches (median of 20): "
-                "conv then heads %.1f us (%.2f per layer), fused %.1f us (%.2f per layer)",
-                c->dk, c->nk, c->nv, us0, us0 / 36, us1, us1 / 36);
-        CHECK(us0 > 0 && us1 > 0, "fused timing graphs ran");
-    }
+    CHECK(ok, "dk %u dv %u nk/nv %u/%u K %u: fused comparison did not run", c->dk, c->dv, c->nk,
+          c->nv, K);
+    MEASURE("conv+heads dk=%u dv=%u nk/nv=%u/%u %s K=%u: %d of %d steps bit for bit equal, "
+            "fused and conv then heads, one block per head and split (auto, 2, 4, 8)", c->dk,
+            c->dv, c->nk, c->nv, c->tiled ? "tiled" : "grouped", K, steps, TDC_CALLS);
+    if (ok && timed)
+        tdc_fused_timing(&f);
+    unsetenv("LAMINA_CUDA_DN_SPLIT");
     free(w), free(cs), free(ha), free(hb);
     cudaFree(f.d_x), cudaFree(f.d_w);
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < TDC_WAYS; i++)
         cudaFree(f.d_cs[i]), cudaFree(f.d_st[i]), cudaFree(f.d_y[i]);
+    tdc_free(&t);
+}
+
+/* cuda_deltanet_heads for c->S tokens per call under every split setting
+ * against one block per head: TDC_CALLS calls from the same random state,
+ * outputs and state bit for bit equal after every call. */
+static void tdc_split_heads_run(const struct tdc_case *c, uint64_t seed)
+{
+    struct tdc_bufs t = {0};
+    struct tdc_rng r = {seed};
+    float *d_st[TDC_N_SPLITS] = {0}, *d_y[TDC_N_SPLITS] = {0};
+    bool ok = tdc_alloc(c, &t);
+    const size_t ny = (size_t)c->S * t.vd, hn = ny > t.st_n ? ny : t.st_n;
+    float *ha = malloc(hn * sizeof(float)), *hb = malloc(hn * sizeof(float));
+    ok = ok && ha && hb && tdc_start(c, &t, &r);
+    for (int i = 0; i < TDC_N_SPLITS && ok; i++)
+        ok = tdc_ok(cudaMalloc((void **)&d_st[i], t.st_n * 4), "malloc") &&
+             tdc_ok(cudaMalloc((void **)&d_y[i], ny * 4), "malloc") &&
+             tdc_upload(d_st[i], t.st_step, t.st_n);
+    int calls = 0;
+    for (int call = 0; call < TDC_CALLS && ok; call++) {
+        ok = tdc_new_inputs(c, &t, &r, c->S);
+        for (int i = 0; i < TDC_N_SPLITS && ok; i++) {
+            tdc_split(tdc_splits[i]);
+            ok = tdc_ok(cudaMemset(d_y[i], i ? 0xfe : 0xff, ny * 4), "poison");
+            const int rc = ok ? cuda_deltanet_heads(d_st[i], t.d_u, t.d_b, t.d_alpha, t.d_a,
+                                                    t.d_dt, t.d_z, t.d_nw, d_y[i], c->nk, c->nv,
+                                                    c->dk, c->dv, c->tiled, c->S, 1e-6f, 0)
+                              : -1;
+            CHECK(rc == 0, "heads split %s returned %d", tdc_splits[i], rc);
+            ok = ok && rc == 0;
+        }
+        ok = ok && tdc_ok(cudaDeviceSynchronize(), "split heads");
+        bool all = ok;
+        for (int i = 1; i < TDC_N_SPLITS && ok; i++) {
+            const bool y = tdc_same(d_y[0], d_y[i], ny, ha, hb);
+            const bool st = tdc_same(d_st[0], d_st[i], t.st_n, ha, hb);
+            CHECK(y && st, "heads dk %u dv %u nk/nv %u/%u %s S %u call %d: split %s %s%s differ "
+                  "from one block per head", c->dk, c->dv, c->nk, c->nv,
+                  c->tiled ? "tiled" : "grouped", c->S, call, tdc_splits[i], y ? "" : "y ",
+                  st ? "" : "state");
+            all &= y && st;
+        }
+        calls += all;
+    }
+    CHECK(ok, "heads dk %u dv %u nk/nv %u/%u: split comparison did not run", c->dk, c->dv, c->nk,
+          c->nv);
+    MEASURE("heads dk=%u dv=%u nk/nv=%u/%u %s S=%u: %d of %d calls bit for bit equal, one block "
+            "per head and split (auto, 2, 4, 8)", c->dk, c->dv, c->nk, c->nv,
+            c->tiled ? "tiled" : "grouped", c->S, calls, TDC_CALLS);
+    unsetenv("LAMINA_CUDA_DN_SPLIT");
+    free(ha), free(hb);
+    for (int i = 0; i < TDC_N_SPLITS; i++)
+        cudaFree(d_st[i]), cudaFree(d_y[i]);
     tdc_free(&t);
 }
 
@@ -739,6 +897,23 @@ int main(void)
                                                fused_heads[hh][1], tiled != 0, 1};
                     tdc_fused_run(&c, K, seed++, d == 2 && hh == 1 && !tiled && K == 4);
                 }
+    /* dk != dv, and dv whose warps split only 2 ways (48: 3 warps a block) */
+    const uint32_t split_shapes[][4] = {{64, 128, 2, 4}, {128, 64, 4, 8}, {128, 96, 2, 4},
+                                        {32, 48, 3, 6}};
+    for (size_t i = 0; i < 4; i++)
+        for (int tiled = 0; tiled < 2; tiled++) {
+            const uint32_t *sh = split_shapes[i];
+            const struct tdc_case c = {sh[0], sh[1], sh[2], sh[3], tiled != 0, 1};
+            tdc_fused_run(&c, 3, seed++, false);
+        }
+    const struct tdc_case split_heads[] = {
+        {128, 128, 16, 32, false, TDC_SPLIT_S}, {128, 128, 16, 32, true, TDC_SPLIT_S},
+        {64, 64, 2, 4, false, TDC_SPLIT_S},     {64, 128, 2, 4, true, TDC_SPLIT_S},
+        {128, 64, 4, 8, false, TDC_SPLIT_S},    {32, 48, 3, 6, true, TDC_SPLIT_S},
+        {16, 16, 2, 4, false, TDC_SPLIT_S},
+    };
+    for (size_t i = 0; i < sizeof(split_heads) / sizeof(split_heads[0]); i++)
+        tdc_split_heads_run(&split_heads[i], seed++);
     tdc_bad_args();
     tdc_heads_timing(1);
     const uint32_t timed[] = {16, 32, 64, 128, 512};
