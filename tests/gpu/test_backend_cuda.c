@@ -29,6 +29,8 @@
  *     norms, top-k and combine as launches of their own): byte-identical;
  *   - the same without the down experts' L2 prefetch in the decode gate/up
  *     product (LAMINA_CUDA_PF=0): byte-identical;
+ *   - the same with each DeltaNet head's decode in one block instead of a
+ *     cluster (LAMINA_CUDA_DN_SPLIT=0): byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
  *     here with expert_exec on the CPU: within the bound, rows really sent;
  *   - the layers split over two cuda backends: within the bound;
@@ -493,9 +495,10 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_PDL", "PDL"},
                 {"LAMINA_CUDA_FUSE", "decode fusions"},
                 {"LAMINA_CUDA_TAIL", "product tails"},
-                {"LAMINA_CUDA_PF", "expert prefetch"}};
-    double ms_off[5];
-    for (int k = 0; k < 5; k++) {
+                {"LAMINA_CUDA_PF", "expert prefetch"},
+                {"LAMINA_CUDA_DN_SPLIT", "DeltaNet head split"}};
+    double ms_off[6];
+    for (int k = 0; k < 6; k++) {
         setenv(offs[k].env, "0", 1);
         ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
         unsetenv(offs[k].env);
@@ -504,8 +507,8 @@ static void tbc_arch_run(struct tbc_arch *a)
     }
     MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
             "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
-            "tails %.3f, without prefetch %.3f", a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0],
-            ms_off[1], ms_off[2], ms_off[3], ms_off[4]);
+            "tails %.3f, without prefetch %.3f, without head split %.3f", a->name, TBC_TIMED,
+            ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3], ms_off[4], ms_off[5]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);
