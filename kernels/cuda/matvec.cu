@@ -785,7 +785,7 @@ constexpr int min_blocks()
 
 /* MODE: 0 rows 2-byte aligned, 1 rows VW-aligned, 2 decided per job by
  * the weight address (experts). */
-template <class T, int R, int NS, int MODE>
+template <class T, int R, int NS, int MODE, bool TAIL = false>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_kernel(const MvArgs a)
 {
     constexpr int NB = kWarps * 2 * R * kStageRow<T> <= 40 * 1024 ? 2 : 1;
@@ -835,8 +835,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
         reduce_store<T, R, NS>(acc, red, a, y, block_row0, warp, lane);
         __syncthreads();
     }
-    if constexpr (NS == 1)
-        tail_finish(a.tail);
+    if constexpr (TAIL) /* its own instantiation: the others keep their registers */
+        tail_finish<false>(a.tail);
 }
 
 /* ---- launchers ------------------------------------------------------------ */
@@ -873,6 +873,10 @@ int launch_t(MvArgs a, int mode, cudaStream_t stream)
         pdl_launch(mv_kernel<T, R, NS, 2>, grid, kWarps * 32, 0, stream, a);
     else if (mode == 2)
         pdl_launch(mv_kernel<T, R, NS, 2>, grid, kWarps * 32, 0, stream, a);
+    else if (a.tail.t.kind != CUDA_TAIL_NONE && mode == 1)
+        pdl_launch(mv_kernel<T, R, NS, 1, true>, grid, kWarps * 32, 0, stream, a);
+    else if (a.tail.t.kind != CUDA_TAIL_NONE)
+        pdl_launch(mv_kernel<T, R, NS, 0, true>, grid, kWarps * 32, 0, stream, a);
     else if (mode == 1)
         pdl_launch(mv_kernel<T, R, NS, 1>, grid, kWarps * 32, 0, stream, a);
     else
@@ -997,7 +1001,7 @@ extern "C" bool cuda_tail_ok(const struct cuda_tail *t, uint64_t n_out)
                  t->k <= ROUTER_MAX_K && t->k <= n_out;
             break;
         case CUDA_TAIL_COMBINE:
-            ok = t->h && t->w && t->k > 0 && t->n == n_out && t->n > 0 &&
+            ok = t->h && t->w && t->k > 0 && t->k <= 16 && t->n == n_out && t->n > 0 &&
                  (!t->norm_w || t->out) && (!(t->so && t->shexp_gate) || t->f);
             break;
         default: ok = false; break;

@@ -143,7 +143,7 @@ __device__ __forceinline__ void prefetch_rows(const MvqArgs &a, uint32_t rows_pe
     }
 }
 
-template <int TYPE, int G, int U, int R>
+template <int TYPE, int G, int U, int R, bool TAIL>
 __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
 {
     extern __shared__ int4 s_dyn[];
@@ -190,7 +190,8 @@ __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
         const int32_t e = a.ids[job];
         w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
         if (!w) { /* the whole block: the pair runs elsewhere */
-            tail_finish(a.tail);
+            if constexpr (TAIL)
+                tail_finish<true>(a.tail);
             return;
         }
         x += static_cast<size_t>(job / a.x_div) * a.ldx;
@@ -287,7 +288,8 @@ __global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
         y[row0 + sub] = out;
     }
     }
-    tail_finish(a.tail);
+    if constexpr (TAIL) /* its own instantiation: the others keep their registers */
+        tail_finish<true>(a.tail);
 }
 
 /* Two blocks per SM of the current device: the blocks a launch should have
@@ -315,7 +317,10 @@ int go(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     const uint32_t cap = jobs == 1 ? want_blocks() : tiles;
     const dim3 grid(tiles < cap ? tiles : cap, jobs);
     const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
-    pdl_launch(mvq_kernel<TYPE, G, U, R>, grid, kThreads, smem, stream, a);
+    if (a.tail.t.kind != CUDA_TAIL_NONE)
+        pdl_launch(mvq_kernel<TYPE, G, U, R, true>, grid, kThreads, smem, stream, a);
+    else
+        pdl_launch(mvq_kernel<TYPE, G, U, R, false>, grid, kThreads, smem, stream, a);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda mvq: kernel launch failed: %s", cudaGetErrorString(e));

@@ -73,7 +73,13 @@ static __device__ __forceinline__ float tail_vsum(const float (&part)[M], uint32
     return v;
 }
 
-/* cuda_add_rmsnorm of one row (norm.cu's norm_rows_kernel<true>). */
+/* Loads in flight per thread in the residual norm's column loops (more
+ * spill registers in the 64-register f32-activation products). */
+constexpr int kTailBatch = 4;
+
+/* cuda_add_rmsnorm of one row (norm.cu's norm_rows_kernel<true>). A thread's
+ * columns are visited in the stand-alone kernel's order; their loads go out
+ * kTailBatch at a time. */
 static __device__ __forceinline__ void tail_add_norm(const TailArgs &a)
 {
     __shared__ float s_tmp[32];
@@ -81,73 +87,145 @@ static __device__ __forceinline__ void tail_add_norm(const TailArgs &a)
     float *h = a.t.h;
     float part[1] = {0.0f};
     if (v0 < width)
-        for (uint32_t i = v0; i < n; i += width) {
-            float v = h[i];
-            v += __ldcg(a.y + i);
-            h[i] = v;
-            part[0] += v * v;
+        for (uint32_t i0 = v0; i0 < n; i0 += kTailBatch * width) {
+            float hv[kTailBatch], dv[kTailBatch];
+#pragma unroll
+            for (int b = 0; b < kTailBatch; b++) {
+                const uint32_t i = i0 + b * width;
+                hv[b] = i < n ? h[i] : 0.0f;
+                dv[b] = i < n ? __ldcg(a.y + i) : 0.0f;
+            }
+#pragma unroll
+            for (int b = 0; b < kTailBatch; b++) {
+                const uint32_t i = i0 + b * width;
+                if (i < n) {
+                    float v = hv[b];
+                    v += dv[b];
+                    h[i] = v;
+                    part[0] += v * v;
+                }
+            }
         }
     const float sum = tail_vsum<1>(part, width, s_tmp);
     const float scale = 1.0f / sqrtf(sum / (float)n + a.t.eps);
     if (v0 < width)
-        for (uint32_t i = v0; i < n; i += width) {
-            const float v = h[i] * scale;
-            a.t.out[i] = a.t.norm_w ? v * a.t.norm_w[i] : v;
+        for (uint32_t i0 = v0; i0 < n; i0 += kTailBatch * width) {
+            float hv[kTailBatch], wv[kTailBatch];
+#pragma unroll
+            for (int b = 0; b < kTailBatch; b++) {
+                const uint32_t i = i0 + b * width;
+                hv[b] = i < n ? h[i] : 0.0f;
+                wv[b] = i < n && a.t.norm_w ? a.t.norm_w[i] : 1.0f;
+            }
+#pragma unroll
+            for (int b = 0; b < kTailBatch; b++) {
+                const uint32_t i = i0 + b * width;
+                if (i < n) {
+                    const float v = hv[b] * scale;
+                    a.t.out[i] = a.t.norm_w ? v * wv[b] : v;
+                }
+            }
         }
 }
 
 /* cuda_moe_combine(_norm) of one token (combine.cu's
- * moe_combine_norm_kernel). */
+ * moe_combine_norm_kernel; k <= 16). Virtual thread v = threadIdx.x + 256 m
+ * owns columns v, v + width, ...: round t takes column v + t * width of
+ * every m at once (their loads in flight together), so each virtual
+ * thread's sums still run over its columns in order. */
 static __device__ __forceinline__ void tail_combine(const TailArgs &a)
 {
     __shared__ float s_tmp[32];
     const uint32_t width = a.width, n = a.t.n, k = a.t.k;
-    const float *Y = a.y, *w = a.t.w, *so = a.t.so, *gate = a.t.shexp_gate, *f = a.t.f;
+    const float *Y = a.y, *so = a.t.so, *gate = a.t.shexp_gate, *f = a.t.f;
     float *h = a.t.h;
+    const uint32_t rounds = (n + width - 1) / width;
+    float wv[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        wv[i] = static_cast<uint32_t>(i) < k ? a.t.w[i] : 0.0f;
     float part[kTailVirtual];
     float gs = 1.0f;
     if (so && gate) {
 #pragma unroll
-        for (int m = 0; m < kTailVirtual; m++) {
-            const uint32_t v = threadIdx.x + m * kTailThreads;
-            float d = 0.0f;
-            if (v < width)
-                for (uint32_t j = v; j < n; j += width)
-                    d += gate[j] * f[j];
-            part[m] = d;
+        for (int m = 0; m < kTailVirtual; m++)
+            part[m] = 0.0f;
+        for (uint32_t t = 0; t < rounds; t++) {
+            float gv[kTailVirtual], fv[kTailVirtual];
+#pragma unroll
+            for (int m = 0; m < kTailVirtual; m++) {
+                const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+                const bool in = v < width && j < n;
+                gv[m] = in ? gate[j] : 0.0f;
+                fv[m] = in ? f[j] : 0.0f;
+            }
+#pragma unroll
+            for (int m = 0; m < kTailVirtual; m++) {
+                const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+                if (v < width && j < n)
+                    part[m] += gv[m] * fv[m];
+            }
         }
         const float d = tail_vsum<kTailVirtual>(part, width, s_tmp);
         gs = 1.0f / (1.0f + expf(-d));
     }
 #pragma unroll
-    for (int m = 0; m < kTailVirtual; m++) {
-        const uint32_t v = threadIdx.x + m * kTailThreads;
-        float sum = 0.0f;
-        if (v < width)
-            for (uint32_t j = v; j < n; j += width) {
-                float out = 0.0f;
-                for (uint32_t i = 0; i < k; i++)
-                    out = __fadd_rn(out, __fmul_rn(w[i], __ldcg(Y + (size_t)i * n + j)));
-                if (so)
-                    out = __fadd_rn(out, __fmul_rn(gs, so[j]));
-                const float hv = __fadd_rn(h[j], out);
-                h[j] = hv;
-                sum += hv * hv;
+    for (int m = 0; m < kTailVirtual; m++)
+        part[m] = 0.0f;
+    for (uint32_t t = 0; t < rounds; t++) {
+        /* two virtual threads' columns at a time: 2 x (k + 2) loads in flight */
+#pragma unroll
+        for (int m0 = 0; m0 < kTailVirtual; m0 += 2) {
+            float yv[2][16], hv[2], sv[2];
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const uint32_t v = threadIdx.x + (m0 + c) * kTailThreads, j = v + t * width;
+                const bool in = v < width && j < n;
+#pragma unroll
+                for (int i = 0; i < 16; i++)
+                    yv[c][i] = in && static_cast<uint32_t>(i) < k
+                                   ? __ldcg(Y + static_cast<size_t>(i) * n + j)
+                                   : 0.0f;
+                hv[c] = in ? h[j] : 0.0f;
+                sv[c] = in && so ? so[j] : 0.0f;
             }
-        part[m] = sum;
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const uint32_t v = threadIdx.x + (m0 + c) * kTailThreads, j = v + t * width;
+                if (v >= width || j >= n)
+                    continue;
+                float out = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 16; i++)
+                    if (static_cast<uint32_t>(i) < k)
+                        out = __fadd_rn(out, __fmul_rn(wv[i], yv[c][i]));
+                if (so)
+                    out = __fadd_rn(out, __fmul_rn(gs, sv[c]));
+                const float hj = __fadd_rn(hv[c], out);
+                h[j] = hj;
+                part[m0 + c] += hj * hj;
+            }
+        }
     }
     if (!a.t.norm_w)
         return;
     const float sum = tail_vsum<kTailVirtual>(part, width, s_tmp);
     const float scale = 1.0f / sqrtf(sum / (float)n + a.t.eps);
+    for (uint32_t t = 0; t < rounds; t++) {
+        float hv[kTailVirtual], nv[kTailVirtual];
 #pragma unroll
-    for (int m = 0; m < kTailVirtual; m++) {
-        const uint32_t v = threadIdx.x + m * kTailThreads;
-        if (v < width)
-            for (uint32_t j = v; j < n; j += width) {
-                const float hv = h[j] * scale;
-                a.t.out[j] = hv * a.t.norm_w[j];
-            }
+        for (int m = 0; m < kTailVirtual; m++) {
+            const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+            const bool in = v < width && j < n;
+            hv[m] = in ? h[j] : 0.0f;
+            nv[m] = in ? a.t.norm_w[j] : 0.0f;
+        }
+#pragma unroll
+        for (int m = 0; m < kTailVirtual; m++) {
+            const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+            if (v < width && j < n)
+                a.t.out[j] = (hv[m] * scale) * nv[m];
+        }
     }
 }
 
@@ -159,7 +237,10 @@ static __device__ __forceinline__ void tail_topk(const TailArgs &a)
 }
 
 /* Called by every thread of every block of the product at its end: the
- * block that completes the launch runs the tail. */
+ * block that completes the launch runs the tail. COMBINE: whether the
+ * kernel may carry a combine tail (its registers; matvec.cu's f32
+ * products never do). */
+template <bool COMBINE>
 static __device__ __forceinline__ void tail_finish(const TailArgs &a)
 {
     if (a.t.kind == CUDA_TAIL_NONE)
@@ -180,7 +261,10 @@ static __device__ __forceinline__ void tail_finish(const TailArgs &a)
     switch (a.t.kind) {
     case CUDA_TAIL_ADD_NORM: tail_add_norm(a); break;
     case CUDA_TAIL_TOPK: tail_topk(a); break;
-    case CUDA_TAIL_COMBINE: tail_combine(a); break;
+    case CUDA_TAIL_COMBINE:
+        if constexpr (COMBINE)
+            tail_combine(a);
+        break;
     default: break;
     }
 }

@@ -41,7 +41,7 @@ enum cuda_tail_kind {
     /* the product's y (E floats) are router logits: cuda_router_topk(y, E,
      * k, 1, ids, w) */
     CUDA_TAIL_TOPK,
-    /* the product's y are the k expert rows (n floats each, ldy n) of one
+    /* the product's y are the k (<= 16) expert rows (n floats each, ldy n) of one
      * token: cuda_moe_combine(h, y, w, k, so, shexp_gate, f, n, 1), and with
      * norm_w cuda_moe_combine_norm's norm into out */
     CUDA_TAIL_COMBINE,
