@@ -205,7 +205,7 @@ struct backend_cuda {
     bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
     bool fuse;                        /* decode: fused conv + DeltaNet heads (LAMINA_CUDA_FUSE) */
     bool tails;                       /* decode: norms, top-k and combine as product tails
-                                       * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
+                                       * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL=1) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
                                        * (LAMINA_CUDA_PF) */
@@ -1751,7 +1751,7 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     const char *fu = getenv("LAMINA_CUDA_FUSE");
     c->fuse = !(fu && !strcmp(fu, "0"));
     const char *ta = getenv("LAMINA_CUDA_TAIL");
-    c->tails = !(ta && !strcmp(ta, "0"));
+    c->tails = ta && !strcmp(ta, "1"); /* off by default: slower on an H200 (docs/perf.md) */
     const char *pf = getenv("LAMINA_CUDA_PF");
     c->prefetch = !(pf && !strcmp(pf, "0"));
     c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
