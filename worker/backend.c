@@ -151,6 +151,11 @@ int backend_logits(struct backend *b, const float *h, uint32_t n, float *out)
     return b->ops->logits(b, h, n, out);
 }
 
+int backend_argmax(struct backend *b, const float *h, uint32_t n, int32_t *ids)
+{
+    return b->ops->argmax ? b->ops->argmax(b, h, n, ids) : -ENOTSUP;
+}
+
 const struct forward_stats *backend_stats(const struct backend *b)
 {
     return b->ops->stats(b);

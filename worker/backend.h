@@ -87,6 +87,10 @@ struct backend_ops {
     int (*layers)(struct backend *b, float *h, uint32_t n);
     /* Final norm and lm head of n rows (last worker only). */
     int (*logits)(struct backend *b, const float *h, uint32_t n, float *out);
+    /* Greedy tokens of n rows: ids[r] = the arg-max of the logits logits() computes for row r
+     * (ties: the lowest id; NaN never wins), without bringing the logits back. NULL: not
+     * offered (the caller takes logits() and samples them). */
+    int (*argmax)(struct backend *b, const float *h, uint32_t n, int32_t *ids);
     /* Stage timings since creation. */
     const struct forward_stats *(*stats)(const struct backend *b);
     /* Runs foreign experts (cfg->foreign) over groups of rows, as expert_exec_run: group g is
@@ -130,6 +134,8 @@ int backend_reset_seq(struct backend *b, uint32_t seq);
 /* Dispatch helpers; layers() applies failure injection first. */
 int backend_layers(struct backend *b, float *h, uint32_t n);
 int backend_logits(struct backend *b, const float *h, uint32_t n, float *out);
+/* backend_ops.argmax, or -ENOTSUP (nothing logged) where the backend does not offer it. */
+int backend_argmax(struct backend *b, const float *h, uint32_t n, int32_t *ids);
 const struct forward_stats *backend_stats(const struct backend *b);
 
 /* Runs foreign experts for another worker (backend_ops.serve). -EINVAL (logged, naming the

@@ -207,6 +207,7 @@ struct backend_cuda {
     bool tails;                       /* decode: norms, top-k and combine as product tails
                                        * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL=1) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
+    int32_t *d_argmax;                /* greedy ids of the head's rows (CB_LOGIT_ROWS) */
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
                                        * (LAMINA_CUDA_PF) */
     int32_t *ids;
@@ -619,6 +620,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
     c->d_pos = cb_take(c, &off, 1);
     c->tail_ctr = cb_take(c, &off, 1);
+    c->d_argmax = cb_take(c, &off, CB_LOGIT_ROWS);
     c->dn_work_bytes = 0;
     for (uint32_t l = c->l0; l < c->l1; l++)
         if (c->m->layers[l].recurrent)
@@ -1852,7 +1854,9 @@ static int cb_load_head(struct backend *b, struct backend_cuda *c)
     return 0;
 }
 
-static int cb_logits(struct backend *b, const float *h, uint32_t n, float *out)
+/* Final norm and lm head of n rows; then either the logits into out or, with
+ * ids, only their arg-max (cuda_argmax, the sampler's greedy rule). */
+static int cb_head(struct backend *b, const float *h, uint32_t n, float *out, int32_t *ids)
 {
     struct backend_cuda *c = b->impl;
     const size_t ne = c->hp->n_embd, nvocab = c->hp->n_vocab;
@@ -1868,13 +1872,31 @@ static int cb_logits(struct backend *b, const float *h, uint32_t n, float *out)
         rc = rc ? rc : CB_K(c, "head.norm", cuda_rmsnorm(c->xa, ne, c->h, ne, c->out_norm,
                                                          (uint32_t)ne, S, c->hp->eps, c->stream));
         rc = rc ? rc : cb_mm(c, "head.lm", &c->output, c->xa, ne, S, c->logits, nvocab);
-        rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(out + (size_t)s * nvocab, c->logits,
-                                                  (size_t)S * nvocab * sizeof(float),
-                                                  cudaMemcpyDeviceToHost, c->stream));
+        if (ids) {
+            rc = rc ? rc : CB_K(c, "head.argmax", cuda_argmax(c->logits, (uint32_t)nvocab, S,
+                                                              c->d_argmax, c->stream));
+            rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(ids + s, c->d_argmax, S * sizeof(int32_t),
+                                                      cudaMemcpyDeviceToHost, c->stream));
+        } else {
+            rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(out + (size_t)s * nvocab, c->logits,
+                                                      (size_t)S * nvocab * sizeof(float),
+                                                      cudaMemcpyDeviceToHost, c->stream));
+        }
         rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
     }
     c->failed = rc == -EIO;
     return rc;
+}
+
+static int cb_logits(struct backend *b, const float *h, uint32_t n, float *out)
+{
+    return cb_head(b, h, n, out, NULL);
+}
+
+/* Greedy tokens on the device: 4 bytes a row come back instead of the logits. */
+static int cb_argmax(struct backend *b, const float *h, uint32_t n, int32_t *ids)
+{
+    return cb_head(b, h, n, NULL, ids);
 }
 
 static const struct forward_stats *cb_stats(const struct backend *b)
@@ -1950,6 +1972,7 @@ const struct backend_ops backend_cuda_ops = {
     .reset = cb_reset,
     .layers = cb_layers,
     .logits = cb_logits,
+    .argmax = cb_argmax,
     .stats = cb_stats,
     .serve = cb_serve,
 };

@@ -800,6 +800,23 @@ static int worker_finish_step(struct worker *w, const struct wire_step *st, stru
     }
     const uint32_t rows = st->all_logits ? st->n_tokens : 1;
     const float *hr = w->h + (size_t)(st->n_tokens - rows) * n;
+    /* greedy without penalties: the arg-max where the logits are (a CUDA worker brings
+     * back 4 bytes instead of the vocabulary's logits); LAMINA_DEVICE_ARGMAX=0 turns it off */
+    const char *da = getenv("LAMINA_DEVICE_ARGMAX");
+    if (st->sample && rows == 1 && st->temperature == 0 && st->repeat_penalty == 1 &&
+        st->presence_penalty == 0 && !(da && !strcmp(da, "0"))) {
+        int32_t id = -1;
+        int rc = backend_argmax(w->be, hr, 1, &id);
+        if (rc != -ENOTSUP) {
+            if (rc)
+                return rc;
+            *res = (struct wire_msg){.type = WIRE_TYPE_RESULT};
+            res->result = (struct wire_result){.seq_id = st->seq_id, .step = st->step,
+                                               .n_rows = 0, .n_vocab = w->m->hp.n_vocab,
+                                               .token = id};
+            return 0;
+        }
+    }
     int rc = backend_logits(w->be, hr, rows, w->logits);
     if (rc)
         return rc;

@@ -156,6 +156,37 @@ static int tbc_embed(const struct tbc_arch *a, const int32_t *ids, int n, float 
     return 0;
 }
 
+/* Rows checked by backend_argmax against the first maximum of their logits. */
+static int argmax_rows, argmax_bad;
+
+/* Where the backend offers backend_argmax: the greedy ids of the n rows of h
+ * must be the first maximum of their logits (out, n rows of V). */
+static int tbc_check_argmax_rows(const struct tbc_arch *a, struct backend *b, const float *h,
+                                 uint32_t n, const float *out)
+{
+    int32_t ids[512];
+    if (n > 512)
+        n = 512;
+    const int rc = backend_argmax(b, h, n, ids);
+    if (rc == -ENOTSUP)
+        return 0;
+    if (rc)
+        return -1;
+    for (uint32_t r = 0; r < n; r++) {
+        const float *l = out + (size_t)r * a->V;
+        int32_t best = 0;
+        for (uint32_t i = 1; i < a->V; i++)
+            best = l[i] > l[best] ? (int32_t)i : best;
+        argmax_rows++;
+        if (ids[r] != best) {
+            argmax_bad++;
+            CHECK(0, "%s: device arg-max of row %u is %d, the logits' first maximum %d",
+                  a->name, r, ids[r], best);
+        }
+    }
+    return 0;
+}
+
 /* Prefill then TBC_DECODE greedy tokens through a chain of backends (the
  * last one makes the logits); logits of every position into out. Returns 0
  * or -1. */
@@ -166,11 +197,14 @@ static int tbc_sequence(const struct tbc_arch *a, struct backend *const *bs, int
     for (int i = 0; i < nb && !rc; i++)
         rc = backend_layers(bs[i], h, (uint32_t)a->n);
     rc = rc || backend_logits(bs[nb - 1], h, (uint32_t)a->n, out);
+    rc = rc || tbc_check_argmax_rows(a, bs[nb - 1], h, (uint32_t)a->n, out);
     for (int d = 0; d < TBC_DECODE && !rc; d++) {
         rc = tbc_embed(a, &a->greedy[d], 1, h);
         for (int i = 0; i < nb && !rc; i++)
             rc = backend_layers(bs[i], h, 1);
-        rc = rc || backend_logits(bs[nb - 1], h, 1, out + (size_t)(a->n + d) * a->V);
+        float *o = out + (size_t)(a->n + d) * a->V;
+        rc = rc || backend_logits(bs[nb - 1], h, 1, o);
+        rc = rc || tbc_check_argmax_rows(a, bs[nb - 1], h, 1, o);
     }
     free(h);
     return rc ? -1 : 0;
@@ -558,5 +592,8 @@ int main(void)
         gguf_close(a.g);
     }
     free(json);
+    MEASURE("backend_argmax (greedy ids on the device): %d rows, %d differ from the first "
+            "maximum of the logits", argmax_rows, argmax_bad);
+    CHECK(argmax_rows > 0, "backend_argmax was never checked");
     return test_main_result("test_backend_cuda");
 }
