@@ -949,6 +949,22 @@ int check_weights(const char *what, uint32_t type, uintptr_t w, size_t row_bytes
     return 0;
 }
 
+/* The arguments of a plain product (one job; x and y set per launch). */
+MvArgs plain_args(const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n, size_t ldx,
+                  size_t ldy)
+{
+    MvArgs a = {};
+    a.w = static_cast<const uint8_t *>(d_w);
+    a.row_bytes = row_bytes;
+    a.n_rows = n_rows;
+    a.n = n;
+    a.ldx = ldx;
+    a.x_div = 1;
+    a.ldy = ldy;
+    a.n_jobs = 1;
+    return a;
+}
+
 bool x_vec4(const float *x, size_t ldx)
 {
     return (reinterpret_cast<uintptr_t>(x) & 15u) == 0 && ldx % 4 == 0;
@@ -1039,17 +1055,9 @@ extern "C" int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes
         if (rc != -ENOTSUP)
             return rc;
     }
-    MvArgs a = {};
-    a.w = static_cast<const uint8_t *>(d_w);
-    a.row_bytes = row_bytes;
-    a.n_rows = n_rows;
-    a.n = n;
+    MvArgs a = plain_args(d_w, row_bytes, n_rows, n, n, n_rows);
     a.x = d_x;
-    a.ldx = n;
-    a.x_div = 1;
     a.y = d_y;
-    a.ldy = n_rows;
-    a.n_jobs = 1;
     a.x_vec4 = x_vec4(d_x, 0);
     a.tail = tail_args(t, d_y, n_rows);
     return launch<1>(type, a, 1, stream);
@@ -1081,15 +1089,7 @@ extern "C" int cuda_matmul(uint32_t type, const void *d_w, size_t row_bytes, uin
             return rc;
         rc = 0;
     }
-    MvArgs a = {};
-    a.w = static_cast<const uint8_t *>(d_w);
-    a.row_bytes = row_bytes;
-    a.n_rows = n_rows;
-    a.n = n;
-    a.ldx = ldx;
-    a.x_div = 1;
-    a.ldy = ldy;
-    a.n_jobs = 1;
+    MvArgs a = plain_args(d_w, row_bytes, n_rows, n, ldx, ldy);
     a.x_vec4 = x_vec4(d_X, S > 1 ? ldx : 0);
     for (uint32_t s = 0; s < S && rc == 0;) {
         const uint32_t left = S - s, ns = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;

@@ -395,6 +395,53 @@ bool usable(uint32_t type, uint64_t n_rows, uint64_t n, const float *x, size_t l
            (reinterpret_cast<uintptr_t>(x) & 3) == 0 && ldx >= (glu ? 2 : 1) * n && ldy >= n_rows;
 }
 
+/* The arguments of a plain product of one activation row (ldx n, or 2n with
+ * glu); false when these kernels do not take it. */
+bool plain_args(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+                const float *d_x, bool glu, float *d_y, MvqArgs *a)
+{
+    if (!usable(type, n_rows, n, d_x, glu ? 2 * n : n, n_rows, glu) || !d_w || !d_y)
+        return false;
+    *a = MvqArgs{};
+    a->w = static_cast<const uint8_t *>(d_w);
+    a->row_bytes = row_bytes;
+    a->n_rows = static_cast<uint32_t>(n_rows);
+    a->n = static_cast<uint32_t>(n);
+    a->nb = a->n / 32;
+    a->x = d_x;
+    a->ldx = glu ? 2 * n : n;
+    a->x_div = 1;
+    a->glu = glu;
+    a->y = d_y;
+    a->ldy = n_rows;
+    return true;
+}
+
+/* The arguments of an expert product over n_pairs pairs; false when these
+ * kernels do not take it. */
+bool experts_args(uint32_t type, const void *const *d_addr, size_t row_bytes, uint64_t n_rows,
+                  uint64_t n, const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
+                  size_t ldx, uint32_t x_div, bool glu, float *d_Y, size_t ldy, MvqArgs *a)
+{
+    if (!usable(type, n_rows, n, d_X, ldx, ldy, glu) || !d_addr || !d_ids || !d_Y || x_div == 0 ||
+        n_pairs == 0 || n_pairs > 65535)
+        return false;
+    *a = MvqArgs{};
+    a->addr = d_addr;
+    a->ids = d_ids;
+    a->row_bytes = row_bytes;
+    a->n_rows = static_cast<uint32_t>(n_rows);
+    a->n = static_cast<uint32_t>(n);
+    a->nb = a->n / 32;
+    a->x = d_X;
+    a->ldx = ldx;
+    a->x_div = x_div;
+    a->glu = glu;
+    a->y = d_Y;
+    a->ldy = ldy;
+    return true;
+}
+
 } /* namespace */
 
 /* cuda_mvq with a tail (matvec.cu's cuda_matvec_tail; t checked there). */
@@ -402,19 +449,9 @@ extern "C" int cuda_mvq_tail(uint32_t type, const void *d_w, size_t row_bytes, u
                              uint64_t n, const float *d_x, float *d_y, const struct cuda_tail *t,
                              cudaStream_t stream)
 {
-    if (!usable(type, n_rows, n, d_x, n, n_rows, false) || !d_w || !d_y)
+    MvqArgs a;
+    if (!plain_args(type, d_w, row_bytes, n_rows, n, d_x, false, d_y, &a))
         return -ENOTSUP;
-    MvqArgs a = {};
-    a.w = static_cast<const uint8_t *>(d_w);
-    a.row_bytes = row_bytes;
-    a.n_rows = static_cast<uint32_t>(n_rows);
-    a.n = static_cast<uint32_t>(n);
-    a.nb = a.n / 32;
-    a.x = d_x;
-    a.ldx = n;
-    a.x_div = 1;
-    a.y = d_y;
-    a.ldy = n_rows;
     a.tail = tail_args(t, d_y, n_rows);
     return dispatch(type, a, 1, stream);
 }
@@ -429,20 +466,9 @@ extern "C" int cuda_mvq_glu(uint32_t type, const void *d_w, size_t row_bytes, ui
                             uint64_t n, const float *d_x, bool glu, float *d_y,
                             cudaStream_t stream)
 {
-    if (!usable(type, n_rows, n, d_x, glu ? 2 * n : n, n_rows, glu) || !d_w || !d_y)
+    MvqArgs a;
+    if (!plain_args(type, d_w, row_bytes, n_rows, n, d_x, glu, d_y, &a))
         return -ENOTSUP;
-    MvqArgs a = {};
-    a.w = static_cast<const uint8_t *>(d_w);
-    a.row_bytes = row_bytes;
-    a.n_rows = static_cast<uint32_t>(n_rows);
-    a.n = static_cast<uint32_t>(n);
-    a.nb = a.n / 32;
-    a.x = d_x;
-    a.ldx = glu ? 2 * n : n;
-    a.x_div = 1;
-    a.glu = glu;
-    a.y = d_y;
-    a.ldy = n_rows;
     return dispatch(type, a, 1, stream);
 }
 
@@ -461,22 +487,10 @@ extern "C" int cuda_mvq_experts_glu(uint32_t type, const void *const *d_addr, si
                                     uint32_t x_div, bool glu, float *d_Y, size_t ldy,
                                     cudaStream_t stream)
 {
-    if (!usable(type, n_rows, n, d_X, ldx, ldy, glu) || !d_addr || !d_ids || !d_Y || x_div == 0 ||
-        n_pairs == 0 || n_pairs > 65535)
+    MvqArgs a;
+    if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, x_div, glu,
+                      d_Y, ldy, &a))
         return -ENOTSUP;
-    MvqArgs a = {};
-    a.addr = d_addr;
-    a.ids = d_ids;
-    a.row_bytes = row_bytes;
-    a.n_rows = static_cast<uint32_t>(n_rows);
-    a.n = static_cast<uint32_t>(n);
-    a.nb = a.n / 32;
-    a.x = d_X;
-    a.ldx = ldx;
-    a.x_div = x_div;
-    a.glu = glu;
-    a.y = d_Y;
-    a.ldy = ldy;
     return dispatch(type, a, n_pairs, stream);
 }
 
@@ -486,8 +500,9 @@ extern "C" int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_add
                                          size_t ldx, bool glu, float *d_Y,
                                          const struct cuda_tail *t, cudaStream_t stream)
 {
-    if (!usable(type, n_rows, n, d_X, ldx, n_rows, glu) || !d_addr || !d_ids || !d_Y ||
-        n_pairs == 0 || n_pairs > 65535)
+    MvqArgs a;
+    if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, 1, glu, d_Y,
+                      n_rows, &a))
         return -ENOTSUP;
     if (t && t->kind != CUDA_TAIL_NONE &&
         (t->kind != CUDA_TAIL_COMBINE || t->n != n_rows || t->k != n_pairs ||
@@ -496,19 +511,6 @@ extern "C" int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_add
                   static_cast<int>(t->kind), n_pairs, static_cast<unsigned long long>(n_rows));
         return -EINVAL;
     }
-    MvqArgs a = {};
-    a.addr = d_addr;
-    a.ids = d_ids;
-    a.row_bytes = row_bytes;
-    a.n_rows = static_cast<uint32_t>(n_rows);
-    a.n = static_cast<uint32_t>(n);
-    a.nb = a.n / 32;
-    a.x = d_X;
-    a.ldx = ldx;
-    a.x_div = 1;
-    a.glu = glu;
-    a.y = d_Y;
-    a.ldy = n_rows;
     a.tail = tail_args(t, d_Y, n_rows);
     return dispatch(type, a, n_pairs, stream);
 }
@@ -520,21 +522,10 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          const void *const *d_next_addr, size_t next_bytes,
                                          cudaStream_t stream)
 {
-    if (!usable(type, n_rows, n, d_X, ldx, ldy, false) || !d_addr || !d_ids || !d_Y ||
-        x_div == 0 || n_pairs == 0 || n_pairs > 65535)
+    MvqArgs a;
+    if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, x_div, false,
+                      d_Y, ldy, &a))
         return -ENOTSUP;
-    MvqArgs a = {};
-    a.addr = d_addr;
-    a.ids = d_ids;
-    a.row_bytes = row_bytes;
-    a.n_rows = static_cast<uint32_t>(n_rows);
-    a.n = static_cast<uint32_t>(n);
-    a.nb = a.n / 32;
-    a.x = d_X;
-    a.ldx = ldx;
-    a.x_div = x_div;
-    a.y = d_Y;
-    a.ldy = ldy;
     a.pf_addr = d_next_addr;
     a.pf_bytes = d_next_addr ? next_bytes : 0;
     return dispatch(type, a, n_pairs, stream);

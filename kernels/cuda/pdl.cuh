@@ -82,52 +82,29 @@ static inline bool pdl_on()
            major >= 9;
 }
 
-/* Launches kernel<<<grid, block, smem, stream>>>(args...), with the
- * programmatic stream serialization attribute where pdl_on(). The kernel
- * must keep the contract above. Errors are left for cudaGetLastError, as
+/* Launches kernel<<<grid, block, smem, stream>>>(args...) through
+ * cudaLaunchKernelEx: blocks in thread block clusters of cluster_x
+ * consecutive blocks along x where cluster_x > 1 (grid.x a multiple of it,
+ * at most 8; compute capability 9.0 or later, which the caller checks), and
+ * with the programmatic stream serialization attribute where pdl_on(). The
+ * kernel keeps the contract above. Errors are left for cudaGetLastError, as
  * after <<<>>>. */
-template <typename... P, typename... A>
-static inline void pdl_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-                              cudaStream_t stream, A &&...args)
-{
-    if (!pdl_on()) {
-        kernel<<<grid, block, smem, stream>>>(std::forward<A>(args)...);
-        return;
-    }
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
-}
-
-/* pdl_launch for a kernel whose blocks form thread block clusters of
- * cluster_x consecutive blocks along x (grid.x a multiple of cluster_x, at
- * most 8): cudaLaunchKernelEx with the cluster dimension attribute, and the
- * programmatic stream serialization attribute where pdl_on(). Clusters need
- * compute capability 9.0 or later: the caller checks. The kernel keeps the
- * contract above. Errors are left for cudaGetLastError, as after <<<>>>. */
 template <typename... P, typename... A>
 static inline void pdl_launch_cluster(void (*kernel)(P...), dim3 grid, dim3 block,
                                       unsigned cluster_x, size_t smem, cudaStream_t stream,
                                       A &&...args)
 {
     cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster_x;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    unsigned n_attrs = 1;
+    unsigned n_attrs = 0;
+    if (cluster_x > 1) {
+        attr[n_attrs].id = cudaLaunchAttributeClusterDimension;
+        attr[n_attrs].val.clusterDim.x = cluster_x;
+        attr[n_attrs].val.clusterDim.y = 1;
+        attr[n_attrs++].val.clusterDim.z = 1;
+    }
     if (pdl_on()) {
-        attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[1].val.programmaticStreamSerializationAllowed = 1;
-        n_attrs = 2;
+        attr[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
     }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
@@ -137,6 +114,14 @@ static inline void pdl_launch_cluster(void (*kernel)(P...), dim3 grid, dim3 bloc
     cfg.attrs = attr;
     cfg.numAttrs = n_attrs;
     (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+/* pdl_launch_cluster without clusters. */
+template <typename... P, typename... A>
+static inline void pdl_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t stream, A &&...args)
+{
+    pdl_launch_cluster(kernel, grid, block, 1, smem, stream, std::forward<A>(args)...);
 }
 
 #endif
