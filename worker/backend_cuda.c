@@ -121,6 +121,11 @@
 
 #define CB_MEM_MARGIN (512ull << 20) /* bytes left free when the budget is the card's */
 #define CB_ALIGN 256                  /* alignment of every device sub-buffer */
+/* Product tails (LAMINA_CUDA_TAIL: "1" or "all", or a comma list of "norm", "topk",
+ * "combine"; none by default) */
+#define CB_TAIL_NORM 1u
+#define CB_TAIL_TOPK 2u
+#define CB_TAIL_COMBINE 4u
 #define CB_LOGIT_ROWS 16              /* rows of logits per output-head pass */
 #define CB_PROF_MAX 4096              /* kernels per profiled pass, at most */
 #define CB_PROF_ROWS 48               /* distinct labels in the profile */
@@ -204,8 +209,8 @@ struct backend_cuda {
     size_t dn_work_bytes, mmq_work_bytes, mmq_side_bytes;
     bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
     bool fuse;                        /* decode: fused conv + DeltaNet heads (LAMINA_CUDA_FUSE) */
-    bool tails;                       /* decode: norms, top-k and combine as product tails
-                                       * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL=1) */
+    unsigned tails;                   /* decode: CB_TAIL_* as product tails
+                                       * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
     int32_t *d_argmax;                /* greedy ids of the head's rows (CB_LOGIT_ROWS) */
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
@@ -1053,7 +1058,7 @@ static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb
 static const struct cuda_tail *cb_norm_tail(struct backend_cuda *c, const struct cb_layer *L,
                                             uint32_t S, struct cuda_tail *t)
 {
-    if (S != 1 || !c->tails)
+    if (S != 1 || !(c->tails & CB_TAIL_NORM))
         return NULL;
     *t = (struct cuda_tail){.kind = CUDA_TAIL_ADD_NORM, .counter = c->tail_ctr,
                             .n = c->hp->n_embd, .eps = c->hp->eps, .h = c->h,
@@ -1364,10 +1369,11 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     }
     /* decode with tails: top-k in the router product, the combine (and the
      * next norm) in the down product */
-    const bool tails = S == 1 && c->tails;
+    const bool topk_tail = S == 1 && (c->tails & CB_TAIL_TOPK);
+    const bool tails = S == 1 && (c->tails & CB_TAIL_COMBINE); /* the combine's */
     if (!rc)
         cb_stage_mark(c, l, CB_STAGE_ROUTER, 0, c->stream);
-    if (tails) {
+    if (topk_tail) {
         const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
                                      .k = (uint32_t)k, .ids = c->ids, .w = c->w};
         rc = rc ? rc : cb_mm_tail(c, "moe.router", &L->router, c->xa, c->rl, &tk);
@@ -1724,6 +1730,30 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     return 0;
 }
 
+/* The CB_TAIL_* bits LAMINA_CUDA_TAIL asks for (unknown words are logged and ignored). */
+static unsigned cb_tail_mask(const char *env)
+{
+    if (!env || !*env || !strcmp(env, "0"))
+        return 0;
+    if (!strcmp(env, "1") || !strcmp(env, "all"))
+        return CB_TAIL_NORM | CB_TAIL_TOPK | CB_TAIL_COMBINE;
+    unsigned mask = 0;
+    for (const char *p = env; *p;) {
+        const size_t len = strcspn(p, ",");
+        if (len == 4 && !strncmp(p, "norm", 4))
+            mask |= CB_TAIL_NORM;
+        else if (len == 4 && !strncmp(p, "topk", 4))
+            mask |= CB_TAIL_TOPK;
+        else if (len == 7 && !strncmp(p, "combine", 7))
+            mask |= CB_TAIL_COMBINE;
+        else
+            log_warn("LAMINA_CUDA_TAIL: \"%.*s\" is none of norm, topk, combine: ignored",
+                     (int)len, p);
+        p += len + (p[len] == ',');
+    }
+    return mask;
+}
+
 static int cb_init(struct backend *b, const struct backend_config *cfg)
 {
     const struct arch_model *m = cfg->model;
@@ -1753,7 +1783,7 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     const char *fu = getenv("LAMINA_CUDA_FUSE");
     c->fuse = !(fu && !strcmp(fu, "0"));
     const char *ta = getenv("LAMINA_CUDA_TAIL");
-    c->tails = ta && !strcmp(ta, "1"); /* off by default: slower on an H200 (docs/perf.md) */
+    c->tails = cb_tail_mask(ta); /* none by default: slower on an H200 (docs/perf.md) */
     const char *pf = getenv("LAMINA_CUDA_PF");
     c->prefetch = !(pf && !strcmp(pf, "0"));
     c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
