@@ -25,9 +25,9 @@
  *     both runs launch alike): byte-identical, the kernels' maths is the same;
  *   - the same with the decode fusions off (LAMINA_CUDA_FUSE=0: conv and
  *     DeltaNet heads as two launches): byte-identical;
- *   - the same with the product tails on (LAMINA_CUDA_TAIL=1: the residual
- *     norms, top-k and combine in the last block of the product before
- *     them): byte-identical;
+ *   - the same with no product tails (LAMINA_CUDA_TAIL=0: the residual
+ *     norms and top-k as launches of their own) and with every tail
+ *     (LAMINA_CUDA_TAIL=1: the combine too): byte-identical;
  *   - the same without the down experts' L2 prefetch in the decode gate/up
  *     product (LAMINA_CUDA_PF=0): byte-identical;
  *   - the same with each DeltaNet head's decode in one block instead of a
@@ -529,11 +529,12 @@ static void tbc_arch_run(struct tbc_arch *a)
     } offs[] = {{"LAMINA_CUDA_GRAPHS", "0", "without graphs"},
                 {"LAMINA_CUDA_PDL", "0", "without PDL"},
                 {"LAMINA_CUDA_FUSE", "0", "without decode fusions"},
-                {"LAMINA_CUDA_TAIL", "1", "with product tails"},
+                {"LAMINA_CUDA_TAIL", "0", "without product tails"},
+                {"LAMINA_CUDA_TAIL", "1", "with every product tail"},
                 {"LAMINA_CUDA_PF", "0", "without expert prefetch"},
                 {"LAMINA_CUDA_DN_SPLIT", "0", "without DeltaNet head split"}};
-    double ms_off[6];
-    for (int k = 0; k < 6; k++) {
+    double ms_off[7];
+    for (int k = 0; k < 7; k++) {
         setenv(offs[k].env, offs[k].value, 1);
         ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
         unsetenv(offs[k].env);
@@ -541,9 +542,10 @@ static void tbc_arch_run(struct tbc_arch *a)
               offs[k].what, tbc_maxdiff(gpu, tmp, a->rows * a->V));
     }
     MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
-            "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, with "
-            "tails %.3f, without prefetch %.3f, without head split %.3f", a->name, TBC_TIMED,
-            ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3], ms_off[4], ms_off[5]);
+            "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
+            "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f",
+            a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
+            ms_off[4], ms_off[5], ms_off[6]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);
