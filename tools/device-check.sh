@@ -2,6 +2,10 @@
 # device-check: everything lamina does on the GPU machine, in one script.
 #
 # Here (a machine with nvcc, libzmq and protobuf-c):
+#   tools/device-check.sh stage-bin
+#     the same, but packs only .devbin/lamina and .devbin/lamina-worker (3-4 MB):
+#     for calls that run benchmarks only (bench, place, cards, llama) and must
+#     also carry .peerpack.tar.xz under the call's 64 MiB limit
 #   tools/device-check.sh stage
 #     builds the binaries and GPU tests, copies them into .devbin/, the
 #     Debian packages of libzmq, protobuf-c and their dependencies into
@@ -33,8 +37,10 @@ mkdir -p "$OUT"
 
 stage() {
     local B=build-dev
+    local what=${1:-all}
     local gpu_tests
     gpu_tests=$(ls tests/gpu/test_*.c | sed "s|^tests/gpu/\(.*\)\.c$|$B/tests/gpu/\1|")
+    [ "$what" = bin ] && gpu_tests=""
     # shellcheck disable=SC2086
     make -j"$(nproc)" BUILD=$B CUDA_ARCHS="-gencode=arch=compute_90,code=sm_90" \
         $B/lamina $B/lamina-worker $B/tools/bench_ipc $gpu_tests || exit 1
@@ -64,7 +70,11 @@ stage() {
     grep -qx "/.devpack.tar.xz" .git/info/exclude || echo "/.devpack.tar.xz" >>.git/info/exclude
     # one compressed file for the carry (its limit is 64 MiB; the CUDA fat
     # binaries and f32 fixtures shrink about 3x)
-    tar -cf - .devbin .fixtures | xz -T2 -6 >.devpack.tar.xz
+    if [ "$what" = bin ]; then
+        tar -cf - .devbin/lamina .devbin/lamina-worker | xz -T2 -6 >.devpack.tar.xz
+    else
+        tar -cf - .devbin .fixtures | xz -T2 -6 >.devpack.tar.xz
+    fi
     du -sh .devbin .devdebs .fixtures .devpack.tar.xz
 }
 
@@ -198,6 +208,7 @@ llama_bench() {
 
 case "${1:-}" in
 stage) stage ;;
+stage-bin) stage bin ;;
 run)
     shift
     libs
@@ -214,7 +225,7 @@ run)
     done
     ;;
 *)
-    echo "usage: tools/device-check.sh stage | run [tests] [bench] [profile] [place] [cards] [llama]" >&2
+    echo "usage: tools/device-check.sh stage | stage-bin | run [tests] [bench] [profile] [place] [cards] [llama]" >&2
     exit 2
     ;;
 esac
