@@ -104,6 +104,7 @@ struct worker {
     /* plan */
     uint32_t l0, l1, n_ctx, max_batch;
     bool is_last;
+    bool device_argmax;            /* greedy steps take backend_argmax (LAMINA_DEVICE_ARGMAX) */
     struct gguf *g;
     struct arch_model *m;
     struct shm_segment *shm;
@@ -558,6 +559,8 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
     w->n_ctx = p->n_ctx;
     w->max_batch = p->max_batch;
     w->is_last = p->is_last;
+    const char *da = getenv("LAMINA_DEVICE_ARGMAX");
+    w->device_argmax = !(da && !strcmp(da, "0"));
     w->n_seq = p->n_seq ? p->n_seq : 1;
     w->pos = calloc(w->n_seq, sizeof(*w->pos));
     w->queue = calloc(WORKER_QUEUE_MAX, sizeof(*w->queue));
@@ -801,10 +804,9 @@ static int worker_finish_step(struct worker *w, const struct wire_step *st, stru
     const uint32_t rows = st->all_logits ? st->n_tokens : 1;
     const float *hr = w->h + (size_t)(st->n_tokens - rows) * n;
     /* greedy without penalties: the arg-max where the logits are (a CUDA worker brings
-     * back 4 bytes instead of the vocabulary's logits); LAMINA_DEVICE_ARGMAX=0 turns it off */
-    const char *da = getenv("LAMINA_DEVICE_ARGMAX");
+     * back 4 bytes instead of the vocabulary's logits) */
     if (st->sample && rows == 1 && st->temperature == 0 && st->repeat_penalty == 1 &&
-        st->presence_penalty == 0 && !(da && !strcmp(da, "0"))) {
+        st->presence_penalty == 0 && w->device_argmax) {
         int32_t id = -1;
         int rc = backend_argmax(w->be, hr, 1, &id);
         if (rc != -ENOTSUP) {
