@@ -22,6 +22,7 @@
 #              time per kernel kind (decode and prefill) in $OUT/profile.txt
 #     place    the placement benchmark (tools/bench-place.sh) at PLACE_BUDGETS
 #     cards    one card against two (tools/bench-cards.sh, issue 6; two GPUs)
+#     ncu      Nsight Compute over the decode graph's kernels ($OUT/ncu.csv)
 #     llama    run llama-bench -ngl 99 on the same file (one card), from
 #              .peerbuild/bin/llama-bench: llama.cpp built by hand from its
 #              public source (nothing here builds it), either on that machine
@@ -104,7 +105,7 @@ tests() {
         n=$(basename "$t")
         # TESTS="test_a test_b" runs only those
         [ -z "${TESTS:-}" ] || [[ " $TESTS " == *" $n "* ]] || continue
-        if timeout 240 "$t" >$log 2>&1; then
+        if timeout "${TEST_TIMEOUT:-240}" "$t" >$log 2>&1; then
             pass=$((pass + 1)); echo "PASS $n"
         else
             fail=$((fail + 1)); echo "FAIL $n"; tail -n 15 $log
@@ -198,6 +199,24 @@ profile() {
     grep -A40 "cuda profile" "$OUT/profile.txt" | sed 's/^.*info: //' | head -60
 }
 
+# Nsight Compute over the decode graph's kernel nodes (one by one, serialized, cold caches):
+# per-kernel time, DRAM bytes, grid and registers in $OUT/ncu.csv; NCU_COUNT launches
+# (default 1400: three decode steps of the 80b model), NCU_N generated tokens.
+ncu_step() {
+    local m=.models/q3n-80b-q4_0.gguf ncu
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "ncu: not found"; return 1; }
+    mkdir -p .models
+    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
+        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    timeout 500 "$ncu" --graph-profiling node --clock-control none --csv --page raw \
+        --launch-count "${NCU_COUNT:-1400}" --metrics \
+        gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__waves_per_multiprocessor \
+        .devbin/lamina bench -m $m -p 0 -n "${NCU_N:-3}" -r 1 --inproc --backend cuda:0 \
+        --no-membw >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
+    echo "ncu: rc $? $(wc -l <"$OUT/ncu.csv") lines"; tail -3 "$OUT/ncu.err"
+}
+
 llama_bench() {
     local m=.models/q3n-80b-q4_0.gguf
     [ -x .peerbuild/bin/llama-bench ] || { echo "llama: no .peerbuild/bin/llama-bench"; return 1; }
@@ -220,12 +239,13 @@ run)
         place) place ;;
         cards) cards ;;
         llama) llama_bench ;;
+        ncu) ncu_step ;;
         *) echo "device-check: unknown step $step" ;;
         esac
     done
     ;;
 *)
-    echo "usage: tools/device-check.sh stage | stage-bin | run [tests] [bench] [profile] [place] [cards] [llama]" >&2
+    echo "usage: tools/device-check.sh stage | stage-bin | run [tests] [bench] [profile] [place] [cards] [llama] [ncu]" >&2
     exit 2
     ;;
 esac
