@@ -169,8 +169,11 @@ struct cb_layer {
     bool gu_fused;                    /* routed gate and up of an expert are one 2F-row matrix */
     struct cb_mat sh_gu, sh_up, sh_down; /* sh_gu is gate (2*Fs rows when fused) */
     const float *shexp_gate;          /* n_embd or NULL */
+    bool shpair;                      /* decode: the shared expert runs as pair k of the
+                                       * routed products (expert id n_expert in the tables) */
     void *experts;                    /* resident experts (owned cudaMalloc) */
-    const void *const *tab_gate, *const *tab_up, *const *tab_down; /* device, n_expert each */
+    const void *const *tab_gate, *const *tab_up, *const *tab_down; /* device, n_expert each
+                                       * (n_expert + 1 in a range layer: the shared expert) */
     uint8_t *resident;                /* host, n_expert flags */
     uint32_t n_resident;
 };
@@ -217,6 +220,8 @@ struct backend_cuda {
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
                                        * (LAMINA_CUDA_PF) */
     int32_t *ids;
+    int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
+    bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
     float *out_norm, *logits;
@@ -611,11 +616,14 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->alpha = cb_take(c, &off, B * nv);
     c->y = cb_take(c, &off, B * vd);
     c->rl = cb_take(c, &off, B * hp->n_expert);
+    /* pair rows: B * k, and at least k + 1 (one token with the shared pair) */
+    const size_t P = B * k > k + 1 ? B * k : k + 1;
     c->ids = cb_take(c, &off, B * k);
+    c->ids_dec = cb_take(c, &off, k + 1);
     c->w = cb_take(c, &off, B * k);
-    c->gu = cb_take(c, &off, B * k * 2 * F);
-    c->act = cb_take(c, &off, B * k * F);
-    c->Y = cb_take(c, &off, B * k * n);
+    c->gu = cb_take(c, &off, P * 2 * F);
+    c->act = cb_take(c, &off, P * F);
+    c->Y = cb_take(c, &off, P * n);
     c->sg = cb_take(c, &off, B * 2 * Fs);
     c->sact = cb_take(c, &off, B * Fs);
     c->so = cb_take(c, &off, B * n);
@@ -814,26 +822,47 @@ static int cb_upload_foreign(struct backend_cuda *c)
     return 0;
 }
 
+/* Whether layer L's shared expert can run as pair k of the decode expert
+ * products: its gate|up one 2Fs-row matrix and its down matrix in the row
+ * formats of the routed ones (one 2F-row gate|up per expert), Fs = F. The
+ * decode kernels compute every row the same way whatever the pair count
+ * (kernels/cuda/mvq.cu), so for their types the bits do not change. */
+static bool cb_shpair_ok(const struct backend_cuda *c, const struct cb_layer *L)
+{
+    const struct arch_layer *ly = L->ly;
+    const struct arch_matrix *g = ly->gate_exps.data ? &ly->gate_exps : &ly->gate_up_exps;
+    return L->sh && L->sh_fused && c->hp->n_ff_shexp == c->hp->n_ff_exp &&
+           (!ly->gate_exps.data || L->gu_fused) && L->sh_gu.type == g->type &&
+           L->sh_gu.row_bytes == g->row_bytes && L->sh_down.type == ly->down_exps.type &&
+           L->sh_down.row_bytes == ly->down_exps.row_bytes;
+}
+
 /* Experts of every layer, and the device tables of their addresses. */
 static int cb_upload_all_experts(struct backend_cuda *c)
 {
-    const uint32_t E = c->hp->n_expert, nl = c->l1 - c->l0;
-    const void **host = calloc((size_t)3 * E * nl, sizeof(void *));
+    const uint32_t E = c->hp->n_expert, nl = c->l1 - c->l0, T = E + 1;
+    const void **host = calloc((size_t)3 * T * nl, sizeof(void *));
     if (!host || cb_malloc(&c->tables, c->tables_size, "expert tables")) {
         free(host);
         return -ENOMEM;
     }
     int rc = 0;
     for (uint32_t i = 0; i < nl && !rc; i++) {
-        const void **t = host + (size_t)3 * E * i;
-        rc = cb_upload_experts(c, c->l0 + i, &c->layers[i], t, t + E, t + 2 * E);
-        const void *const *d = (const void *const *)c->tables + (size_t)3 * E * i;
-        c->layers[i].tab_gate = d;
-        c->layers[i].tab_up = d + E;
-        c->layers[i].tab_down = d + 2 * E;
+        struct cb_layer *L = &c->layers[i];
+        const void **t = host + (size_t)3 * T * i;
+        rc = cb_upload_experts(c, c->l0 + i, L, t, t + T, t + 2 * T);
+        /* entry E: the shared expert, where it can run as one more pair */
+        L->shpair = cb_shpair_ok(c, L);
+        t[E] = L->shpair ? L->sh_gu.d : NULL;
+        t[T + E] = NULL;
+        t[2 * T + E] = L->shpair ? L->sh_down.d : NULL;
+        const void *const *d = (const void *const *)c->tables + (size_t)3 * T * i;
+        L->tab_gate = d;
+        L->tab_up = d + T;
+        L->tab_down = d + 2 * T;
     }
     if (!rc)
-        rc = CUDA_CHECK(cudaMemcpy(c->tables, host, (size_t)3 * E * nl * sizeof(void *),
+        rc = CUDA_CHECK(cudaMemcpy(c->tables, host, (size_t)3 * T * nl * sizeof(void *),
                                    cudaMemcpyHostToDevice));
     free(host);
     return rc;
@@ -1156,23 +1185,33 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
     return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
 }
 
-/* One routed-expert product over the P pairs: int8 tensor cores for a
- * prefill where the type allows, else the matvec kernels. */
+/* The pairs of one MoE block: their count, their expert ids (device) and
+ * the activation rows' divisor (pair / x_div = token). */
+struct cb_pairs {
+    uint32_t P, x_div;
+    int32_t *ids;
+    bool prefill; /* several tokens: the int8 tensor-core products may take them */
+};
+
+/* One routed-expert product over the pairs: int8 tensor cores for a
+ * prefill where the type allows, else the matvec kernels. x_div: of X's
+ * rows (1: a row per pair). */
 static int cb_experts_mm(struct backend_cuda *c, const char *label, const struct arch_matrix *m,
-                         const void *const *tab, uint64_t rows, uint64_t n, uint32_t P,
-                         const float *X, size_t ldx, uint32_t x_div, float *Y, size_t ldy)
+                         const void *const *tab, uint64_t rows, uint64_t n,
+                         const struct cb_pairs *pr, const float *X, size_t ldx, uint32_t x_div,
+                         float *Y, size_t ldy)
 {
-    if (P > c->hp->n_expert_used && c->mmq_work) {
+    if (pr->prefill && c->mmq_work) {
         const int rc = CB_K(c, label, cuda_mmq_experts(m->type, tab, c->hp->n_expert,
-                                                       m->row_bytes, rows, n, c->ids, P, X, ldx,
-                                                       x_div, Y, ldy, c->mmq_work,
+                                                       m->row_bytes, rows, n, pr->ids, pr->P, X,
+                                                       ldx, x_div, Y, ldy, c->mmq_work,
                                                        c->mmq_work_bytes, c->stream));
         if (rc != -ENOTSUP)
             return rc;
         cb_unlaunch(c);
     }
-    return CB_K(c, label, cuda_matvec_experts(m->type, tab, m->row_bytes, rows, n, c->ids, P, X,
-                                              ldx, x_div, Y, ldy, c->stream));
+    return CB_K(c, label, cuda_matvec_experts(m->type, tab, m->row_bytes, rows, n, pr->ids, pr->P,
+                                              X, ldx, x_div, Y, ldy, c->stream));
 }
 
 /* Routed experts held here (pairs of non-resident experts are skipped).
@@ -1180,11 +1219,12 @@ static int cb_experts_mm(struct backend_cuda *c, const char *label, const struct
  * the shared expert's output ready before); *combined tells whether it ran
  * (not where the down product cannot take it). */
 static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
-                            const struct cuda_tail *combine, bool *combined)
+                            const struct cb_pairs *pr, const struct cuda_tail *combine,
+                            bool *combined)
 {
     const struct arch_layer *ly = L->ly;
-    const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp, k = c->hp->n_expert_used;
-    const uint32_t P = (uint32_t)(S * k);
+    const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp;
+    const uint32_t P = pr->P;
     int rc;
     if (!ly->gate_exps.data || L->gu_fused) {
         /* one 2F-row matrix per expert: the stacked gate_up, or gate and up
@@ -1193,20 +1233,20 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
         rc = -ENOTSUP;
         if (S == 1 && c->prefetch && cuda_mvq_pays(n, 2 * F)) { /* the down experts into L2 */
             rc = CB_K(c, "moe.gate_up", cuda_mvq_experts_prefetch(
-                                            g->type, L->tab_gate, g->row_bytes, 2 * F, n, c->ids,
-                                            P, c->xa, n, (uint32_t)k, c->gu, 2 * F, L->tab_down,
+                                            g->type, L->tab_gate, g->row_bytes, 2 * F, n, pr->ids,
+                                            P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
                                             ly->down_exps.mat_bytes, c->stream));
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }
         if (rc == -ENOTSUP)
-            rc = cb_experts_mm(c, "moe.gate_up", g, L->tab_gate, 2 * F, n, P, c->xa, n,
-                               (uint32_t)k, c->gu, 2 * F);
+            rc = cb_experts_mm(c, "moe.gate_up", g, L->tab_gate, 2 * F, n, pr, c->xa, n,
+                               pr->x_div, c->gu, 2 * F);
     } else {
         const struct arch_matrix *g = &ly->gate_exps, *u = &ly->up_exps;
-        rc = cb_experts_mm(c, "moe.gate", g, L->tab_gate, F, n, P, c->xa, n, (uint32_t)k, c->gu,
+        rc = cb_experts_mm(c, "moe.gate", g, L->tab_gate, F, n, pr, c->xa, n, pr->x_div, c->gu,
                            2 * F);
-        rc = rc ? rc : cb_experts_mm(c, "moe.up", u, L->tab_up, F, n, P, c->xa, n, (uint32_t)k,
+        rc = rc ? rc : cb_experts_mm(c, "moe.up", u, L->tab_up, F, n, pr, c->xa, n, pr->x_div,
                                      c->gu + F, 2 * F);
     }
     if (rc)
@@ -1215,7 +1255,7 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
     *combined = false;
     if (S == 1 && combine) { /* the SiLU gate inside, the combine after, one launch */
         rc = CB_K(c, "moe.down", cuda_mvq_experts_glu_tail(d->type, L->tab_down, d->row_bytes, n,
-                                                          F, c->ids, P, c->gu, 2 * F, true, c->Y,
+                                                          F, pr->ids, P, c->gu, 2 * F, true, c->Y,
                                                           combine, c->stream));
         *combined = rc == 0;
         if (rc != -ENOTSUP)
@@ -1224,14 +1264,14 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
     }
     if (S == 1) { /* the SiLU gate inside the down product */
         rc = CB_K(c, "moe.down", cuda_mvq_experts_glu(d->type, L->tab_down, d->row_bytes, n, F,
-                                                     c->ids, P, c->gu, 2 * F, 1, true, c->Y, n,
+                                                     pr->ids, P, c->gu, 2 * F, 1, true, c->Y, n,
                                                      c->stream));
         if (rc != -ENOTSUP)
             return rc;
         cb_unlaunch(c);
     }
     rc = CB_K(c, "moe.silu", cuda_silu_mul(c->gu, (uint32_t)F, P, c->act, c->stream));
-    return rc ? rc : cb_experts_mm(c, "moe.down", d, L->tab_down, n, F, P, c->act, F, 1, c->Y,
+    return rc ? rc : cb_experts_mm(c, "moe.down", d, L->tab_down, n, F, pr, c->act, F, 1, c->Y,
                                    n);
 }
 
@@ -1325,7 +1365,9 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
     }
     cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
     bool combined;
-    rc = rc ? rc : cb_local_experts(c, L, S, NULL, &combined);
+    const struct cb_pairs pr = {.P = (uint32_t)(S * k), .x_div = (uint32_t)k, .ids = c->ids,
+                                .prefill = S > 1};
+    rc = rc ? rc : cb_local_experts(c, L, S, &pr, NULL, &combined);
     cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
     if (!rc && L->sh) {
         cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
@@ -1351,9 +1393,17 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, k = hp->n_expert_used;
     const bool local = L->n_resident == hp->n_expert;
-    /* the shared expert runs beside the router and routed experts on the
-     * side stream (a parallel branch of the graph); not when profiling */
-    const bool fork = local && L->sh && !c->prof;
+    /* decode: the shared expert as pair k of the routed products (its output
+     * row k of Y), where its matrices allow and the combine is no tail */
+    const bool shpair = S == 1 && local && L->shpair && c->shpair_on &&
+                        !(c->tails & CB_TAIL_COMBINE);
+    /* else the shared expert runs beside the router and routed experts on
+     * the side stream (a parallel branch of the graph); not when profiling */
+    const bool fork = local && L->sh && !shpair && !c->prof;
+    const struct cb_pairs pr = {.P = (uint32_t)(S * k + shpair),
+                                .x_div = (uint32_t)(shpair ? k + 1 : k),
+                                .ids = shpair ? c->ids_dec : c->ids, .prefill = S > 1};
+    float *so = shpair ? c->Y + k * n : c->so;
     int rc = 0;
     if (fork) {
         rc = CUDA_CHECK(cudaEventRecord(c->ev_fork, c->stream));
@@ -1376,12 +1426,12 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         cb_stage_mark(c, l, CB_STAGE_ROUTER, 0, c->stream);
     if (topk_tail) {
         const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
-                                     .k = (uint32_t)k, .ids = c->ids, .w = c->w};
+                                     .k = (uint32_t)k, .ids = pr.ids, .w = c->w};
         rc = rc ? rc : cb_mm_tail(c, "moe.router", &L->router, c->xa, c->rl, &tk);
     } else {
         rc = rc ? rc : cb_mm(c, "moe.router", &L->router, c->xa, n, S, c->rl, hp->n_expert);
         rc = rc ? rc : CB_K(c, "moe.topk", cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S,
-                                                           c->ids, c->w, c->stream));
+                                                           pr.ids, c->w, c->stream));
     }
     if (rc)
         return rc;
@@ -1393,9 +1443,11 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         struct cuda_tail tc = {.kind = CUDA_TAIL_COMBINE, .counter = c->tail_ctr,
                                .n = (uint32_t)n, .eps = hp->eps, .h = c->h,
                                .norm_w = next_norm, .out = c->xa, .k = (uint32_t)k, .w = c->w,
-                               .so = L->sh ? c->so : NULL, .shexp_gate = L->shexp_gate,
+                               .so = L->sh ? so : NULL, .shexp_gate = L->shexp_gate,
                                .f = c->xa};
-        if (tails && L->sh && fork) {
+        if (shpair) {
+            shared_done = true; /* pair k of the products below */
+        } else if (tails && L->sh && fork) {
             rc = CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_join, 0));
             shared_done = true;
         } else if (tails && L->sh) {
@@ -1407,7 +1459,7 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         }
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
-        rc = rc ? rc : cb_local_experts(c, L, S, tails ? &tc : NULL, &combined);
+        rc = rc ? rc : cb_local_experts(c, L, S, &pr, tails ? &tc : NULL, &combined);
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
         if (!rc && L->sh && fork && !shared_done) {
@@ -1426,11 +1478,11 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         return rc;
     if (next_norm)
         return CB_K(c, "moe.combine", cuda_moe_combine_norm(
-                                          c->h, c->Y, c->w, (uint32_t)k, L->sh ? c->so : NULL,
+                                          c->h, c->Y, c->w, (uint32_t)k, L->sh ? so : NULL,
                                           L->shexp_gate, c->xa, (uint32_t)n, S, next_norm,
                                           hp->eps, c->xa, c->stream));
     return CB_K(c, "moe.combine", cuda_moe_combine(c->h, c->Y, c->w, (uint32_t)k,
-                                                   L->sh ? c->so : NULL, L->shexp_gate, c->xa,
+                                                   L->sh ? so : NULL, L->shexp_gate, c->xa,
                                                    (uint32_t)n, S, c->stream));
 }
 
@@ -1672,7 +1724,7 @@ static int cb_plan_experts(struct backend_cuda *c, uint64_t *bytes)
         c->all_resident &= L->n_resident == E;
         *bytes += (uint64_t)L->n_resident * cb_expert_bytes(L->ly);
     }
-    c->tables_size = cb_align((size_t)3 * E * (c->l1 - c->l0) * sizeof(void *));
+    c->tables_size = cb_align((size_t)3 * (E + 1) * (c->l1 - c->l0) * sizeof(void *));
     return 0;
 }
 
@@ -1718,6 +1770,10 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     if (!rc)
         cb_carve_scratch(c);
     rc = rc ? rc : CUDA_CHECK(cudaMemset(c->tail_ctr, 0, sizeof(*c->tail_ctr)));
+    /* the shared pair's id after the router's k (decode; no kernel writes it) */
+    const int32_t shared_id = (int32_t)c->hp->n_expert;
+    rc = rc ? rc : CUDA_CHECK(cudaMemcpy(c->ids_dec + c->hp->n_expert_used, &shared_id,
+                                         sizeof(shared_id), cudaMemcpyHostToDevice));
     rc = rc ? rc : cb_upload_all_experts(c);
     rc = rc ? rc : cb_upload_foreign(c);
     rc = rc ? rc : cb_alloc_state(c);
@@ -1787,6 +1843,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->tails = ta ? cb_tail_mask(ta) : CB_TAIL_NORM | CB_TAIL_TOPK;
     const char *pf = getenv("LAMINA_CUDA_PF");
     c->prefetch = !(pf && !strcmp(pf, "0"));
+    const char *sp = getenv("LAMINA_CUDA_SHPAIR");
+    c->shpair_on = !(sp && !strcmp(sp, "0"));
     c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
     int rc = c->layers ? cb_setup(b, c) : -ENOMEM;
     if (rc) {

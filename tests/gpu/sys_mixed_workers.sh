@@ -5,6 +5,9 @@
 #  - f32: every path computes in f32 on both backends, so greedy tokens must
 #    agree across cpu,cuda:0 / cuda:0,cuda:0 / cuda:0 / cpu,cpu and the prompt
 #    logits within 1e-3.
+#  - both types: the shared expert run as pair k of the routed decode products
+#    (the default) gives the tokens of its own graph branch (LAMINA_CUDA_SHPAIR=0),
+#    and for q8_0 (int8 decode kernels) the logits byte for byte.
 #  - both types: two GPU workers give one GPU worker's tokens and its logits
 #    byte for byte (a range's first layer normalises h with cuda_rmsnorm_wide,
 #    the same bits as the fused combine + norm of one range). Q8_0 against a
@@ -56,6 +59,19 @@ print("[measure] %s prompt logits, cpu,cuda:0 vs cuda:0,cuda:0: max |diff| %.3g 
 sys.exit(0 if sys.argv[3] != "f32" or d <= 1e-3 else 1)
 PY
     check "$type prompt logits (f32: within 1e-3)" $?
+    # the shared expert as its own graph branch (LAMINA_CUDA_SHPAIR=0) instead of pair k of
+    # the routed decode products: q8_0 takes the int8 decode kernels, whose rows do not
+    # depend on the pair count (the same bits); f32 the f32 kernels (the same tokens)
+    LAMINA_CUDA_SHPAIR=0 "$B/lamina" run -m "$m" -p "The quick brown fox jumps over" -n 32 \
+        --greedy --devices cuda:0 --dump-logits "$T/$type-nopair.npy" >"$T/$type-nopair.txt" \
+        2>"$T/$type-nopair.err"
+    check "$type run on cuda:0 with LAMINA_CUDA_SHPAIR=0" $?
+    cmp -s "$T/$type-cuda-0.txt" "$T/$type-nopair.txt"
+    check "$type tokens: shared expert as a pair = as a branch" $?
+    if [ $type = q8_0 ]; then
+        cmp -s "$T/$type-cuda-0.npy" "$T/$type-nopair.npy"
+        check "$type logits: shared expert as a pair = as a branch, byte for byte" $?
+    fi
 done
 leftover=$(ls /dev/shm 2>/dev/null | grep -c lamina)
 [ "$leftover" = 0 ]

@@ -54,6 +54,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cuda_runtime.h>
 
@@ -62,6 +63,7 @@
 #include "model/arch.h"
 #include "model/gguf.h"
 #include "model/quant.h"
+#include "model/synth.h"
 #include "tests/check.h"
 #include "tests/gpu/gpu_fixture.h"
 #include "tests/fixture.h"
@@ -573,6 +575,79 @@ static bool tbc_load(struct tbc_arch *a, const char *json)
     return a->m != NULL;
 }
 
+/* Logits of a prompt of 6 tokens and 10 greedy decode steps (graph) of the
+ * cuda backend on model m, into out (16 x vocab). */
+static int tbc_greedy16(const struct arch_model *m, float *out)
+{
+    const uint32_t n = m->hp.n_embd, V = m->hp.n_vocab;
+    struct backend_config bc = {.model = m, .layer_begin = 0, .layer_end = m->hp.n_layer,
+                                .n_threads = 2, .n_ctx = 64, .max_batch = 8};
+    struct backend *b = backend_create("cuda", &bc);
+    if (!b)
+        return -1;
+    float *h = malloc(6 * (size_t)n * sizeof(float));
+    int32_t ids[6] = {3, 141, 59, 265, 35, 89};
+    const struct arch_matrix *te = &m->tok_embd;
+    int rc = h ? 0 : -ENOMEM;
+    for (int i = 0; i < 6 && !rc; i++)
+        rc = quant_dequantize_row(te->type, te->data + (size_t)ids[i] * te->row_bytes,
+                                  h + (size_t)i * n, n);
+    rc = rc ? rc : backend_layers(b, h, 6);
+    for (int i = 0; i < 6 && !rc; i++)
+        rc = backend_logits(b, h + (size_t)i * n, 1, out + (size_t)i * V);
+    for (int d = 0; d < 10 && !rc; d++) {
+        const float *last = out + (size_t)(5 + d) * V;
+        int32_t tok = 0;
+        for (uint32_t v = 1; v < V; v++)
+            tok = last[v] > last[tok] ? (int32_t)v : tok;
+        rc = quant_dequantize_row(te->type, te->data + (size_t)tok * te->row_bytes, h, n);
+        rc = rc ? rc : backend_layers(b, h, 1);
+        rc = rc ? rc : backend_logits(b, h, 1, out + (size_t)(6 + d) * V);
+    }
+    free(h);
+    backend_destroy(b);
+    return rc;
+}
+
+/* The shared expert as pair k of the routed decode products (the default)
+ * against its own graph branch (LAMINA_CUDA_SHPAIR=0), on a small qwen3next
+ * model of Q8_0 and of Q4_0 weights (the int8 decode kernels compute each
+ * row alike whatever the pair count): the same logits, byte for byte. */
+static void tbc_shpair(void)
+{
+    static const uint32_t types[] = {QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_0};
+    for (int t = 0; t < 2; t++) {
+        char path[128];
+        snprintf(path, sizeof(path), "/tmp/test_backend_cuda_%d.gguf", (int)getpid());
+        struct synth_config sc = {.arch = "qwen3next", .shape = "tiny", .type = types[t],
+                                  .seed = 5, .path = path, .threads = 2};
+        CHECK(synth_write(&sc) == 0, "synth %s", quant_type_name(types[t]));
+        struct gguf_config gc = {.path = path};
+        struct gguf *g = gguf_open(&gc);
+        struct arch_config ac = {.gguf = g};
+        struct arch_model *m = g ? arch_load(&ac) : NULL;
+        CHECK(m != NULL, "load the synth model");
+        if (m) {
+            const size_t sz = 16 * (size_t)m->hp.n_vocab * sizeof(float);
+            float *a = malloc(sz), *b = malloc(sz);
+            CHECK(a && b && tbc_greedy16(m, a) == 0, "cuda run, shared pair");
+            setenv("LAMINA_CUDA_SHPAIR", "0", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, shared branch");
+            unsetenv("LAMINA_CUDA_SHPAIR");
+            CHECK(a && b && !memcmp(a, b, sz), "%s: the shared expert as a pair differs from "
+                  "its branch (max %.3g)", quant_type_name(types[t]),
+                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+            MEASURE("shared expert as pair k (%s, tiny qwen3next, 6 prompt + 10 decode steps): "
+                    "logits byte-identical to its own branch", quant_type_name(types[t]));
+            free(a);
+            free(b);
+        }
+        arch_free(m);
+        gguf_close(g);
+        unlink(path);
+    }
+}
+
 int main(void)
 {
     log_init("test", -1);
@@ -594,6 +669,7 @@ int main(void)
         gguf_close(a.g);
     }
     free(json);
+    tbc_shpair();
     MEASURE("backend_argmax (greedy ids on the device): %d rows, %d differ from the first "
             "maximum of the logits", argmax_rows, argmax_bad);
     CHECK(argmax_rows > 0, "backend_argmax was never checked");
