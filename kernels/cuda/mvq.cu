@@ -143,8 +143,10 @@ __device__ __forceinline__ void prefetch_rows(const MvqArgs &a, uint32_t rows_pe
     }
 }
 
-template <int TYPE, int G, int U, int R, bool TAIL>
-__global__ void __launch_bounds__(kThreads) mvq_kernel(const MvqArgs a)
+/* MINB: blocks per SM the registers must allow (3 for expert products: the
+ * decode's pairs then fit one wave on an H200, 2 blocks per SM took two). */
+template <int TYPE, int G, int U, int R, bool TAIL, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 {
     extern __shared__ int4 s_dyn[];
     int8_t *s_q = reinterpret_cast<int8_t *>(s_dyn);          /* n levels */
@@ -317,10 +319,15 @@ int go(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     const uint32_t cap = jobs == 1 ? want_blocks() : tiles;
     const dim3 grid(tiles < cap ? tiles : cap, jobs);
     const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
-    if (a.tail.t.kind != CUDA_TAIL_NONE)
-        pdl_launch(mvq_kernel<TYPE, G, U, R, true>, grid, kThreads, smem, stream, a);
+    const bool tail = a.tail.t.kind != CUDA_TAIL_NONE;
+    if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
+        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3>, grid, kThreads, smem, stream, a);
+    else if (jobs > 1)
+        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3>, grid, kThreads, smem, stream, a);
+    else if (tail)
+        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 1>, grid, kThreads, smem, stream, a);
     else
-        pdl_launch(mvq_kernel<TYPE, G, U, R, false>, grid, kThreads, smem, stream, a);
+        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 1>, grid, kThreads, smem, stream, a);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda mvq: kernel launch failed: %s", cudaGetErrorString(e));
