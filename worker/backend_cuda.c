@@ -1235,7 +1235,8 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
             rc = CB_K(c, "moe.gate_up", cuda_mvq_experts_prefetch(
                                             g->type, L->tab_gate, g->row_bytes, 2 * F, n, pr->ids,
                                             P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
-                                            ly->down_exps.mat_bytes, c->stream));
+                                            ly->down_exps.mat_bytes, c->hp->n_expert + 1,
+                                            c->stream));
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }

@@ -37,6 +37,12 @@ static __global__ void __launch_bounds__(256) attn_prep_kernel(const struct prep
 {
     __shared__ float s_tmp[32];
     __shared__ float s_x[256];
+    if (blockIdx.x == 0 && threadIdx.x == 0) { /* the norm weights: in L2 before the wait */
+        if (a.q_norm)
+            pdl_prefetch_l2(a.q_norm, a.hd * sizeof(float));
+        if (a.k_norm)
+            pdl_prefetch_l2(a.k_norm, a.hd * sizeof(float));
+    }
     pdl_wait(); /* q, k, v and the position come from the kernels before */
     pdl_trigger();
     const uint32_t rows = a.nh + 2 * a.nkv;

@@ -53,6 +53,12 @@ static __global__ void __launch_bounds__(1024)
                             float eps, float *y)
 {
     __shared__ float s_tmp[32];
+    if (threadIdx.x == 0 && blockIdx.x == 0) { /* weights: in L2 before the wait */
+        if (so && gate)
+            pdl_prefetch_l2(gate, n * sizeof(float));
+        if (NORM && nw)
+            pdl_prefetch_l2(nw, n * sizeof(float));
+    }
     pdl_wait();
     pdl_trigger();
     const size_t s = blockIdx.x;

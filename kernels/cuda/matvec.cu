@@ -804,6 +804,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
         const size_t bytes = (left < rows ? left : rows) * a.row_bytes;
         pdl_prefetch_l2(a.w + block_row0 * a.row_bytes, bytes < kPrefetch ? bytes : kPrefetch);
     }
+    if constexpr (TAIL)
+        tail_prefetch(a.tail);
     pdl_wait();
     pdl_trigger();
     for (uint32_t job = blockIdx.y; job < a.n_jobs; job += gridDim.y) {

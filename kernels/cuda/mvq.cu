@@ -69,6 +69,8 @@ struct MvqArgs {
     TailArgs tail;                /* run by the launch's last block (tail.cuh) */
     const void *const *pf_addr;   /* experts: the next product's table (L2 prefetch), or NULL */
     size_t pf_bytes;              /* bytes of one of its experts */
+    uint32_t n_table;             /* experts: entries of addr and pf_addr to ask for in L2
+                                   * before the wait (0: none) */
 };
 
 template <int TYPE>
@@ -185,7 +187,14 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         if (threadIdx.x == 0)
             prefetch_rows(a, (kThreads / G) * R, n_tiles);
         issue(sub);
+    } else if (a.n_table && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        /* the address tables: the ids pick their entries after the wait */
+        pdl_prefetch_l2(a.addr, a.n_table * sizeof(void *));
+        if (a.pf_addr)
+            pdl_prefetch_l2(a.pf_addr, a.n_table * sizeof(void *));
     }
+    if constexpr (TAIL)
+        tail_prefetch(a.tail);
     pdl_wait();
     pdl_trigger();
     if (a.ids) {
@@ -527,7 +536,7 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
                                          size_t ldx, uint32_t x_div, float *d_Y, size_t ldy,
                                          const void *const *d_next_addr, size_t next_bytes,
-                                         cudaStream_t stream)
+                                         uint32_t n_table, cudaStream_t stream)
 {
     MvqArgs a;
     if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, x_div, false,
@@ -535,5 +544,6 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
         return -ENOTSUP;
     a.pf_addr = d_next_addr;
     a.pf_bytes = d_next_addr ? next_bytes : 0;
+    a.n_table = n_table;
     return dispatch(type, a, n_pairs, stream);
 }

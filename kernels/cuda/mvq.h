@@ -49,12 +49,14 @@ bool cuda_mvq_pays(uint64_t n, uint64_t n_rows);
 /* cuda_mvq_experts that also asks for the pairs' experts in a second table
  * (next_bytes each from d_next_addr[id]; NULL entries skipped) in L2 while
  * it runs: the decode gate/up product prefetches the down matrices the next
- * launch reads. The same outputs as cuda_mvq_experts. */
+ * launch reads. n_table: entries of d_addr and d_next_addr, asked for in L2
+ * before the kernel waits for the one before it (the ids pick among them;
+ * 0: not). The same outputs as cuda_mvq_experts. */
 int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t row_bytes,
                               uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
                               const float *d_X, size_t ldx, uint32_t x_div, float *d_Y,
                               size_t ldy, const void *const *d_next_addr, size_t next_bytes,
-                              cudaStream_t stream);
+                              uint32_t n_table, cudaStream_t stream);
 
 /* cuda_mvq followed by a tail (tail.h; checked by the caller). */
 struct cuda_tail;

@@ -33,6 +33,8 @@ static __global__ void norm_rows_kernel(float *y, size_t y_stride, float *x, siz
                                         float eps)
 {
     __shared__ float s_tmp[32];
+    if (w && blockIdx.x == 0 && threadIdx.x == 0) /* the weights: in L2 before the wait */
+        pdl_prefetch_l2(w, n * sizeof(float));
     pdl_wait(); /* x and delta come from the kernels before */
     pdl_trigger();
     const size_t r = blockIdx.x;

@@ -22,6 +22,7 @@
 
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/ops_device.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/router.cuh"
 #include "kernels/cuda/tail.h"
 
@@ -234,6 +235,19 @@ static __device__ __forceinline__ void tail_topk(const TailArgs &a)
 {
     if (threadIdx.x < 32)
         router_topk_warp(a.y, a.width, a.t.k, a.t.ids, a.t.w);
+}
+
+/* Called by every thread of the product before its PDL wait: block 0's
+ * first thread asks for the tail's weight vectors in L2 (they are read
+ * after the whole product, by one block). */
+static __device__ __forceinline__ void tail_prefetch(const TailArgs &a)
+{
+    if (a.t.kind == CUDA_TAIL_NONE || blockIdx.x || blockIdx.y || threadIdx.x)
+        return;
+    if ((a.t.kind == CUDA_TAIL_ADD_NORM || a.t.kind == CUDA_TAIL_COMBINE) && a.t.norm_w)
+        pdl_prefetch_l2(a.t.norm_w, a.t.n * sizeof(float));
+    if (a.t.kind == CUDA_TAIL_COMBINE && a.t.shexp_gate)
+        pdl_prefetch_l2(a.t.shexp_gate, a.t.n * sizeof(float));
 }
 
 /* Called by every thread of every block of the product at its end: the
