@@ -217,6 +217,9 @@ struct backend_cuda {
                                        * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
     int32_t *d_argmax;                /* greedy ids of the head's rows (CB_LOGIT_ROWS) */
+    const char *skip;                 /* LAMINA_CUDA_SKIP: labels of decode kernels not launched
+                                       * (timing experiments; the outputs are wrong) */
+    bool decoding;                    /* the layers being enqueued are a one-token step */
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
                                        * (LAMINA_CUDA_PF) */
     int32_t *ids;
@@ -1044,7 +1047,22 @@ static void cb_stage_collect(struct backend_cuda *c)
 /* ---- the layer pass ---- */
 
 /* A kernel launch: marks it for the profile, counts it, passes its result. */
-#define CB_K(c, label, call) (cb_mark((c), (label)), (c)->launches++, (call))
+/* Whether LAMINA_CUDA_SKIP names this decode kernel's label (a comma list). */
+static bool cb_skip(const struct backend_cuda *c, const char *label)
+{
+    if (!c->skip || !c->decoding)
+        return false;
+    const size_t n = strlen(label);
+    for (const char *p = c->skip; (p = strstr(p, label)) != NULL; p += n)
+        if ((p == c->skip || p[-1] == ',') && (p[n] == ',' || p[n] == '\0'))
+            return true;
+    return false;
+}
+
+/* Enqueues a kernel launch under a label (profile, launch count), or
+ * nothing for a label LAMINA_CUDA_SKIP names (0). */
+#define CB_K(c, label, call)                                                                     \
+    (cb_skip((c), (label)) ? 0 : (cb_mark((c), (label)), (c)->launches++, (call)))
 
 /* Takes back the last CB_K whose launcher declined (-ENOTSUP: nothing enqueued). */
 static void cb_unlaunch(struct backend_cuda *c)
@@ -1492,6 +1510,7 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
 {
     const struct arch_hparams *hp = c->hp;
     const uint32_t n = hp->n_embd;
+    c->decoding = S == 1;
     for (uint32_t l = c->l0; l < c->l1; l++) {
         const struct cb_layer *L = &c->layers[l - c->l0];
         cb_stage_mark(c, l, CB_STAGE_MIXER, 0, c->stream);
@@ -1770,6 +1789,9 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     rc = rc ? rc : cb_malloc(&c->scratch, c->scratch_size, "scratch");
     if (!rc)
         cb_carve_scratch(c);
+    /* skipped kernels leave their outputs unwritten: start from zeros (valid ids) */
+    if (!rc && c->skip)
+        rc = CUDA_CHECK(cudaMemset(c->scratch, 0, c->scratch_size));
     rc = rc ? rc : CUDA_CHECK(cudaMemset(c->tail_ctr, 0, sizeof(*c->tail_ctr)));
     /* the shared pair's id after the router's k (decode; no kernel writes it) */
     const int32_t shared_id = (int32_t)c->hp->n_expert;
@@ -1846,6 +1868,12 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->prefetch = !(pf && !strcmp(pf, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
+    c->skip = getenv("LAMINA_CUDA_SKIP");
+    if (c->skip && !*c->skip)
+        c->skip = NULL;
+    if (c->skip)
+        log_warn("LAMINA_CUDA_SKIP=%s: these decode kernels are not launched; the outputs are "
+                 "wrong (for timing experiments only)", c->skip);
     c->layers = calloc(c->l1 - c->l0, sizeof(*c->layers));
     int rc = c->layers ? cb_setup(b, c) : -ENOMEM;
     if (rc) {
