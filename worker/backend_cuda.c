@@ -1046,7 +1046,6 @@ static void cb_stage_collect(struct backend_cuda *c)
 
 /* ---- the layer pass ---- */
 
-/* A kernel launch: marks it for the profile, counts it, passes its result. */
 /* Whether LAMINA_CUDA_SKIP names this decode kernel's label (a comma list). */
 static bool cb_skip(const struct backend_cuda *c, const char *label)
 {
@@ -1059,8 +1058,8 @@ static bool cb_skip(const struct backend_cuda *c, const char *label)
     return false;
 }
 
-/* Enqueues a kernel launch under a label (profile, launch count), or
- * nothing for a label LAMINA_CUDA_SKIP names (0). */
+/* A kernel launch: marks it for the profile, counts it, passes its result;
+ * nothing (0) for a label LAMINA_CUDA_SKIP names. */
 #define CB_K(c, label, call)                                                                     \
     (cb_skip((c), (label)) ? 0 : (cb_mark((c), (label)), (c)->launches++, (call)))
 
