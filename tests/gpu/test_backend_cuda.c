@@ -38,6 +38,11 @@
  *   - f16 KV cache, cuda vs token-by-token cpu with f16 KV: within the bound
  *     of TBC_TOL_F16;
  *   - a device budget too small is refused;
+ *   - on tiny synthetic qwen3next models of Q8_0 and Q4_0 weights (6 prompt
+ *     positions, 10 greedy decode steps): the shared expert as pair k of the
+ *     routed decode products against its own branch (LAMINA_CUDA_SHPAIR=0):
+ *     byte-identical; decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
+ *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
  *     holding every expert of the second half serves grouped rows of those layers (decode
  *     sized and prefill sized groups) within TBC_TOL_SERVE of expert_exec on the CPU, counts
@@ -639,6 +644,18 @@ static void tbc_shpair(void)
                   a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
             MEASURE("shared expert as pair k (%s, tiny qwen3next, 6 prompt + 10 decode steps): "
                     "logits byte-identical to its own branch", quant_type_name(types[t]));
+            /* LAMINA_CUDA_SKIP (timing experiments): the named decode kernels are not
+             * launched, so the decode steps change and the prompt does not */
+            setenv("LAMINA_CUDA_SKIP", "moe.down,moe.combine", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run with decode kernels skipped");
+            unsetenv("LAMINA_CUDA_SKIP");
+            const size_t prompt = 6 * (size_t)m->hp.n_vocab * sizeof(float);
+            CHECK(a && b && !memcmp(a, b, prompt), "%s: LAMINA_CUDA_SKIP changed the prompt's "
+                  "logits", quant_type_name(types[t]));
+            CHECK(a && b && memcmp(a + 6 * (size_t)m->hp.n_vocab, b + 6 * (size_t)m->hp.n_vocab,
+                               sz - prompt),
+                  "%s: LAMINA_CUDA_SKIP=moe.down,moe.combine left the decode steps unchanged",
+                  quant_type_name(types[t]));
             free(a);
             free(b);
         }
