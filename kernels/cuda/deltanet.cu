@@ -410,13 +410,19 @@ struct dn_conv_args {
     uint32_t K;
 };
 
-/* Asks for the layer's conv taps (a 1/gridDim.x share per block) and, in
- * block 0, the decay and dt-bias vectors in L2: the decode kernels read
- * them after their PDL wait. One thread per block calls it, before the wait. */
+/* Asks for what the decode kernels read after their PDL wait in L2: the
+ * layer's conv taps (a 1/gridDim.x share per block), in block 0 the decay
+ * and dt-bias vectors, and the block's rows of the delta state (blockDim.x
+ * / 4 rows from srow, thread 0's; a hint: L2 holds the current bits
+ * whoever writes them, the loads wait). Every thread calls it before the
+ * wait; thread 0 asks. */
 template <int DK>
-__device__ __forceinline__ void dn_prefetch_weights(const struct dn_heads_args &p,
-                                                    const struct dn_conv_args &c)
+__device__ __forceinline__ void dn_prefetch(const struct dn_heads_args &p,
+                                           const struct dn_conv_args &c, const float4 *srow)
 {
+    if (threadIdx.x)
+        return;
+    pdl_prefetch_l2(srow, (size_t)blockDim.x / 4 * DK * sizeof(float));
     const size_t bytes = ((size_t)2 * p.nk * DK + (size_t)p.nv * p.dv) * c.K * sizeof(float);
     const size_t share = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~(size_t)15;
     const size_t off = (size_t)blockIdx.x * share;
@@ -554,11 +560,7 @@ __global__ void __launch_bounds__(512)
     const uint32_t r = p.nv / p.nk, g = p.tiled ? h % p.nk : h / r;
     float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
     const float wj = p.norm_w[j];
-    if (t == 0) {
-        dn_prefetch_weights<DK>(p, c);
-        /* the head's delta state in L2 (a hint; the loads wait) */
-        pdl_prefetch_l2(srow, (size_t)p.dv * DK * sizeof(float));
-    }
+    dn_prefetch<DK>(p, c, srow);
     pdl_wait(); /* x, z, b, alpha and the states come from the kernels before */
     pdl_trigger();
     struct dn_tok<DK> cur;
@@ -708,12 +710,7 @@ __global__ void __launch_bounds__(256)
     const uint32_t g = p.tiled ? h % p.nk : h / (p.nv / p.nk), readers = p.nv / p.nk * nb;
     float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
     const float wj = p.norm_w[j];
-    if (t == 0) {
-        dn_prefetch_weights<DK>(p, c);
-        /* this block's rows of the delta state in L2 (a hint: L2 holds
-         * the current bits whoever writes them; the loads wait) */
-        pdl_prefetch_l2(srow, (size_t)blockDim.x / 4 * DK * sizeof(float));
-    }
+    dn_prefetch<DK>(p, c, srow);
     pdl_wait(); /* x, z, b, alpha and the states come from the kernels before */
     pdl_trigger();
     float4 st[NC];
