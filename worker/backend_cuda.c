@@ -121,12 +121,16 @@
 
 #define CB_MEM_MARGIN (512ull << 20) /* bytes left free when the budget is the card's */
 #define CB_ALIGN 256                  /* alignment of every device sub-buffer */
-/* Product tails (LAMINA_CUDA_TAIL: "0" none, "1" or "all", or a comma list of "norm",
- * "topk", "combine"; by default norm and topk: on an H200 they gained 2.1 % and 3.0 % of
- * decode alone and 6.2 % together, the combine tail lost 9 %; docs/perf.md) */
+/* Product tails (LAMINA_CUDA_TAIL: "0" none, "1" or "all" (norm, topk, combine), or a
+ * comma list of "norm", "topk", "combine", "cols"; by default norm and topk: on an H200
+ * they gained 2.1 % and 3.0 % of decode alone and 6.2 % together, the one-block combine
+ * tail lost 9 %, cols neither gained nor lost; docs/perf.md). cols: the combine split over
+ * the down product's grid columns and each layer's norm inside its input product (combine
+ * wins over cols where both are asked for). */
 #define CB_TAIL_NORM 1u
 #define CB_TAIL_TOPK 2u
 #define CB_TAIL_COMBINE 4u
+#define CB_TAIL_COLS 8u
 #define CB_LOGIT_ROWS 16              /* rows of logits per output-head pass */
 #define CB_PROF_MAX 4096              /* kernels per profiled pass, at most */
 #define CB_PROF_ROWS 48               /* distinct labels in the profile */
@@ -216,12 +220,15 @@ struct backend_cuda {
     unsigned tails;                   /* decode: CB_TAIL_* as product tails
                                        * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
+    unsigned int *col_ctr;            /* CUDA_TAIL_COLS_MAX counters of COMBINE_COLS tails */
     int32_t *d_argmax;                /* greedy ids of the head's rows (CB_LOGIT_ROWS) */
     const char *skip;                 /* LAMINA_CUDA_SKIP: labels of decode kernels not launched
                                        * (timing experiments; the outputs are wrong) */
     bool decoding;                    /* the layers being enqueued are a one-token step */
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
                                        * (LAMINA_CUDA_PF) */
+    bool early;                       /* decode: the down product reads the router's ids and
+                                       * its weights before its PDL wait (LAMINA_CUDA_EARLY) */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -637,6 +644,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
     c->d_pos = cb_take(c, &off, 1);
     c->tail_ctr = cb_take(c, &off, 1);
+    c->col_ctr = cb_take(c, &off, CUDA_TAIL_COLS_MAX);
     c->d_argmax = cb_take(c, &off, CB_LOGIT_ROWS);
     c->dn_work_bytes = 0;
     for (uint32_t l = c->l0; l < c->l1; l++)
@@ -1100,6 +1108,23 @@ static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb
                                            t, c->stream));
 }
 
+/* A layer's decode input product over rmsnorm(c->h) * norm_w, the norm in
+ * the product (cb_in_norm said it takes it). */
+static int cb_mm_norm(struct backend_cuda *c, const char *label, const struct cb_mat *w,
+                      const float *norm_w, float *Y)
+{
+    return CB_K(c, label, cuda_matvec_norm(w->type, w->d, w->row_bytes, w->n_out, w->n_in, c->h,
+                                           norm_w, c->hp->eps, Y, c->stream));
+}
+
+/* Whether layer L's decode input is one stacked product that normalises h
+ * itself (cuda_matvec_norm), so that no norm launch comes before it. */
+static bool cb_in_norm(const struct cb_layer *L)
+{
+    const struct cb_mat *m = L->ly->recurrent ? &L->dn1 : &L->wqkv1;
+    return m->n_out && cuda_matvec_norm_ok(m->type, m->n_out, m->n_in);
+}
+
 /* The residual add + norm after layer L's mixer as the tail of its output
  * product (decode with tails on), else NULL (cuda_add_rmsnorm after it). */
 static const struct cuda_tail *cb_norm_tail(struct backend_cuda *c, const struct cb_layer *L,
@@ -1117,7 +1142,7 @@ static const struct cuda_tail *cb_norm_tail(struct backend_cuda *c, const struct
  * (into c->dec), the fused norm/rope/store, and attention at the position in
  * device memory (so the graph never changes). */
 static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
-                        uint32_t pos0, const struct cuda_tail *tail)
+                        uint32_t pos0, const struct cuda_tail *tail, bool raw)
 {
     const struct arch_hparams *hp = c->hp;
     const uint32_t hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
@@ -1127,7 +1152,8 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
     int rc;
     if (S == 1 && L->wqkv1.n_out) {
         q = c->dec, kx = c->dec + q_out, vx = c->dec + q_out + kvd;
-        rc = cb_mm(c, "attn.qkv", &L->wqkv1, c->xa, n, 1, c->dec, 0);
+        rc = raw ? cb_mm_norm(c, "attn.qkv", &L->wqkv1, L->attn_norm, c->dec)
+                 : cb_mm(c, "attn.qkv", &L->wqkv1, c->xa, n, 1, c->dec, 0);
     } else {
         rc = cb_mm(c, "attn.q", &L->wq, c->xa, n, S, q, q_out);
         rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
@@ -1155,7 +1181,7 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
 }
 
 static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
-                       const struct cuda_tail *tail)
+                       const struct cuda_tail *tail, bool raw)
 {
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, cd = arch_conv_dim(hp), nv = hp->ssm_nv;
@@ -1164,7 +1190,8 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
     int rc;
     if (S == 1 && L->dn1.n_out) {
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
-        rc = cb_mm(c, "dn.in", &L->dn1, c->xa, n, 1, c->dec, 0);
+        rc = raw ? cb_mm_norm(c, "dn.in", &L->dn1, L->attn_norm, c->dec)
+                 : cb_mm(c, "dn.in", &L->dn1, c->xa, n, 1, c->dec, 0);
     } else {
         rc = cb_mm(c, "dn.qkv", &L->qkv, c->xa, n, S, qkv, cd);
         rc = rc ? rc : cb_mm(c, "dn.z", &L->z, c->xa, n, S, z, vd);
@@ -1271,19 +1298,15 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
         return rc;
     const struct arch_matrix *d = &ly->down_exps;
     *combined = false;
-    if (S == 1 && combine) { /* the SiLU gate inside, the combine after, one launch */
+    /* the router's ids are two launches back (the gate/up product between):
+     * the down product may read them, its weights and the combine's gate
+     * input before its wait (not with kernels skipped) */
+    const uint32_t early = c->early && !c->skip ? (uint32_t)c->hp->n_expert + 1 : 0;
+    if (S == 1) { /* the SiLU gate inside, the combine after where it is a tail: one launch */
         rc = CB_K(c, "moe.down", cuda_mvq_experts_glu_tail(d->type, L->tab_down, d->row_bytes, n,
-                                                          F, pr->ids, P, c->gu, 2 * F, true, c->Y,
-                                                          combine, c->stream));
-        *combined = rc == 0;
-        if (rc != -ENOTSUP)
-            return rc;
-        cb_unlaunch(c);
-    }
-    if (S == 1) { /* the SiLU gate inside the down product */
-        rc = CB_K(c, "moe.down", cuda_mvq_experts_glu(d->type, L->tab_down, d->row_bytes, n, F,
-                                                     pr->ids, P, c->gu, 2 * F, 1, true, c->Y, n,
-                                                     c->stream));
+                                                          F, pr->ids, early, P, c->gu, 2 * F,
+                                                          true, c->Y, combine, c->stream));
+        *combined = rc == 0 && combine;
         if (rc != -ENOTSUP)
             return rc;
         cb_unlaunch(c);
@@ -1404,9 +1427,11 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
 }
 
 /* The MoE block of layer l; next_norm: the next layer's attention norm,
- * applied to h into c->xa by the same launch as the combine (NULL: none). */
+ * applied to h into c->xa by the same launch as the combine (NULL: none).
+ * cols (decode): the combine as COMBINE_COLS tails of the down product
+ * where it takes them (next_norm then NULL: the next input product norms). */
 static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S,
-                  const float *next_norm)
+                  const float *next_norm, bool cols)
 {
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, k = hp->n_expert_used;
@@ -1439,7 +1464,7 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     /* decode with tails: top-k in the router product, the combine (and the
      * next norm) in the down product */
     const bool topk_tail = S == 1 && (c->tails & CB_TAIL_TOPK);
-    const bool tails = S == 1 && (c->tails & CB_TAIL_COMBINE); /* the combine's */
+    const bool tails = S == 1 && ((c->tails & CB_TAIL_COMBINE) || cols); /* the combine's */
     if (!rc)
         cb_stage_mark(c, l, CB_STAGE_ROUTER, 0, c->stream);
     if (topk_tail) {
@@ -1458,9 +1483,12 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     if (local) {
         /* with a combine tail the shared expert's output must be there before
          * the down product: join its branch (or run it) first */
-        struct cuda_tail tc = {.kind = CUDA_TAIL_COMBINE, .counter = c->tail_ctr,
+        const bool one_block = c->tails & CB_TAIL_COMBINE;
+        struct cuda_tail tc = {.kind = one_block ? CUDA_TAIL_COMBINE : CUDA_TAIL_COMBINE_COLS,
+                               .counter = one_block ? c->tail_ctr : c->col_ctr,
                                .n = (uint32_t)n, .eps = hp->eps, .h = c->h,
-                               .norm_w = next_norm, .out = c->xa, .k = (uint32_t)k, .w = c->w,
+                               .norm_w = one_block ? next_norm : NULL,
+                               .out = c->xa, .k = (uint32_t)k, .w = c->w,
                                .so = L->sh ? so : NULL, .shexp_gate = L->shexp_gate,
                                .f = c->xa};
         if (shpair) {
@@ -1510,24 +1538,30 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     const struct arch_hparams *hp = c->hp;
     const uint32_t n = hp->n_embd;
     c->decoding = S == 1;
+    /* decode with cols tails: the combines leave h alone and each layer's
+     * input product normalises it (or a norm launch before it) */
+    const bool cols = S == 1 && (c->tails & CB_TAIL_COLS) && !(c->tails & CB_TAIL_COMBINE);
     for (uint32_t l = c->l0; l < c->l1; l++) {
         const struct cb_layer *L = &c->layers[l - c->l0];
         cb_stage_mark(c, l, CB_STAGE_MIXER, 0, c->stream);
         /* the first layer normalises h; the others got c->xa from the
          * previous layer's combine, the same bits (cuda_rmsnorm_wide) */
-        int rc = l > c->l0 ? 0
-                           : CB_K(c, "norm", cuda_rmsnorm_wide(c->xa, c->h, L->attn_norm, n, S,
-                                                               hp->eps, c->stream));
+        const bool raw = cols && cb_in_norm(L);
+        int rc = raw || (l > c->l0 && !cols)
+                     ? 0
+                     : CB_K(c, "norm", cuda_rmsnorm_wide(c->xa, c->h, L->attn_norm, n, S,
+                                                         hp->eps, c->stream));
         struct cuda_tail tn;
         const struct cuda_tail *tail = cb_norm_tail(c, L, S, &tn);
         if (!rc)
-            rc = L->ly->recurrent ? cb_deltanet(c, L, S, tail) : cb_attention(c, L, S, pos0, tail);
+            rc = L->ly->recurrent ? cb_deltanet(c, L, S, tail, raw)
+                                  : cb_attention(c, L, S, pos0, tail, raw);
         if (!tail)
             rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm,
                                                                 n, S, hp->eps, c->stream));
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_MIXER, 1, c->stream);
-        rc = rc ? rc : cb_moe(c, L, l, S, l + 1 < c->l1 ? L[1].attn_norm : NULL);
+        rc = rc ? rc : cb_moe(c, L, l, S, !cols && l + 1 < c->l1 ? L[1].attn_norm : NULL, cols);
         if (rc)
             return rc;
         if (c->cfg.progress)
@@ -1792,6 +1826,7 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
     if (!rc && c->skip)
         rc = CUDA_CHECK(cudaMemset(c->scratch, 0, c->scratch_size));
     rc = rc ? rc : CUDA_CHECK(cudaMemset(c->tail_ctr, 0, sizeof(*c->tail_ctr)));
+    rc = rc ? rc : CUDA_CHECK(cudaMemset(c->col_ctr, 0, CUDA_TAIL_COLS_MAX * sizeof(*c->col_ctr)));
     /* the shared pair's id after the router's k (decode; no kernel writes it) */
     const int32_t shared_id = (int32_t)c->hp->n_expert;
     rc = rc ? rc : CUDA_CHECK(cudaMemcpy(c->ids_dec + c->hp->n_expert_used, &shared_id,
@@ -1825,8 +1860,10 @@ static unsigned cb_tail_mask(const char *env)
             mask |= CB_TAIL_TOPK;
         else if (len == 7 && !strncmp(p, "combine", 7))
             mask |= CB_TAIL_COMBINE;
+        else if (len == 4 && !strncmp(p, "cols", 4))
+            mask |= CB_TAIL_COLS;
         else
-            log_warn("LAMINA_CUDA_TAIL: \"%.*s\" is none of norm, topk, combine: ignored",
+            log_warn("LAMINA_CUDA_TAIL: \"%.*s\" is none of norm, topk, combine, cols: ignored",
                      (int)len, p);
         p += len + (p[len] == ',');
     }
@@ -1865,6 +1902,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->tails = ta ? cb_tail_mask(ta) : CB_TAIL_NORM | CB_TAIL_TOPK;
     const char *pf = getenv("LAMINA_CUDA_PF");
     c->prefetch = !(pf && !strcmp(pf, "0"));
+    const char *early = getenv("LAMINA_CUDA_EARLY");
+    c->early = !(early && !strcmp(early, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     c->skip = getenv("LAMINA_CUDA_SKIP");

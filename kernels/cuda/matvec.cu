@@ -1000,6 +1000,30 @@ extern "C" bool cuda_matvec_supports(uint32_t type)
     return block_shape(type, &ee, &eb);
 }
 
+extern "C" bool cuda_matvec_norm_ok(uint32_t type, uint64_t n_rows, uint64_t n)
+{
+    return mvq_pays(n, n_rows) && cuda_mvq_norm_ok(type, n_rows, n);
+}
+
+extern "C" int cuda_matvec_norm(uint32_t type, const void *d_w, size_t row_bytes,
+                                uint64_t n_rows, uint64_t n, const float *d_h,
+                                const float *d_norm_w, float eps, float *d_y, cudaStream_t stream)
+{
+    if (!cuda_matvec_norm_ok(type, n_rows, n))
+        return -ENOTSUP;
+    const char *what = "cuda matvec_norm";
+    int rc = check_weights(what, type, reinterpret_cast<uintptr_t>(d_w), row_bytes, n);
+    if (rc)
+        return rc;
+    if (!d_w || !d_h || !d_y ||
+        (reinterpret_cast<uintptr_t>(d_h) | reinterpret_cast<uintptr_t>(d_y)) & 3) {
+        log_error("%s: bad buffers (w %p h %p y %p)", what, d_w, static_cast<const void *>(d_h),
+                  static_cast<void *>(d_y));
+        return -EINVAL;
+    }
+    return cuda_mvq_norm(type, d_w, row_bytes, n_rows, n, d_h, d_norm_w, eps, d_y, stream);
+}
+
 extern "C" int cuda_matvec(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
                            uint64_t n, const float *d_x, float *d_y, cudaStream_t stream)
 {
@@ -1022,6 +1046,11 @@ extern "C" bool cuda_tail_ok(const struct cuda_tail *t, uint64_t n_out)
             ok = t->h && t->w && t->k > 0 && t->k <= 16 && t->n == n_out && t->n > 0 &&
                  (!t->norm_w || t->out) && (!(t->so && t->shexp_gate) || t->f);
             break;
+        case CUDA_TAIL_COMBINE_COLS:
+            ok = t->h && t->w && t->k > 0 && t->k <= 16 && t->n == n_out && t->n > 0 &&
+                 !t->norm_w && (!(t->so && t->shexp_gate) || t->f) &&
+                 cuda_norm_wide_threads(t->n) <= 1024;
+            break;
         default: ok = false; break;
         }
     }
@@ -1038,7 +1067,8 @@ extern "C" int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes
     if (!t || t->kind == CUDA_TAIL_NONE)
         return cuda_matvec(type, d_w, row_bytes, n_rows, n, d_x, d_y, stream);
     const char *what = "cuda matvec_tail";
-    if (t->kind == CUDA_TAIL_COMBINE || !cuda_tail_ok(t, n_rows)) {
+    if (t->kind == CUDA_TAIL_COMBINE || t->kind == CUDA_TAIL_COMBINE_COLS ||
+        !cuda_tail_ok(t, n_rows)) {
         log_error("%s: a tail of kind %d does not follow a product of %llu rows", what,
                   static_cast<int>(t->kind), (unsigned long long)n_rows);
         return -EINVAL;

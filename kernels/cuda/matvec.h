@@ -26,6 +26,18 @@ extern "C" {
 /* True when the kernels handle this enum quant_type. */
 bool cuda_matvec_supports(uint32_t type);
 
+/* Whether cuda_matvec_norm takes this product (int8 decode kernels, the rule
+ * of cuda_mvq_pays, n at most 4096 elements a 1024-thread norm covers). */
+bool cuda_matvec_norm_ok(uint32_t type, uint64_t n_rows, uint64_t n);
+
+/* d_y = W (rmsnorm(d_h) * d_norm_w) for one row (decode): the norm is
+ * cuda_rmsnorm_wide's, bit for bit, computed by every block of the product
+ * before it rounds the activations (no norm launch; d_norm_w NULL: weights
+ * 1). -ENOTSUP where cuda_matvec_norm_ok is false (nothing launched). */
+int cuda_matvec_norm(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                     uint64_t n, const float *d_h, const float *d_norm_w, float eps, float *d_y,
+                     cudaStream_t stream);
+
 /* d_y[r] = W[r] . d_x for r < n_rows (decode). */
 int cuda_matvec(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
                 const float *d_x, float *d_y, cudaStream_t stream);

@@ -71,6 +71,12 @@ struct MvqArgs {
     size_t pf_bytes;              /* bytes of one of its experts */
     uint32_t n_table;             /* experts: entries of addr and pf_addr to ask for in L2
                                    * before the wait (0: none) */
+    bool early;                   /* experts: ids (and a COMBINE_COLS tail's f) written two
+                                   * or more launches back: read before the wait (entries
+                                   * of addr: n_table) */
+    const float *nin_w;           /* norm in (plain products): x is a residual row h, */
+    float nin_eps;                /* the product reads rmsnorm(h) * nin_w (NULL: 1) in */
+    uint32_t nin_width;           /* cuda_rmsnorm_wide's tree of this width (0: off) */
 };
 
 template <int TYPE>
@@ -182,31 +188,51 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     };
     /* PDL: a plain product's weights (its tiles in L2, the first pass in
      * registers) before the wait for the activations; an expert's address
-     * needs the ids, so after it */
+     * needs the ids, so after it, unless they are early (written by a launch
+     * that completed before the one just before this started: through L2) */
+    int32_t e = -1;
     if (!a.ids) {
         if (threadIdx.x == 0)
             prefetch_rows(a, (kThreads / G) * R, n_tiles);
         issue(sub);
+    } else if (a.early) {
+        e = __ldcg(a.ids + job);
+        w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
+                ? static_cast<const uint8_t *>(a.addr[e])
+                : nullptr;
+        if (w)
+            issue(sub);
     } else if (a.n_table && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
         /* the address tables: the ids pick their entries after the wait */
         pdl_prefetch_l2(a.addr, a.n_table * sizeof(void *));
         if (a.pf_addr)
             pdl_prefetch_l2(a.pf_addr, a.n_table * sizeof(void *));
     }
-    if constexpr (TAIL)
+    float gs = 1.0f; /* a COMBINE_COLS tail's gate, early: before the wait too */
+    if constexpr (TAIL) {
         tail_prefetch(a.tail);
+        if (a.early && a.tail.t.kind == CUDA_TAIL_COMBINE_COLS) {
+            __shared__ float s_gate[32];
+            gs = tail_gate(a.tail, s_gate);
+        }
+    }
+    if (a.nin_width && a.nin_w && blockIdx.x == 0 && threadIdx.x == 0)
+        pdl_prefetch_l2(a.nin_w, a.n * sizeof(float));
     pdl_wait();
     pdl_trigger();
     if (a.ids) {
-        const int32_t e = a.ids[job];
-        w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
+        if (!a.early) {
+            e = a.ids[job];
+            w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
+        }
         if (!w) { /* the whole block: the pair runs elsewhere */
             if constexpr (TAIL)
-                tail_finish<true>(a.tail);
+                tail_finish<true>(a.tail, gs, a.early);
             return;
         }
         x += static_cast<size_t>(job / a.x_div) * a.ldx;
-        issue(sub);
+        if (!a.early)
+            issue(sub);
         /* the next product reads this expert's other matrix: the pair's
          * blocks ask for a share of it each, in L2 beside this product */
         if (a.pf_addr && threadIdx.x == 0) {
@@ -218,6 +244,38 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         }
     }
 
+    /* norm in: the scale of cuda_rmsnorm_wide over x (its virtual threads'
+     * sums of squares in its order and tree), two rounds' loads at a time */
+    float nscale = 1.0f;
+    if (a.nin_width) {
+        __shared__ float s_red[32];
+        const uint32_t width = a.nin_width, rounds = (a.n + width - 1) / width;
+        float part[kTailVirtual];
+#pragma unroll
+        for (int m = 0; m < kTailVirtual; m++)
+            part[m] = 0.0f;
+        for (uint32_t t0 = 0; t0 < rounds; t0 += 2) {
+            float hv[2][kTailVirtual];
+#pragma unroll
+            for (int t = 0; t < 2; t++)
+#pragma unroll
+                for (int m = 0; m < kTailVirtual; m++) {
+                    const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
+                    hv[t][m] = v < width && j < a.n ? x[j] : 0.0f;
+                }
+#pragma unroll
+            for (int m = 0; m < kTailVirtual; m++)
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
+                    if (v < width && j < a.n)
+                        part[m] += hv[t][m] * hv[t][m];
+                }
+        }
+        const float sum = tail_vsum<kTailVirtual>(part, width, s_red);
+        nscale = 1.0f / sqrtf(sum / static_cast<float>(a.n) + a.nin_eps);
+    }
+
     /* round the activation row into shared memory: warp w takes blocks
      * w, w + 8, ...; four blocks' loads in flight at a time */
     constexpr int XB = 4;
@@ -227,6 +285,11 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         for (int i = 0; i < XB; i++) {
             const uint32_t b = b0 + i * kWarps;
             xv[i] = b < a.nb ? x[b * 32 + lane] : 0.0f;
+            if (a.nin_width && b < a.nb) { /* norm_rows_kernel's expressions */
+                xv[i] = xv[i] * nscale;
+                if (a.nin_w)
+                    xv[i] = xv[i] * a.nin_w[b * 32 + lane];
+            }
             if (a.glu) /* cuda_silu_mul's formula: the rounding sees the same values */
                 xv[i] = b < a.nb ? __fmul_rn(xv[i] / (1.0f + expf(-xv[i])),
                                              x[a.n + b * 32 + lane])
@@ -300,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     }
     }
     if constexpr (TAIL) /* its own instantiation: the others keep their registers */
-        tail_finish<true>(a.tail);
+        tail_finish<true>(a.tail, gs, a.early);
 }
 
 /* Two blocks per SM of the current device: the blocks a launch should have
@@ -320,13 +383,18 @@ uint32_t want_blocks()
 }
 
 template <int TYPE, int G, int U, int R>
-int go(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
+int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
 {
+    MvqArgs a = args;
     const uint32_t rows_per_block = (kThreads / G) * R;
     const uint32_t tiles = (a.n_rows + rows_per_block - 1) / rows_per_block;
     /* one product: at most two blocks per SM, each looping over tiles */
     const uint32_t cap = jobs == 1 ? want_blocks() : tiles;
     const dim3 grid(tiles < cap ? tiles : cap, jobs);
+    a.tail.rows_per_tile = rows_per_block;
+    a.tail.n_tiles = tiles;
+    if (a.tail.t.kind == CUDA_TAIL_COMBINE_COLS && grid.x > CUDA_TAIL_COLS_MAX)
+        return -ENOTSUP;
     const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
     const bool tail = a.tail.t.kind != CUDA_TAIL_NONE;
     if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
@@ -472,6 +540,26 @@ extern "C" int cuda_mvq_tail(uint32_t type, const void *d_w, size_t row_bytes, u
     return dispatch(type, a, 1, stream);
 }
 
+extern "C" bool cuda_mvq_norm_ok(uint32_t type, uint64_t n_rows, uint64_t n)
+{
+    return usable(type, n_rows, n, nullptr, n, n_rows, false) &&
+           cuda_norm_wide_threads(static_cast<uint32_t>(n)) <= kTailVirtual * kThreads;
+}
+
+extern "C" int cuda_mvq_norm(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                             uint64_t n, const float *d_h, const float *d_norm_w, float eps,
+                             float *d_y, cudaStream_t stream)
+{
+    MvqArgs a;
+    if (!cuda_mvq_norm_ok(type, n_rows, n) ||
+        !plain_args(type, d_w, row_bytes, n_rows, n, d_h, false, d_y, &a))
+        return -ENOTSUP;
+    a.nin_w = d_norm_w;
+    a.nin_eps = eps;
+    a.nin_width = cuda_norm_wide_threads(static_cast<uint32_t>(n));
+    return dispatch(type, a, 1, stream);
+}
+
 extern "C" int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
                         uint64_t n, const float *d_x, float *d_y, cudaStream_t stream)
 {
@@ -512,7 +600,8 @@ extern "C" int cuda_mvq_experts_glu(uint32_t type, const void *const *d_addr, si
 
 extern "C" int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_addr,
                                          size_t row_bytes, uint64_t n_rows, uint64_t n,
-                                         const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
+                                         const int32_t *d_ids, uint32_t n_early,
+                                         uint32_t n_pairs, const float *d_X,
                                          size_t ldx, bool glu, float *d_Y,
                                          const struct cuda_tail *t, cudaStream_t stream)
 {
@@ -520,14 +609,20 @@ extern "C" int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_add
     if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, 1, glu, d_Y,
                       n_rows, &a))
         return -ENOTSUP;
+    /* COMBINE_COLS: the shared expert may be pair k, its output row k */
+    const bool cols = t && t->kind == CUDA_TAIL_COMBINE_COLS;
+    const bool pairs_ok =
+        t && (t->k == n_pairs || (cols && t->k + 1 == n_pairs && t->so == d_Y + t->k * n_rows));
     if (t && t->kind != CUDA_TAIL_NONE &&
-        (t->kind != CUDA_TAIL_COMBINE || t->n != n_rows || t->k != n_pairs ||
+        ((t->kind != CUDA_TAIL_COMBINE && !cols) || t->n != n_rows || !pairs_ok ||
          !cuda_tail_ok(t, n_rows))) {
         log_error("cuda mvq experts: a tail of kind %d does not follow %u pairs of %llu rows",
                   static_cast<int>(t->kind), n_pairs, static_cast<unsigned long long>(n_rows));
         return -EINVAL;
     }
     a.tail = tail_args(t, d_Y, n_rows);
+    a.early = n_early > 0;
+    a.n_table = n_early;
     return dispatch(type, a, n_pairs, stream);
 }
 

@@ -58,6 +58,13 @@ int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t r
                               size_t ldy, const void *const *d_next_addr, size_t next_bytes,
                               uint32_t n_table, cudaStream_t stream);
 
+/* cuda_matvec_norm (matvec.h) through these kernels; -ENOTSUP where
+ * cuda_mvq_norm_ok is false. */
+bool cuda_mvq_norm_ok(uint32_t type, uint64_t n_rows, uint64_t n);
+int cuda_mvq_norm(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+                  const float *d_h, const float *d_norm_w, float eps, float *d_y,
+                  cudaStream_t stream);
+
 /* cuda_mvq followed by a tail (tail.h; checked by the caller). */
 struct cuda_tail;
 int cuda_mvq_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,

@@ -35,6 +35,8 @@ struct TailArgs {
     struct cuda_tail t;
     const float *y;
     uint32_t width;
+    uint32_t rows_per_tile; /* COMBINE_COLS: the product's row tiles (set by the */
+    uint32_t n_tiles;       /* launcher): grid column x holds tiles x, x + grid.x, ... */
 };
 
 /* Host: the TailArgs of a launch (kind NONE when t is NULL). */
@@ -47,7 +49,8 @@ static inline TailArgs tail_args(const struct cuda_tail *t, const float *y, uint
     a.y = y;
     switch (t->kind) {
     case CUDA_TAIL_ADD_NORM: a.width = cuda_norm_threads(t->n); break;
-    case CUDA_TAIL_COMBINE: a.width = cuda_norm_wide_threads(t->n); break;
+    case CUDA_TAIL_COMBINE:
+    case CUDA_TAIL_COMBINE_COLS: a.width = cuda_norm_wide_threads(t->n); break;
     default: a.width = static_cast<uint32_t>(n_out); break;
     }
     return a;
@@ -134,11 +137,45 @@ static __device__ __forceinline__ void tail_add_norm(const TailArgs &a)
  * owns columns v, v + width, ...: round t takes column v + t * width of
  * every m at once (their loads in flight together), so each virtual
  * thread's sums still run over its columns in order. */
+/* The combine's shared-expert gate sigmoid(shexp_gate . f) (1 without a
+ * gate or shared expert), the dot product in the combine kernel's tree;
+ * every thread of the block calls it. */
+static __device__ __forceinline__ float tail_gate(const TailArgs &a, float *s_tmp)
+{
+    const uint32_t width = a.width, n = a.t.n;
+    const float *gate = a.t.shexp_gate, *f = a.t.f;
+    if (!a.t.so || !gate)
+        return 1.0f;
+    const uint32_t rounds = (n + width - 1) / width;
+    float part[kTailVirtual];
+#pragma unroll
+    for (int m = 0; m < kTailVirtual; m++)
+        part[m] = 0.0f;
+    for (uint32_t t = 0; t < rounds; t++) {
+        float gv[kTailVirtual], fv[kTailVirtual];
+#pragma unroll
+        for (int m = 0; m < kTailVirtual; m++) {
+            const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+            const bool in = v < width && j < n;
+            gv[m] = in ? gate[j] : 0.0f;
+            fv[m] = in ? __ldcg(f + j) : 0.0f; /* L2: maybe before the PDL wait */
+        }
+#pragma unroll
+        for (int m = 0; m < kTailVirtual; m++) {
+            const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+            if (v < width && j < n)
+                part[m] += gv[m] * fv[m];
+        }
+    }
+    const float d = tail_vsum<kTailVirtual>(part, width, s_tmp);
+    return 1.0f / (1.0f + expf(-d));
+}
+
 static __device__ __forceinline__ void tail_combine(const TailArgs &a)
 {
     __shared__ float s_tmp[32];
     const uint32_t width = a.width, n = a.t.n, k = a.t.k;
-    const float *Y = a.y, *so = a.t.so, *gate = a.t.shexp_gate, *f = a.t.f;
+    const float *Y = a.y, *so = a.t.so;
     float *h = a.t.h;
     const uint32_t rounds = (n + width - 1) / width;
     float wv[16];
@@ -146,30 +183,7 @@ static __device__ __forceinline__ void tail_combine(const TailArgs &a)
     for (int i = 0; i < 16; i++)
         wv[i] = static_cast<uint32_t>(i) < k ? a.t.w[i] : 0.0f;
     float part[kTailVirtual];
-    float gs = 1.0f;
-    if (so && gate) {
-#pragma unroll
-        for (int m = 0; m < kTailVirtual; m++)
-            part[m] = 0.0f;
-        for (uint32_t t = 0; t < rounds; t++) {
-            float gv[kTailVirtual], fv[kTailVirtual];
-#pragma unroll
-            for (int m = 0; m < kTailVirtual; m++) {
-                const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
-                const bool in = v < width && j < n;
-                gv[m] = in ? gate[j] : 0.0f;
-                fv[m] = in ? f[j] : 0.0f;
-            }
-#pragma unroll
-            for (int m = 0; m < kTailVirtual; m++) {
-                const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
-                if (v < width && j < n)
-                    part[m] += gv[m] * fv[m];
-            }
-        }
-        const float d = tail_vsum<kTailVirtual>(part, width, s_tmp);
-        gs = 1.0f / (1.0f + expf(-d));
-    }
+    const float gs = tail_gate(a, s_tmp);
 #pragma unroll
     for (int m = 0; m < kTailVirtual; m++)
         part[m] = 0.0f;
@@ -230,6 +244,40 @@ static __device__ __forceinline__ void tail_combine(const TailArgs &a)
     }
 }
 
+/* The combine of the rows of grid column blockIdx.x (COMBINE_COLS), after
+ * every pair of its tiles is done: column j of h gets the combine kernel's
+ * sum for j, the same bits (the expert rows in order, then the gated shared
+ * expert, then the residual add). Its loads (k + 2 a row) go out together. */
+static __device__ __forceinline__ void tail_combine_cols(const TailArgs &a, float gs_early,
+                                                         bool have_gs)
+{
+    __shared__ float s_tmp[32];
+    const uint32_t n = a.t.n, k = a.t.k, rpt = a.rows_per_tile;
+    const float *Y = a.y, *so = a.t.so;
+    float *h = a.t.h;
+    const float gs = have_gs ? gs_early : tail_gate(a, s_tmp);
+    for (uint32_t tile = blockIdx.x; tile < a.n_tiles; tile += gridDim.x) {
+        const uint32_t r1 = (tile + 1) * rpt < n ? (tile + 1) * rpt : n;
+        for (uint32_t j = tile * rpt + threadIdx.x; j < r1; j += blockDim.x) {
+            float yv[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                yv[i] = static_cast<uint32_t>(i) < k
+                            ? __ldcg(Y + static_cast<size_t>(i) * n + j)
+                            : 0.0f;
+            const float sv = so ? __ldcg(so + j) : 0.0f, hv = h[j];
+            float out = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                if (static_cast<uint32_t>(i) < k)
+                    out = __fadd_rn(out, __fmul_rn(a.t.w[i], yv[i]));
+            if (so)
+                out = __fadd_rn(out, __fmul_rn(gs, sv));
+            h[j] = __fadd_rn(hv, out);
+        }
+    }
+}
+
 /* cuda_router_topk of one token (router.cu's kernel): its first warp. */
 static __device__ __forceinline__ void tail_topk(const TailArgs &a)
 {
@@ -246,16 +294,19 @@ static __device__ __forceinline__ void tail_prefetch(const TailArgs &a)
         return;
     if ((a.t.kind == CUDA_TAIL_ADD_NORM || a.t.kind == CUDA_TAIL_COMBINE) && a.t.norm_w)
         pdl_prefetch_l2(a.t.norm_w, a.t.n * sizeof(float));
-    if (a.t.kind == CUDA_TAIL_COMBINE && a.t.shexp_gate)
+    if ((a.t.kind == CUDA_TAIL_COMBINE || a.t.kind == CUDA_TAIL_COMBINE_COLS) &&
+        a.t.shexp_gate)
         pdl_prefetch_l2(a.t.shexp_gate, a.t.n * sizeof(float));
 }
 
 /* Called by every thread of every block of the product at its end: the
  * block that completes the launch runs the tail. COMBINE: whether the
  * kernel may carry a combine tail (its registers; matvec.cu's f32
- * products never do). */
+ * products never do). have_gs: gs is tail_gate's value, computed before
+ * (COMBINE_COLS). */
 template <bool COMBINE>
-static __device__ __forceinline__ void tail_finish(const TailArgs &a)
+static __device__ __forceinline__ void tail_finish(const TailArgs &a, float gs = 1.0f,
+                                                   bool have_gs = false)
 {
     if (a.t.kind == CUDA_TAIL_NONE)
         return;
@@ -263,10 +314,13 @@ static __device__ __forceinline__ void tail_finish(const TailArgs &a)
     __threadfence(); /* this thread's outputs before the block's arrival */
     __syncthreads();
     if (threadIdx.x == 0) {
-        const unsigned int total = gridDim.x * gridDim.y * gridDim.z;
-        s_last = atomicAdd(a.t.counter, 1u) + 1u == total;
+        /* COMBINE_COLS: a counter per grid column, whose blocks are the pairs */
+        const bool cols = a.t.kind == CUDA_TAIL_COMBINE_COLS;
+        unsigned int *ctr = cols ? a.t.counter + blockIdx.x : a.t.counter;
+        const unsigned int total = cols ? gridDim.y : gridDim.x * gridDim.y * gridDim.z;
+        s_last = atomicAdd(ctr, 1u) + 1u == total;
         if (s_last)
-            *a.t.counter = 0; /* every block has arrived: ready for the next launch */
+            *ctr = 0; /* every block has arrived: ready for the next launch */
     }
     __syncthreads();
     if (!s_last)
@@ -278,6 +332,10 @@ static __device__ __forceinline__ void tail_finish(const TailArgs &a)
     case CUDA_TAIL_COMBINE:
         if constexpr (COMBINE)
             tail_combine(a);
+        break;
+    case CUDA_TAIL_COMBINE_COLS:
+        if constexpr (COMBINE)
+            tail_combine_cols(a, gs, have_gs);
         break;
     default: break;
     }

@@ -9,7 +9,10 @@
  * kernel launch per layer. A tail is one block's work after the whole
  * product, so it pays only where that work is short: on an H200 the norm
  * and top-k tails made decode 6 % faster, the combine tail (10 expert rows)
- * 9 % slower (docs/perf.md; the CUDA backend's LAMINA_CUDA_TAIL).
+ * 9 % slower (docs/perf.md; the CUDA backend's LAMINA_CUDA_TAIL). The
+ * COMBINE_COLS tail splits the combine over the product's grid columns (a
+ * counter per column, the next norm left to the next layer's input product,
+ * cuda_matvec_norm): as fast as the combine launch it replaces.
  *
  * Each tail computes what its stand-alone kernel computes, bit for bit: the
  * tail loops emulate that kernel's block width (the row kernels' threads own
@@ -48,11 +51,22 @@ enum cuda_tail_kind {
      * token: cuda_moe_combine(h, y, w, k, so, shexp_gate, f, n, 1), and with
      * norm_w cuda_moe_combine_norm's norm into out */
     CUDA_TAIL_COMBINE,
+    /* expert products only: the product's y are the k (<= 16) expert rows
+     * of one token (ldy n) and, where so = y + k n, the shared expert's
+     * output as row k: cuda_moe_combine(h, y, w, k, so, shexp_gate, f, n, 1)
+     * split by the launch's grid columns: the block that completes a column
+     * (every pair of its row tiles) adds those rows into h. No norm: the
+     * next layer's input product normalises h (cuda_matvec_norm). */
+    CUDA_TAIL_COMBINE_COLS,
 };
+
+/* Counters a COMBINE_COLS tail needs: one per grid column, at most this many. */
+#define CUDA_TAIL_COLS_MAX 1024u
 
 struct cuda_tail {
     enum cuda_tail_kind kind;
-    unsigned int *counter; /* device; 0 before and after the launch */
+    unsigned int *counter; /* device; 0 before and after the launch (COMBINE_COLS:
+                            * CUDA_TAIL_COLS_MAX of them) */
     uint32_t n;            /* ADD_NORM, COMBINE: row length */
     float eps;
     float *h;              /* ADD_NORM, COMBINE: the residual row, updated */
@@ -60,10 +74,10 @@ struct cuda_tail {
     float *out;            /* ADD_NORM, COMBINE with norm_w: the normalised row */
     uint32_t k;            /* TOPK, COMBINE: experts per token */
     int32_t *ids;          /* TOPK: the k expert ids */
-    float *w;              /* TOPK: their weights; COMBINE: the weights read */
-    const float *so;       /* COMBINE: shared expert output or NULL */
-    const float *shexp_gate; /* COMBINE: its gate (NULL: 1) */
-    const float *f;        /* COMBINE: the normalised input the gate reads */
+    float *w;              /* TOPK: their weights; COMBINE(_COLS): the weights read */
+    const float *so;       /* COMBINE(_COLS): shared expert output or NULL */
+    const float *shexp_gate; /* COMBINE(_COLS): its gate (NULL: 1) */
+    const float *f;        /* COMBINE(_COLS): the normalised input the gate reads */
 };
 
 /* Whether a tail of this kind can follow a product with n_out outputs
@@ -78,10 +92,18 @@ int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t 
                      cudaStream_t stream);
 
 /* cuda_mvq_experts_glu (mvq.h) for the k pairs of one token, then a
- * COMBINE tail over their rows (d_Y, ldy = n_rows = the tail's n).
- * -ENOTSUP where cuda_mvq_experts_glu would return it. */
+ * COMBINE tail over their rows (d_Y, ldy = n_rows = the tail's n), or a
+ * COMBINE_COLS tail (n_pairs k, or k + 1 with so = d_Y + k n_rows); t NULL
+ * or kind NONE: no tail. n_early: the entries of d_addr where the ids (and
+ * a COMBINE_COLS tail's f) were written at least two launches before this
+ * one in the stream: the kernel then reads them, its pairs' weights and the
+ * shared-expert gate before it waits for the launch just before it (that
+ * launch started only after the ones before it completed; kernels/cuda/
+ * pdl.cuh); 0: after the wait. -ENOTSUP where cuda_mvq_experts_glu would
+ * return it. */
 int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_addr, size_t row_bytes,
-                              uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
+                              uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_early,
+                              uint32_t n_pairs,
                               const float *d_X, size_t ldx, bool glu, float *d_Y,
                               const struct cuda_tail *t, cudaStream_t stream);
 

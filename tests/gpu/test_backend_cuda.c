@@ -28,8 +28,12 @@
  *   - the same with no product tails (LAMINA_CUDA_TAIL=0: the residual
  *     norms and top-k as launches of their own) and with every tail
  *     (LAMINA_CUDA_TAIL=1: the combine too): byte-identical;
+ *   - the same with the combine split over the down product's columns and
+ *     each layer's norm inside its input product (LAMINA_CUDA_TAIL=
+ *     norm,topk,cols): byte-identical;
  *   - the same without the down experts' L2 prefetch in the decode gate/up
- *     product (LAMINA_CUDA_PF=0): byte-identical;
+ *     product (LAMINA_CUDA_PF=0), and with the down product reading the
+ *     router's ids after its PDL wait (LAMINA_CUDA_EARLY=0): byte-identical;
  *   - the same with each DeltaNet head's decode in one block instead of a
  *     cluster (LAMINA_CUDA_DN_SPLIT=0): byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
@@ -539,9 +543,11 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_TAIL", "0", "without product tails"},
                 {"LAMINA_CUDA_TAIL", "1", "with every product tail"},
                 {"LAMINA_CUDA_PF", "0", "without expert prefetch"},
-                {"LAMINA_CUDA_DN_SPLIT", "0", "without DeltaNet head split"}};
-    double ms_off[7];
-    for (int k = 0; k < 7; k++) {
+                {"LAMINA_CUDA_DN_SPLIT", "0", "without DeltaNet head split"},
+                {"LAMINA_CUDA_TAIL", "norm,topk,cols", "with the combine over columns"},
+                {"LAMINA_CUDA_EARLY", "0", "without early expert ids"}};
+    double ms_off[9];
+    for (int k = 0; k < 9; k++) {
         setenv(offs[k].env, offs[k].value, 1);
         ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
         unsetenv(offs[k].env);
@@ -550,9 +556,10 @@ static void tbc_arch_run(struct tbc_arch *a)
     }
     MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
             "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
-            "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f",
+            "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f, "
+            "combine over columns %.3f, without early ids %.3f",
             a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
-            ms_off[4], ms_off[5], ms_off[6]);
+            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);

@@ -13,6 +13,14 @@
  *     pairs (cuda_mvq_experts_glu_tail) against cuda_mvq_experts_glu then
  *     cuda_moe_combine_norm / cuda_moe_combine, with and without the gated
  *     shared expert and the next norm: Y, h and the normalised row;
+ *   - COMBINE_COLS: the same down product with the combine split over the
+ *     grid's columns against cuda_mvq_experts_glu then cuda_moe_combine,
+ *     the shared expert absent, beside (its own output) or as pair k (row
+ *     k of Y), gated or not, twice in a row on the same h: Y and h, and
+ *     every column counter back at 0;
+ *   - cuda_matvec_norm (the norm inside the input product) against
+ *     cuda_rmsnorm_wide then cuda_matvec, Q4_0 and Q8_0, with and without
+ *     norm weights: y; -ENOTSUP where the kernels do not take it;
  * at hidden sizes whose stand-alone block widths differ (32 up to 1024
  * threads), each fused launch three times in a row (the counter must come
  * back to 0, checked after). Bad tails are refused (-EINVAL).
@@ -287,8 +295,8 @@ static void test_combine(uint32_t n, uint32_t F, uint32_t k, bool shared, bool g
                                 .h = h[1], .norm_w = norm ? nw : NULL, .out = xa[1], .k = k,
                                 .w = wt, .so = shared ? so : NULL,
                                 .shexp_gate = gated ? gate : NULL, .f = xa[1]};
-    rc = cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, X.d_tab, X.rb, n, F, ids, k, gu, 2 * F, true,
-                                   Y[1], &t, 0);
+    rc = cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, X.d_tab, X.rb, n, F, ids, 0, k, gu, 2 * F,
+                                   true, Y[1], &t, 0);
     CHECK(rc == 0, "combine n %u: fused rc %d", n, rc);
     CU(cudaDeviceSynchronize());
     const char *shape = shared ? (gated ? "gated shared" : "shared") : "no shared";
@@ -322,6 +330,134 @@ static void test_combine(uint32_t n, uint32_t F, uint32_t k, bool shared, bool g
     free(hnw);
 }
 
+/* shared: 0 none, 1 its own output, 2 pair k of the product (row k of Y).
+ * early: the fused launch reads the ids and the gate's input before its
+ * PDL wait (they were written long before). */
+static void test_combine_cols(uint32_t n, uint32_t F, uint32_t k, int shared, bool gated,
+                              bool early, unsigned int *cols, struct rng *r)
+{
+    char what[128];
+    const uint32_t E = 24, P = k + (shared == 2);
+    struct experts X = make_experts(E, n, F, r);
+    int32_t *ids = dev_ids(E, P, r);
+    float *hgu = rand_floats((size_t)P * 2 * F, r), *hwt = rand_floats(k, r);
+    float *hh = rand_floats(n, r), *hso = rand_floats(n, r), *hg = rand_floats(n, r);
+    float *hf = rand_floats(n, r);
+    float *gu = dev_floats(hgu, (size_t)P * 2 * F), *wt = dev_floats(hwt, k);
+    float *sob = dev_floats(hso, n), *gate = dev_floats(hg, n), *f = dev_floats(hf, n);
+    float *h[2], *Y[2];
+    for (int i = 0; i < 2; i++) {
+        h[i] = dev_floats(hh, n);
+        CU(cudaMalloc((void **)&Y[i], (size_t)P * n * sizeof(float)));
+        poison(Y[i], (size_t)P * n * sizeof(float));
+    }
+    int rc = 0;
+    for (int rep = 0; rep < 2 && !rc; rep++) {
+        const float *so0 = shared == 2 ? Y[0] + (size_t)k * n : shared ? sob : NULL;
+        rc = cuda_mvq_experts_glu(QUANT_TYPE_Q4_0, X.d_tab, X.rb, n, F, ids, P, gu, 2 * F, 1,
+                                  true, Y[0], n, 0);
+        rc = rc ? rc : cuda_moe_combine(h[0], Y[0], wt, k, so0, gated ? gate : NULL, f, n, 1, 0);
+    }
+    CHECK(rc == 0, "combine cols n %u: unfused rc %d", n, rc);
+    const struct cuda_tail t = {.kind = CUDA_TAIL_COMBINE_COLS, .counter = cols, .n = n,
+                                .h = h[1], .k = k, .w = wt,
+                                .so = shared == 2 ? Y[1] + (size_t)k * n : shared ? sob : NULL,
+                                .shexp_gate = gated ? gate : NULL, .f = f};
+    for (int rep = 0; rep < 2 && !rc; rep++)
+        rc = cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, X.d_tab, X.rb, n, F, ids, early ? E : 0,
+                                       P, gu, 2 * F, true, Y[1], &t, 0);
+    CHECK(rc == 0, "combine cols n %u: fused rc %d", n, rc);
+    CU(cudaDeviceSynchronize());
+    const char *shape = shared == 2 ? "shared pair" : shared ? "shared" : "no shared";
+    snprintf(what, sizeof(what), "combine cols n %u k %u %s%s: Y", n, k, shape,
+             gated ? " gated" : "");
+    bool ok = same(Y[0], Y[1], (size_t)P * n * sizeof(float), what);
+    snprintf(what, sizeof(what), "combine cols n %u k %u %s%s: h", n, k, shape,
+             gated ? " gated" : "");
+    ok &= same(h[0], h[1], n * sizeof(float), what);
+    unsigned int *hc = xmalloc(CUDA_TAIL_COLS_MAX * sizeof(unsigned int));
+    CU(cudaMemcpy(hc, cols, CUDA_TAIL_COLS_MAX * sizeof(unsigned int), cudaMemcpyDeviceToHost));
+    uint32_t left = 0;
+    for (uint32_t i = 0; i < CUDA_TAIL_COLS_MAX; i++)
+        left += hc[i] != 0;
+    CHECK(left == 0, "combine cols: %u column counters not 0 after the launches", left);
+    free(hc);
+    printf("combine cols n %u F %u k %u, %s%s%s, twice: %s\n", n, F, k, shape,
+           gated ? " gated" : "", early ? ", early ids" : "", ok ? "identical" : "DIFFERENT");
+    for (int i = 0; i < 2; i++) {
+        cudaFree(h[i]);
+        cudaFree(Y[i]);
+    }
+    cudaFree(gu);
+    cudaFree(wt);
+    cudaFree(sob);
+    cudaFree(gate);
+    cudaFree(f);
+    cudaFree(ids);
+    free_experts(&X);
+    free(hgu);
+    free(hwt);
+    free(hh);
+    free(hso);
+    free(hg);
+    free(hf);
+}
+
+/* ---- the norm inside the input product ------------------------------------ */
+
+static void test_matvec_norm(uint32_t type, uint32_t rows, uint32_t n, bool weights,
+                             struct rng *r)
+{
+    char what[96];
+    const size_t rb = quant_row_size(type, n);
+    uint8_t *hw = xmalloc((size_t)rows * rb);
+    float *row = rand_floats(n, r);
+    for (uint32_t i = 0; i < rows; i++) {
+        for (uint32_t j = 0; j < n; j++)
+            row[j] = rng_float(r) * (1.0f + (float)(j % 5));
+        if (quant_quantize_row(type, row, hw + (size_t)i * rb, n)) {
+            fprintf(stderr, "quantize failed\n");
+            exit(1);
+        }
+    }
+    void *W;
+    CU(cudaMalloc(&W, (size_t)rows * rb + 16));
+    CU(cudaMemcpy(W, hw, (size_t)rows * rb, cudaMemcpyHostToDevice));
+    float *hh = rand_floats(n, r), *hnw = rand_floats(n, r);
+    for (uint32_t j = 0; j < n; j++)
+        hh[j] *= 3.0f + (float)(j % 11);
+    float *h = dev_floats(hh, n), *nw = dev_floats(hnw, n), *xa, *y[2];
+    CU(cudaMalloc((void **)&xa, n * sizeof(float)));
+    for (int i = 0; i < 2; i++) {
+        CU(cudaMalloc((void **)&y[i], rows * sizeof(float)));
+        poison(y[i], rows * sizeof(float));
+    }
+    const float eps = 1e-6f;
+    CHECK(cuda_matvec_norm_ok(type, rows, n), "matvec_norm %ux%u: not taken", rows, n);
+    int rc = cuda_rmsnorm_wide(xa, h, weights ? nw : NULL, n, 1, eps, 0);
+    rc = rc ? rc : cuda_matvec(type, W, rb, rows, n, xa, y[0], 0);
+    CHECK(rc == 0, "matvec_norm %ux%u: unfused rc %d", rows, n, rc);
+    rc = cuda_matvec_norm(type, W, rb, rows, n, h, weights ? nw : NULL, eps, y[1], 0);
+    CHECK(rc == 0, "matvec_norm %ux%u: fused rc %d", rows, n, rc);
+    CU(cudaDeviceSynchronize());
+    snprintf(what, sizeof(what), "matvec_norm %s %ux%u%s: y", quant_type_name(type), rows, n,
+             weights ? "" : " no weights");
+    const bool ok = same(y[0], y[1], rows * sizeof(float), what);
+    printf("matvec_norm %s %u x %u%s (norm width %u): %s\n", quant_type_name(type), rows, n,
+           weights ? "" : ", no weights", cuda_norm_wide_threads(n),
+           ok ? "identical" : "DIFFERENT");
+    for (int i = 0; i < 2; i++)
+        cudaFree(y[i]);
+    cudaFree(xa);
+    cudaFree(h);
+    cudaFree(nw);
+    cudaFree(W);
+    free(hw);
+    free(row);
+    free(hh);
+    free(hnw);
+}
+
 static void test_refusals(unsigned int *ctr)
 {
     float *d;
@@ -345,6 +481,13 @@ static void test_refusals(unsigned int *ctr)
                            .k = 2};
     rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 32, 32, d, d, &t, 0);
     CHECK(rc == -EINVAL, "a combine after a plain product: rc %d, want -EINVAL", rc);
+    t.kind = CUDA_TAIL_COMBINE_COLS;
+    rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 32, 32, d, d, &t, 0);
+    CHECK(rc == -EINVAL, "a column combine after a plain product: rc %d, want -EINVAL", rc);
+    /* the norm inside the product: only the int8 kernels take it */
+    CHECK(!cuda_matvec_norm_ok(QUANT_TYPE_F32, 64, 32), "matvec_norm takes F32");
+    rc = cuda_matvec_norm(QUANT_TYPE_F32, d, 32 * sizeof(float), 64, 32, d, NULL, 1e-6f, d, 0);
+    CHECK(rc == -ENOTSUP, "matvec_norm of F32: rc %d, want -ENOTSUP", rc);
     CU(cudaDeviceSynchronize());
     CHECK(counter_value(ctr) == 0, "refusals touched the counter (%u)", counter_value(ctr));
     cudaFree(d);
@@ -433,8 +576,8 @@ static void bench_layer(void *arg, cudaStream_t s)
         rc = cuda_matvec_tail(QUANT_TYPE_Q4_0, b->Wo, rbo, n, 4096, b->x4096, b->mix, &tn, s);
         rc |= cuda_matvec_tail(QUANT_TYPE_F32, b->Wr, n * sizeof(float), E, n, b->xa, b->rl, &tk,
                                s);
-        rc |= cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, b->X.d_tab, b->X.rb, n, F, b->ids, k,
-                                        b->gu, 2 * F, true, b->Y, &tc, s);
+        rc |= cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, b->X.d_tab, b->X.rb, n, F, b->ids, 0,
+                                        k, b->gu, 2 * F, true, b->Y, &tc, s);
     }
     if (rc) {
         fprintf(stderr, "bench launch failed\n");
@@ -511,6 +654,25 @@ int main(void)
         test_combine(ns[i], 512, 10, true, false, false, ctr, &r);
     }
     test_combine(2048, 512, 10, true, true, false, ctr, &r);
+    unsigned int *cols;
+    CU(cudaMalloc((void **)&cols, CUDA_TAIL_COLS_MAX * sizeof(*cols)));
+    CU(cudaMemset(cols, 0, CUDA_TAIL_COLS_MAX * sizeof(*cols)));
+    for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++) {
+        test_combine_cols(ns[i], 512, 8, 1, true, false, cols, &r);
+        test_combine_cols(ns[i], 256, 4, 0, false, true, cols, &r);
+        test_combine_cols(ns[i], 512, 10, 2, true, true, cols, &r);
+    }
+    test_combine_cols(2048, 512, 10, 2, false, false, cols, &r);
+    test_combine_cols(2048, 512, 10, 2, true, false, cols, &r);
+    test_combine_cols(4096, 256, 16, 1, false, true, cols, &r);
+    cudaFree(cols);
+    /* norm widths 32 (n 64), 256 (n 512), 1024 over two, three and four rounds */
+    test_matvec_norm(QUANT_TYPE_Q4_0, 1024, 64, true, &r);
+    test_matvec_norm(QUANT_TYPE_Q4_0, 3000, 512, true, &r);
+    test_matvec_norm(QUANT_TYPE_Q8_0, 2048, 2048, false, &r);
+    test_matvec_norm(QUANT_TYPE_Q4_0, 12352, 2048, true, &r);
+    test_matvec_norm(QUANT_TYPE_Q8_0, 24576, 3072, true, &r);
+    test_matvec_norm(QUANT_TYPE_Q4_0, 32768, 4096, true, &r);
     test_refusals(ctr);
     bench_boundaries(ctr, &r);
     cudaFree(ctr);
