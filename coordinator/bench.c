@@ -55,12 +55,24 @@ static double bench_bytes_per_token(const struct arch_model *m)
     return b;
 }
 
+/* A fresh context holding n_depth random tokens (their prefill not timed). */
+static int bench_fill(struct bench_job *j)
+{
+    const uint32_t d = j->cfg->n_depth, nv = j->m->hp.n_vocab;
+    int rc = engine_reset(j->eng);
+    if (rc || d == 0)
+        return rc;
+    for (uint32_t i = 0; i < d; i++)
+        j->ids[i] = (int32_t)bench_rand(j, nv);
+    return engine_eval(j->eng, j->ids, d, false, j->logits);
+}
+
 static int bench_pp(struct bench_job *j, double *tps)
 {
+    int rc = bench_fill(j);
     const uint32_t n = j->cfg->n_prompt, nv = j->m->hp.n_vocab;
     for (uint32_t i = 0; i < n; i++)
         j->ids[i] = (int32_t)bench_rand(j, nv);
-    int rc = engine_reset(j->eng);
     double t0 = bench_now();
     rc = rc ? rc : engine_eval(j->eng, j->ids, n, false, j->logits);
     *tps = n / (bench_now() - t0);
@@ -70,7 +82,7 @@ static int bench_pp(struct bench_job *j, double *tps)
 static int bench_tg(struct bench_job *j, double *tps)
 {
     const uint32_t nv = j->m->hp.n_vocab;
-    int rc = engine_reset(j->eng);
+    int rc = bench_fill(j);
     double t0 = bench_now();
     for (uint32_t i = 0; i < j->cfg->n_gen && !rc; i++) {
         int32_t id = (int32_t)bench_rand(j, nv);
@@ -98,6 +110,8 @@ static int bench_setup(struct bench_job *j)
 {
     const struct bench_config *cfg = j->cfg;
     uint32_t ctx = cfg->n_prompt > cfg->n_gen ? cfg->n_prompt : cfg->n_gen;
+    const uint32_t longest = ctx > cfg->n_depth ? ctx : cfg->n_depth; /* ids held at once */
+    ctx += cfg->n_depth;
     struct engine_config ec = {.model_path = cfg->model_path, .n_threads = cfg->n_threads,
                                .n_ctx = ctx + 1, .n_batch = cfg->n_batch, .kv_f16 = cfg->kv_f16,
                                .progress = true, .cluster = cfg->cluster,
@@ -108,7 +122,7 @@ static int bench_setup(struct bench_job *j)
         return -EINVAL;
     j->m = engine_model(j->eng);
     j->logits = malloc(j->m->hp.n_vocab * sizeof(float));
-    j->ids = malloc(((size_t)ctx + 1) * sizeof(int32_t));
+    j->ids = malloc(((size_t)longest + 1) * sizeof(int32_t));
     j->rng = cfg->seed;
     return j->logits && j->ids ? 0 : -ENOMEM;
 }
@@ -126,23 +140,26 @@ static void bench_print(struct bench_job *j, double pp_med, double pp_spr, doubl
     if (cfg->json) {
         printf("{\"model\":\"%s\",\"arch\":\"%s\",\"backend\":\"%s\",\"threads\":%d,"
                "\"pp\":%u,\"pp_tps\":%.3f,\"pp_spread\":%.3f,\"tg\":%u,\"tg_tps\":%.3f,"
-               "\"tg_spread\":%.3f,\"reps\":%u,\"bytes_per_token\":%.0f,\"membw_gbs\":%.2f,"
-               "\"tg_roofline_tps\":%.3f,\"tg_fraction_of_roofline\":%.4f}\n",
+               "\"tg_spread\":%.3f,\"depth\":%u,\"reps\":%u,\"bytes_per_token\":%.0f,"
+               "\"membw_gbs\":%.2f,\"tg_roofline_tps\":%.3f,\"tg_fraction_of_roofline\":%.4f}\n",
                cfg->model_path, j->m->hp.arch_name, backend, nt, cfg->n_prompt, pp_med, pp_spr,
-               cfg->n_gen, tg_med, tg_spr, cfg->reps, bpt, bw, roof,
+               cfg->n_gen, tg_med, tg_spr, cfg->n_depth, cfg->reps, bpt, bw, roof,
                roof > 0 ? tg_med / roof : 0.0);
         return;
     }
     printf("| model | size | backend | threads | test | t/s |\n");
     printf("| --- | ---: | --- | ---: | ---: | ---: |\n");
     const double gib = gguf_file_size(engine_gguf(j->eng)) / 1073741824.0;
+    char at[32] = ""; /* llama-bench's " @ dN" */
+    if (cfg->n_depth)
+        snprintf(at, sizeof(at), " @ d%u", cfg->n_depth);
     if (cfg->n_prompt)
-        printf("| %s %u layers | %.2f GiB | %s | %d | pp%u | %.2f +- %.2f |\n",
-               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_prompt, pp_med,
+        printf("| %s %u layers | %.2f GiB | %s | %d | pp%u%s | %.2f +- %.2f |\n",
+               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_prompt, at, pp_med,
                pp_spr);
     if (cfg->n_gen)
-        printf("| %s %u layers | %.2f GiB | %s | %d | tg%u | %.2f +- %.2f |\n",
-               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_gen, tg_med,
+        printf("| %s %u layers | %.2f GiB | %s | %d | tg%u%s | %.2f +- %.2f |\n",
+               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_gen, at, tg_med,
                tg_spr);
     if (bw > 0)
         printf("\nweights read per generated token: %.1f MB; %s %.1f GB/s; roofline %.1f tok/s; "

@@ -27,6 +27,8 @@ struct bench_config {
     const char *model_path;
     uint32_t n_prompt;     /* pp test length (default 512; 0: skip) */
     uint32_t n_gen;        /* tg test length (default 128; 0: skip) */
+    uint32_t n_depth;      /* tokens already in the context when each test starts (prefilled,
+                              not timed; llama-bench's -d; default 0) */
     uint32_t reps;         /* repetitions (default 5) */
     int n_threads;         /* <= 0: physical cores */
     uint32_t n_batch;      /* prefill tokens per pass (default 512) */

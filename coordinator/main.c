@@ -89,9 +89,11 @@ static const char usage[] =
     "\n"
     "lamina tokenize -m FILE (-p TEXT | -f FILE) [--ids] [--no-special]\n"
     "lamina inspect FILE\n"
-    "lamina bench -m FILE [-p 512] [-n 128] [-r 5] [--threads N] [--json] [--no-membw]\n"
+    "lamina bench -m FILE [-p 512] [-n 128] [-d 0] [-r 5] [--threads N] [--json] [--no-membw]\n"
     "             [--inproc [--backend cuda:N] | --devices LIST ...: the worker options of run]\n"
     "             [--parallel N [--dump-tokens FILE]] [--seed N]\n"
+    "  -d, --n-depth N         each test starts with N random tokens already in the context\n"
+    "                          (their prefill not timed; llama-bench's -d): \"tg128 @ d4096\"\n"
     "  --parallel N            N sequences (1..64) in flight through the workers at once: each\n"
     "                          prefills -p random ids (its own: seed + its index), then\n"
     "                          generates -n tokens greedily; total and per-sequence tok/s\n"
@@ -727,6 +729,8 @@ static int cmd_bench(struct cli *c)
             rc = cli_int(c, 0, 1 << 20, &x) ? -EINVAL : (bc.n_prompt = (uint32_t)x, 0);
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-gen"))
             rc = cli_int(c, 0, 1 << 20, &x) ? -EINVAL : (bc.n_gen = (uint32_t)x, 0);
+        else if (!strcmp(a, "-d") || !strcmp(a, "--n-depth"))
+            rc = cli_int(c, 0, 1 << 20, &x) ? -EINVAL : (bc.n_depth = (uint32_t)x, 0);
         else if (!strcmp(a, "-r") || !strcmp(a, "--reps"))
             rc = cli_int(c, 1, 1000, &x) ? -EINVAL : (bc.reps = (uint32_t)x, 0);
         else if (!strcmp(a, "-b") || !strcmp(a, "--batch"))
@@ -756,6 +760,9 @@ static int cmd_bench(struct cli *c)
     if (!rc && bc.parallel && o.inproc)
         rc = cli_fail(c, "%s", "--parallel runs several sequences through the workers' "
                       "pipeline: it has no --inproc form (use --devices)");
+    if (!rc && bc.n_depth && bc.parallel)
+        rc = cli_fail(c, "%s", "-d (--n-depth) measures one sequence at a depth: it has no "
+                      "--parallel form yet");
     if (!rc && bc.dump_tokens && !bc.parallel)
         rc = cli_fail(c, "%s", "--dump-tokens writes the tokens of --parallel sequences");
     if (!rc && bc.backend && !main_device_ok(bc.backend))

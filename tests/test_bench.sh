@@ -36,6 +36,21 @@ for i in 1 2 3 4; do
     $L bench -m "$T/m.gguf" -p 16 -n 8 -r 5 --no-membw --devices cpu,cpu >/dev/null 2>"$T/err" ||
         fail "bench on cpu,cpu, run $i of 4: $(grep -m1 error "$T/err")"
 done
+# -d: the tests at a depth (a prefilled context), labelled as llama-bench does
+$L bench -m "$T/m.gguf" -p 16 -n 8 -d 40 -r 2 --no-membw --inproc >"$T/table.txt" 2>"$T/err" ||
+    fail "bench -d 40: $(tail -1 "$T/err")"
+grep -q "| pp16 @ d40 | " "$T/table.txt" && grep -q "| tg8 @ d40 | " "$T/table.txt" ||
+    fail "bench -d 40: table rows missing"
+$L bench -m "$T/m.gguf" -p 0 -n 8 -d 40 -r 2 --no-membw --inproc --json >"$T/json.txt" \
+    2>"$T/err" || fail "bench -d 40 --json"
+tail -1 "$T/json.txt" | python3 -c '
+import json, sys
+d = json.loads(sys.stdin.read())
+assert d["depth"] == 40 and d["tg"] == 8 and d["tg_tps"] > 0, d
+' || fail "bench -d 40 --json: bad JSON line: $(tail -1 "$T/json.txt")"
+$L bench -m "$T/m.gguf" -d 8 --parallel 2 --devices cpu >/dev/null 2>"$T/err" &&
+    fail "-d with --parallel accepted"
+grep -q "n-depth" "$T/err" || fail "no message for -d with --parallel"
 $L bench -m "$T/m.gguf" -p 0 -n 0 >/dev/null 2>"$T/err" && fail "-p 0 -n 0 accepted"
 grep -q "nothing to measure" "$T/err" || fail "no message for -p 0 -n 0"
 $L bench -m "$T/m.gguf" --backend cuda:0 >/dev/null 2>"$T/err" && fail "--backend without --inproc accepted"
