@@ -228,7 +228,8 @@ struct backend_cuda {
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
                                        * (LAMINA_CUDA_PF) */
     bool early;                       /* decode: the down product reads the router's ids and
-                                       * its weights before its PDL wait (LAMINA_CUDA_EARLY) */
+                                       * its weights, the combine its gate's input, before
+                                       * their PDL waits (LAMINA_CUDA_EARLY) */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -1522,6 +1523,12 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     }
     if (rc || combined)
         return rc;
+    /* decode: xa (the gate's input) is the router's input, launches back */
+    if (S == 1 && local && c->early && !c->skip)
+        return CB_K(c, "moe.combine", cuda_moe_combine_early(
+                                          c->h, c->Y, c->w, (uint32_t)k, L->sh ? so : NULL,
+                                          L->shexp_gate, c->xa, (uint32_t)n, S, next_norm,
+                                          hp->eps, next_norm ? c->xa : NULL, c->stream));
     if (next_norm)
         return CB_K(c, "moe.combine", cuda_moe_combine_norm(
                                           c->h, c->Y, c->w, (uint32_t)k, L->sh ? so : NULL,

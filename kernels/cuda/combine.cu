@@ -45,8 +45,10 @@ static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t row
  * before they are summed in order. The norm's f32 sum of squares is the
  * same loop as cuda_rmsnorm_wide's (norm.cu), so a range's first layer
  * normalises h as the previous layer's combine would have. f is read
- * (shared-expert gate) before any y is written: y may be f. */
-template <bool NORM>
+ * (shared-expert gate) before any y is written: y may be f. EARLY: f was
+ * written two or more launches back, so the gate is computed before the
+ * PDL wait (f through L2), beside the launch just before. */
+template <bool NORM, bool EARLY>
 static __global__ void __launch_bounds__(1024)
     moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
                             const float *gate, const float *f, uint32_t n, const float *nw,
@@ -54,22 +56,26 @@ static __global__ void __launch_bounds__(1024)
 {
     __shared__ float s_tmp[32];
     if (threadIdx.x == 0 && blockIdx.x == 0) { /* weights: in L2 before the wait */
-        if (so && gate)
+        if (so && gate && !EARLY)
             pdl_prefetch_l2(gate, n * sizeof(float));
         if (NORM && nw)
             pdl_prefetch_l2(nw, n * sizeof(float));
     }
-    pdl_wait();
-    pdl_trigger();
     const size_t s = blockIdx.x;
     float gs = 1.0f;
-    if (so && gate) {
+    const auto gate_of = [&]() {
         float d = 0.0f;
         for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
-            d += gate[j] * f[s * n + j];
+            d += gate[j] * __ldcg(f + s * n + j);
         d = ops_block_sum(d, s_tmp);
-        gs = 1.0f / (1.0f + expf(-d));
-    }
+        return 1.0f / (1.0f + expf(-d));
+    };
+    if (EARLY && so && gate)
+        gs = gate_of();
+    pdl_wait();
+    pdl_trigger();
+    if (!EARLY && so && gate)
+        gs = gate_of();
     float *hr = h + s * n;
     float sum = 0.0f;
     for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
@@ -132,8 +138,9 @@ extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, 
     }
     if (S == 0)
         return 0;
-    pdl_launch(moe_combine_norm_kernel<false>, S, cuda_norm_wide_threads(n), 0, stream, d_h, d_Y,
-               d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr, 0.0f, (float *)nullptr);
+    pdl_launch(moe_combine_norm_kernel<false, false>, S, cuda_norm_wide_threads(n), 0, stream,
+               d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr, 0.0f,
+               (float *)nullptr);
     return OPS_LAUNCH_CHECK("cuda_moe_combine");
 }
 
@@ -153,7 +160,33 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
     }
     if (S == 0)
         return 0;
-    pdl_launch(moe_combine_norm_kernel<true>, S, cuda_norm_wide_threads(n), 0, stream, d_h, d_Y,
-               d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
+    pdl_launch(moe_combine_norm_kernel<true, false>, S, cuda_norm_wide_threads(n), 0, stream,
+               d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_norm");
+}
+
+extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
+                                      const float *d_so, const float *d_shexp_gate,
+                                      const float *d_f, uint32_t n, uint32_t S,
+                                      const float *d_norm_w, float eps, float *d_y,
+                                      cudaStream_t stream)
+{
+    if (!d_h || (k && (!d_Y || !d_w)) || n == 0 || (d_so && d_shexp_gate && !d_f) ||
+        S > INT32_MAX) {
+        log_error("cuda_moe_combine_early: bad arguments (h %p, y %p, Y %p, w %p, k %u, so %p, "
+                  "gate %p, f %p, n %u, S %u)",
+                  (void *)d_h, (void *)d_y, (const void *)d_Y, (const void *)d_w, k,
+                  (const void *)d_so, (const void *)d_shexp_gate, (const void *)d_f, n, S);
+        return -EINVAL;
+    }
+    if (S == 0)
+        return 0;
+    if (d_y)
+        pdl_launch(moe_combine_norm_kernel<true, true>, S, cuda_norm_wide_threads(n), 0, stream,
+                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
+    else
+        pdl_launch(moe_combine_norm_kernel<false, true>, S, cuda_norm_wide_threads(n), 0, stream,
+                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr, 0.0f,
+                   (float *)nullptr);
+    return OPS_LAUNCH_CHECK("cuda_moe_combine_early");
 }

@@ -121,6 +121,15 @@ int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *d_w, uint32
                           uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
                           cudaStream_t stream);
 
+/* cuda_moe_combine_norm (d_y not NULL) or cuda_moe_combine (d_y NULL), the
+ * same bits, for an f written at least two launches before this one in the
+ * stream: the shared-expert gate is computed before the PDL wait, beside
+ * the launch just before (kernels/cuda/pdl.cuh). */
+int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
+                           const float *d_so, const float *d_shexp_gate, const float *d_f,
+                           uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
+                           cudaStream_t stream);
+
 /* Greedy sampling: d_out[s] = argmax of logits row s (ties: lowest id). */
 int cuda_argmax(const float *d_logits, uint32_t n_vocab, uint32_t S, int32_t *d_out,
                 cudaStream_t stream);

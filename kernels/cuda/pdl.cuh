@@ -12,7 +12,11 @@
  *     before its first global write (an earlier kernel may still read the
  *     buffer), on every path, early exits included;
  *   - before pdl_wait() it reads only what no kernel writes (weights), and
- *     may ask for them in L2 (pdl_prefetch_l2);
+ *     may ask for them in L2 (pdl_prefetch_l2), or what a kernel two or
+ *     more launches back wrote, through L2 (__ldcg), where its launcher
+ *     says the caller guarantees that distance ("early" arguments: the
+ *     kernel just before started only after it passed its own wait, so
+ *     everything before it had completed);
  *   - it calls pdl_trigger() after pdl_wait(): the next kernel then starts
  *     its own prologue (weight prefetch) beside this one's main work, at most
  *     one kernel ahead (that kernel waits for this one to complete, which

@@ -841,11 +841,31 @@ static void test_moe_combine(struct rng *r, uint32_t n)
               ne);
         CHECK(ne1 <= 1e-6, "moe_combine_norm %s: norm differs from cuda_rmsnorm by %.3g",
               names[variant], ne1);
+        /* the early forms (the gate before the PDL wait): the same bits */
+        float *df3 = dev_upload(f, hn * 4), *he3 = xmalloc(hn * 4), *hy3 = xmalloc(hn * 4);
+        CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
+        CHECK(cuda_moe_combine_early(dh, dY, dw, k, variant ? dso : NULL,
+                                     variant == 2 ? dgate : NULL, df3, n, S, NULL, 0.0f, NULL,
+                                     0) == 0, "moe_combine_early");
+        dev_download(he3, dh, hn * 4);
+        CHECK(!memcmp(he3, g[0], hn * 4), "moe_combine_early %s: h differs from moe_combine",
+              names[variant]);
+        CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
+        CHECK(cuda_moe_combine_early(dh, dY, dw, k, variant ? dso : NULL,
+                                     variant == 2 ? dgate : NULL, df3, n, S, dnw, 1e-6f, df3,
+                                     0) == 0, "moe_combine_early with norm");
+        dev_download(he3, dh, hn * 4);
+        dev_download(hy3, df3, hn * 4);
+        CHECK(!memcmp(he3, hh, hn * 4) && !memcmp(hy3, hy2, hn * 4),
+              "moe_combine_early %s with norm differs from moe_combine_norm", names[variant]);
+        cudaFree(df3);
+        free(he3), free(hy3);
         cudaFree(dnw), cudaFree(dy), cudaFree(df2);
         free(hy), free(hy1), free(hy2), free(hh);
     }
     MEASURE("moe_combine_norm n %u: h bit-identical to moe_combine (gated too), norm "
-            "bit-identical to cuda_rmsnorm_wide, within 1e-6 of cuda_rmsnorm", n);
+            "bit-identical to cuda_rmsnorm_wide, within 1e-6 of cuda_rmsnorm; the early forms "
+            "bit-identical to both", n);
     cudaFree(dh), cudaFree(dY), cudaFree(dw), cudaFree(dso), cudaFree(dgate), cudaFree(df);
     free(h), free(Y), free(w), free(so), free(gate), free(f), free(ref), free(g[0]), free(g[1]);
 }
