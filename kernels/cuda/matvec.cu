@@ -680,39 +680,51 @@ __device__ __forceinline__ void copy_wait_one()
 #endif
 }
 
+/* Copies step s of the R rows at row0 into staging buffer buf with cp.async
+ * (not committed). */
+template <class T, int R>
+__device__ __forceinline__ void stage_issue(uint8_t (*stage)[R][kStageRow<T>], const MvArgs &a,
+                                            const uint8_t *w, uint64_t row0, const Steps<T> &sp,
+                                            uint32_t s, int buf, int lane)
+{
+    constexpr int VW = T::VW, PER = (T::U * T::GB / VW + 31) / 32;
+    const int rows = a.n_rows - row0 < R ? static_cast<int>(a.n_rows - row0) : R;
+    const uint8_t *src = w + row0 * a.row_bytes + lane * VW;
+    const int lim = static_cast<int>(sp.len(s)) - lane * VW;
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int m = 0; m < PER; m++)
+            if (i < rows && 32 * m * VW < lim)
+                copy_async<VW>(stage[buf][i] + lane * VW + 32 * m * VW,
+                               src + i * a.row_bytes + s * Steps<T>::SB + 32 * m * VW);
+}
+
 /* Rows starting at VW-aligned addresses: steps ks, ks + kn, ... copied
  * with cp.async into NB staging buffers; with two, the next step is in
- * flight while this one is decoded. */
+ * flight while this one is decoded. pre: step ks is already in buffer 0,
+ * its own committed group (issued before the PDL wait: weights only). */
 template <class T, int R, int NB, int NS>
 __device__ __forceinline__ void run_steps_async(uint8_t (*stage)[R][kStageRow<T>],
                                                 const MvArgs &a, const uint8_t *w,
                                                 const float *x, uint64_t row0, int ks, int kn,
-                                                int lane, float (&acc)[R][NS])
+                                                int lane, float (&acc)[R][NS], bool pre)
 {
-    constexpr int VW = T::VW, PER = (T::U * T::GB / VW + 31) / 32;
     const Steps<T> sp(a.n);
-    const int rows = a.n_rows - row0 < R ? static_cast<int>(a.n_rows - row0) : R;
-    const uint8_t *src = w + row0 * a.row_bytes + lane * VW;
-    auto issue = [&](uint32_t s, int buf) {
-        const int lim = static_cast<int>(sp.len(s)) - lane * VW;
-#pragma unroll
-        for (int i = 0; i < R; i++)
-#pragma unroll
-            for (int m = 0; m < PER; m++)
-                if (i < rows && 32 * m * VW < lim)
-                    copy_async<VW>(stage[buf][i] + lane * VW + 32 * m * VW,
-                                   src + i * a.row_bytes + s * Steps<T>::SB + 32 * m * VW);
-    };
+    auto issue = [&](uint32_t s, int buf) { stage_issue<T, R>(stage, a, w, row0, sp, s, buf, lane); };
     const float *xp = x + T::pa(lane);
     uint32_t s = ks;
     int buf = 0;
-    if (NB == 2 && s < sp.nsteps)
-        issue(s, 0);
-    copy_commit();
-    for (; s < sp.nsteps; s += kn, buf ^= NB - 1) {
-        if (NB == 1)
+    if (!pre) {
+        if (NB == 2 && s < sp.nsteps)
             issue(s, 0);
-        else if (s + kn < sp.nsteps)
+        copy_commit();
+    }
+    for (; s < sp.nsteps; s += kn, buf ^= NB - 1) {
+        if (NB == 1) {
+            if (!(pre && s == static_cast<uint32_t>(ks)))
+                issue(s, 0);
+        } else if (s + kn < sp.nsteps)
             issue(s + kn, buf ^ 1);
         copy_commit();
         /* a whole step of one activation row: its loads start before the
@@ -806,6 +818,14 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
     }
     if constexpr (TAIL)
         tail_prefetch(a.tail);
+    /* a plain product of aligned rows: its warp's first step into staging
+     * before the wait too (the decode of one job) */
+    const bool pre = MODE == 1 && NS == 1 && !a.ids && a.n_jobs == 1 && row0 < a.n_rows &&
+                     static_cast<uint32_t>(ks) < Steps<T>(a.n).nsteps;
+    if (pre) {
+        stage_issue<T, R>(stage[warp], a, a.w, row0, Steps<T>(a.n), ks, 0, lane);
+        copy_commit();
+    }
     pdl_wait();
     pdl_trigger();
     for (uint32_t job = blockIdx.y; job < a.n_jobs; job += gridDim.y) {
@@ -830,7 +850,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
             const bool wide = MODE == 1 || (MODE == 2 && a.rows_align &&
                                             (reinterpret_cast<uintptr_t>(w) & (T::VW - 1)) == 0);
             if (MODE != 0 && wide)
-                run_steps_async<T, R, NB, NS>(stage[warp], a, w, x, row0, ks, kn, lane, acc);
+                run_steps_async<T, R, NB, NS>(stage[warp], a, w, x, row0, ks, kn, lane, acc,
+                                              pre);
             else if (MODE != 1)
                 run_steps_regs<T, R, NS>(stage[warp][0], a, w, x, row0, ks, kn, lane, acc);
         }

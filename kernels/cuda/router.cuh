@@ -49,6 +49,46 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
 
     float my_w = 0.0f; /* lane r keeps the r-th pick */
     int32_t my_id = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    /* the same picks with two warp reductions a round: the probabilities
+     * are >= 0 (or NaN, never picked, as the comparisons below never pick
+     * it), so their bits order as they do; key 0 is no candidate. Each lane
+     * keeps its best (the lowest i among equal values) and rescans only when
+     * it gave the pick; among equal values the lowest id wins. */
+    uint32_t key[ROUTER_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; i++)
+        key[i] = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
+    uint32_t lk = 0, li = 0;
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; i++)
+        if (key[i] > lk) {
+            lk = key[i];
+            li = (uint32_t)i;
+        }
+    for (uint32_t r = 0; r < k; r++) {
+        const uint32_t best = __reduce_max_sync(OPS_FULL_MASK, lk);
+        const uint32_t id = __reduce_min_sync(
+            OPS_FULL_MASK, best && lk == best ? (uint32_t)lane + 32u * li : 0xFFFFFFFFu);
+        if ((uint32_t)lane == r) {
+            my_w = best ? __uint_as_float(best - 1u) : -INFINITY;
+            my_id = best ? (int32_t)id : INT32_MAX;
+        }
+        if (best && (uint32_t)lane == id % 32u) { /* the pick's lane: its next best */
+#pragma unroll
+            for (int i = 0; i < ROUTER_PER_LANE; i++)
+                if ((uint32_t)i == li)
+                    key[i] = 0u;
+            lk = 0, li = 0;
+#pragma unroll
+            for (int i = 0; i < ROUTER_PER_LANE; i++)
+                if (key[i] > lk) {
+                    lk = key[i];
+                    li = (uint32_t)i;
+                }
+        }
+    }
+#else
     for (uint32_t r = 0; r < k; r++) {
         float bv = -INFINITY;
         int32_t bi = INT32_MAX;
@@ -77,6 +117,7 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
             my_id = bi;
         }
     }
+#endif
     float wsum = 0.0f;
     for (uint32_t r = 0; r < k; r++)
         wsum += __shfl_sync(OPS_FULL_MASK, my_w, r);
