@@ -124,23 +124,50 @@ extern "C" int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float
     return OPS_LAUNCH_CHECK("cuda_silu_mul");
 }
 
+/* The combine launchers' argument check (need_y: a norm's output row);
+ * -EINVAL, logged under `what`, or 0. */
+static int combine_check(const char *what, bool need_y, const float *d_h, const float *d_y,
+                         const float *d_Y, const float *d_w, uint32_t k, const float *d_so,
+                         const float *d_shexp_gate, const float *d_f, uint32_t n, uint32_t S)
+{
+    if (!d_h || (need_y && !d_y) || (k && (!d_Y || !d_w)) || n == 0 ||
+        (d_so && d_shexp_gate && !d_f) || S > INT32_MAX) {
+        log_error("%s: bad arguments (h %p, y %p, Y %p, w %p, k %u, so %p, gate %p, f %p, n %u, "
+                  "S %u)",
+                  what, (const void *)d_h, (const void *)d_y, (const void *)d_Y,
+                  (const void *)d_w, k, (const void *)d_so, (const void *)d_shexp_gate,
+                  (const void *)d_f, n, S);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* One block per token, the combine kernel's width; d_y NULL: no norm. */
+template <bool EARLY>
+static void combine_launch(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
+                           const float *d_so, const float *d_shexp_gate, const float *d_f,
+                           uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
+                           cudaStream_t stream)
+{
+    if (d_y)
+        pdl_launch(moe_combine_norm_kernel<true, EARLY>, S, cuda_norm_wide_threads(n), 0, stream,
+                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
+    else
+        pdl_launch(moe_combine_norm_kernel<false, EARLY>, S, cuda_norm_wide_threads(n), 0,
+                   stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr,
+                   0.0f, (float *)nullptr);
+}
+
 extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                                 const float *d_so, const float *d_shexp_gate, const float *d_f,
                                 uint32_t n, uint32_t S, cudaStream_t stream)
 {
-    if (!d_h || (k && (!d_Y || !d_w)) || n == 0 || (d_so && d_shexp_gate && !d_f) ||
-        S > INT32_MAX) {
-        log_error("cuda_moe_combine: bad arguments (h %p, Y %p, w %p, k %u, so %p, gate %p, "
-                  "f %p, n %u, S %u)",
-                  (void *)d_h, (const void *)d_Y, (const void *)d_w, k, (const void *)d_so,
-                  (const void *)d_shexp_gate, (const void *)d_f, n, S);
-        return -EINVAL;
-    }
-    if (S == 0)
-        return 0;
-    pdl_launch(moe_combine_norm_kernel<false, false>, S, cuda_norm_wide_threads(n), 0, stream,
-               d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr, 0.0f,
-               (float *)nullptr);
+    int rc = combine_check("cuda_moe_combine", false, d_h, NULL, d_Y, d_w, k, d_so, d_shexp_gate,
+                           d_f, n, S);
+    if (rc || S == 0)
+        return rc;
+    combine_launch<false>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S, NULL, 0.0f, NULL,
+                          stream);
     return OPS_LAUNCH_CHECK("cuda_moe_combine");
 }
 
@@ -150,18 +177,12 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
                                      const float *d_norm_w, float eps, float *d_y,
                                      cudaStream_t stream)
 {
-    if (!d_h || !d_y || (k && (!d_Y || !d_w)) || n == 0 || (d_so && d_shexp_gate && !d_f) ||
-        S > INT32_MAX) {
-        log_error("cuda_moe_combine_norm: bad arguments (h %p, y %p, Y %p, w %p, k %u, so %p, "
-                  "gate %p, f %p, n %u, S %u)",
-                  (void *)d_h, (void *)d_y, (const void *)d_Y, (const void *)d_w, k,
-                  (const void *)d_so, (const void *)d_shexp_gate, (const void *)d_f, n, S);
-        return -EINVAL;
-    }
-    if (S == 0)
-        return 0;
-    pdl_launch(moe_combine_norm_kernel<true, false>, S, cuda_norm_wide_threads(n), 0, stream,
-               d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
+    int rc = combine_check("cuda_moe_combine_norm", true, d_h, d_y, d_Y, d_w, k, d_so,
+                           d_shexp_gate, d_f, n, S);
+    if (rc || S == 0)
+        return rc;
+    combine_launch<false>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S, d_norm_w, eps, d_y,
+                          stream);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_norm");
 }
 
@@ -171,22 +192,11 @@ extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float 
                                       const float *d_norm_w, float eps, float *d_y,
                                       cudaStream_t stream)
 {
-    if (!d_h || (k && (!d_Y || !d_w)) || n == 0 || (d_so && d_shexp_gate && !d_f) ||
-        S > INT32_MAX) {
-        log_error("cuda_moe_combine_early: bad arguments (h %p, y %p, Y %p, w %p, k %u, so %p, "
-                  "gate %p, f %p, n %u, S %u)",
-                  (void *)d_h, (void *)d_y, (const void *)d_Y, (const void *)d_w, k,
-                  (const void *)d_so, (const void *)d_shexp_gate, (const void *)d_f, n, S);
-        return -EINVAL;
-    }
-    if (S == 0)
-        return 0;
-    if (d_y)
-        pdl_launch(moe_combine_norm_kernel<true, true>, S, cuda_norm_wide_threads(n), 0, stream,
-                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
-    else
-        pdl_launch(moe_combine_norm_kernel<false, true>, S, cuda_norm_wide_threads(n), 0, stream,
-                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr, 0.0f,
-                   (float *)nullptr);
+    int rc = combine_check("cuda_moe_combine_early", false, d_h, d_y, d_Y, d_w, k, d_so,
+                           d_shexp_gate, d_f, n, S);
+    if (rc || S == 0)
+        return rc;
+    combine_launch<true>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S, d_norm_w, eps, d_y,
+                         stream);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_early");
 }
