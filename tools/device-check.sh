@@ -17,7 +17,8 @@
 #   tools/device-check.sh run [tests] [bench] [profile] [llama]
 #     tests    run every GPU test (what `make test-gpu` runs) from .devbin/
 #     bench    write an 80b-a3b-shaped q4_0 model (lamina gen-model) and run
-#              `lamina bench` on it, fully resident on the GPU
+#              `lamina bench` on it, fully resident on the GPU (BENCH_DEPTH=N:
+#              also tg128 with N tokens already in the context, here and in llama)
 #     profile  the same model with LAMINA_CUDA_PROFILE=1: kernels one by one,
 #              time per kernel kind (decode and prefill) in $OUT/profile.txt
 #     place    the placement benchmark (tools/bench-place.sh) at PLACE_BUDGETS
@@ -148,6 +149,10 @@ bench() {
             env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc \
                 --backend cuda:0 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
                 grep -v " info: "
+            [ -z "${BENCH_DEPTH:-}" ] ||
+                env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 0 -n 128 -d "$BENCH_DEPTH" \
+                    -r 5 --inproc --backend cuda:0 --no-membw 2>&1 </dev/null |
+                    tee -a "$OUT/bench-lamina.txt" | grep "tg128"
         done
 }
 
@@ -223,6 +228,9 @@ llama_bench() {
     # one card, as lamina's bench: llama.cpp splits over every visible GPU by default
     CUDA_VISIBLE_DEVICES=0 .peerbuild/bin/llama-bench -m $m -ngl 99 -p 512 -n 128 -r 3 2>&1 |
         tee "$OUT/bench-llama.txt"
+    [ -z "${BENCH_DEPTH:-}" ] ||
+        CUDA_VISIBLE_DEVICES=0 .peerbuild/bin/llama-bench -m $m -ngl 99 -p 0 -n 128 \
+            -d "$BENCH_DEPTH" -r 3 2>&1 | tee -a "$OUT/bench-llama.txt"
 }
 
 case "${1:-}" in
