@@ -121,6 +121,10 @@ static int bench_setup(struct bench_job *j)
     if (!j->eng)
         return -EINVAL;
     j->m = engine_model(j->eng);
+    if (j->m->hp.n_ctx_train && ctx > j->m->hp.n_ctx_train)
+        log_warn("bench: %u positions (-d %u and the longest test) go past the model's trained "
+                 "context of %u: the figures are for positions it was not trained on", ctx,
+                 cfg->n_depth, j->m->hp.n_ctx_train);
     j->logits = malloc(j->m->hp.n_vocab * sizeof(float));
     j->ids = malloc(((size_t)longest + 1) * sizeof(int32_t));
     j->rng = cfg->seed;

@@ -48,6 +48,9 @@ import json, sys
 d = json.loads(sys.stdin.read())
 assert d["depth"] == 40 and d["tg"] == 8 and d["tg_tps"] > 0, d
 ' || fail "bench -d 40 --json: bad JSON line: $(tail -1 "$T/json.txt")"
+$L bench -m "$T/m.gguf" -p 0 -n 2 -d 4100 -r 1 --no-membw --inproc >/dev/null 2>"$T/err" ||
+    fail "bench -d 4100: $(tail -1 "$T/err")"
+grep -q "trained context of 4096" "$T/err" || fail "no warning past the trained context"
 $L bench -m "$T/m.gguf" -d 8 --parallel 2 --devices cpu >/dev/null 2>"$T/err" &&
     fail "-d with --parallel accepted"
 grep -q "n-depth" "$T/err" || fail "no message for -d with --parallel"
