@@ -39,6 +39,7 @@
 #include "ipc/shm.h"
 #include "ipc/wire.h"
 #include "kernels/cpu/threadpool.h"
+#include "worker/forward.h"
 
 #define CLUSTER_HELLO_TIMEOUT_S 30.0  /* spawn -> hello */
 #define CLUSTER_READY_TIMEOUT_S 900.0 /* plan -> ready (large models load slowly) */
@@ -1256,6 +1257,149 @@ int cluster_reset(struct cluster *c)
 {
     struct wire_msg m = {.type = WIRE_TYPE_RESET};
     return cl_send(c, 0, &m);
+}
+
+/* Sends worker i a State message m and serves the workers until its State answer of op
+ * `want` for the same slot and its own range comes, into *r (the caller frees it). */
+static int cl_state_exchange(struct cluster *c, int i, struct wire_msg *m, uint32_t want,
+                             struct wire_msg *r)
+{
+    const struct cluster_worker *w = &c->w[i];
+    const double now = cl_now();
+    for (int k = 0; k < c->n; k++) /* silence before the request is not a failure */
+        c->w[k].progress_time = c->w[k].last_heartbeat = now;
+    int rc = cl_send(c, i, m);
+    if (rc) {
+        log_error("cannot send a sequence snapshot message to worker %d: %s", i, strerror(-rc));
+        return rc;
+    }
+    for (;;) {
+        rc = cl_check_alive(c);
+        if (rc)
+            return rc;
+        char id[WIRE_ID_MAX];
+        size_t id_len = sizeof(id);
+        rc = wire_recv(c->router, r, id, &id_len, CLUSTER_POLL_MS);
+        if (rc == -ETIMEDOUT || rc == -EPROTO || rc == -EINTR)
+            continue;
+        if (rc)
+            return rc;
+        bool wd = false;
+        if (r->type == WIRE_TYPE_STATE && cl_worker_of(c, id, id_len, &wd) == i && !wd) {
+            c->w[i].last_heartbeat = cl_now();
+            if (r->state.op == want && r->state.seq_id == m->state.seq_id &&
+                r->state.layer_begin == w->l0 && r->state.layer_end == w->l1)
+                return 0;
+            log_error("worker %d answered a sequence snapshot message with op %u for sequence "
+                      "%llu, layers %u-%u (wanted op %u for %llu, layers %u-%u)", i,
+                      r->state.op, (unsigned long long)r->state.seq_id, r->state.layer_begin,
+                      r->state.layer_end - 1, want, (unsigned long long)m->state.seq_id, w->l0,
+                      w->l1 - 1);
+            wire_msg_free(r);
+            return -EPROTO;
+        }
+        uint32_t seq;
+        enum cl_event ev = cl_handle(c, id, id_len, r, &seq, &rc);
+        wire_msg_free(r);
+        if (ev == CL_FAIL && rc == -EHOSTUNREACH)
+            return cl_wait_exit(c);
+        if (ev == CL_FAIL)
+            return rc;
+    }
+}
+
+static int cl_state_check(const struct cluster *c, uint32_t seq)
+{
+    if (seq >= c->n_seq) {
+        log_error("sequence %u refused: the cluster has %u sequence slot%s", seq, c->n_seq,
+                  c->n_seq == 1 ? "" : "s");
+        return -EINVAL;
+    }
+    if (c->n_flight) {
+        log_error("a sequence snapshot needs the workers idle: %u steps are in flight",
+                  c->n_flight);
+        return -EBUSY;
+    }
+    return 0;
+}
+
+int cluster_state_save(struct cluster *c, uint32_t seq, void **blob, size_t *bytes,
+                       uint32_t *pos)
+{
+    int rc = cl_state_check(c, seq);
+    if (rc)
+        return rc;
+    uint8_t *out = NULL;
+    size_t len = 0;
+    for (int i = 0; i < c->n && !rc; i++) {
+        struct wire_msg m = {.type = WIRE_TYPE_STATE}, r;
+        m.state = (struct wire_state){.seq_id = seq, .op = WIRE_STATE_SAVE};
+        rc = cl_state_exchange(c, i, &m, WIRE_STATE_SNAPSHOT, &r);
+        if (rc)
+            break;
+        const struct wire_state *st = &r.state;
+        const size_t want = forward_state_bytes(c->cfg.model, st->layer_begin, st->layer_end,
+                                                st->pos, c->cfg.kv_f16);
+        if ((i && st->pos != *pos) || st->bytes != want) {
+            log_error("worker %d sent a snapshot of %llu bytes at %u tokens (layers %u-%u at "
+                      "that position take %zu; worker 0 was at %u)", i,
+                      (unsigned long long)st->bytes, st->pos, c->w[i].l0, c->w[i].l1 - 1, want,
+                      i ? *pos : st->pos);
+            rc = -EPROTO;
+        }
+        uint8_t *grown = rc ? NULL : realloc(out, len + st->bytes + 1);
+        if (!rc && !grown)
+            rc = -ENOMEM;
+        if (!rc) {
+            out = grown;
+            memcpy(out + len, r.tensor, st->bytes);
+            len += st->bytes;
+            *pos = st->pos;
+        }
+        wire_msg_free(&r);
+    }
+    if (rc) {
+        free(out);
+        return rc;
+    }
+    *blob = out, *bytes = len;
+    return 0;
+}
+
+int cluster_state_load(struct cluster *c, uint32_t seq, const void *blob, size_t bytes,
+                       uint32_t pos)
+{
+    int rc = cl_state_check(c, seq);
+    if (rc)
+        return rc;
+    const size_t total = forward_state_bytes(c->cfg.model, 0, c->cfg.model->hp.n_layer, pos,
+                                             c->cfg.kv_f16);
+    if (bytes != total || pos > c->cfg.n_ctx) {
+        log_error("sequence snapshot refused: %zu bytes at %u tokens (the model's layers take "
+                  "%zu there; the context holds %u)", bytes, pos, total, c->cfg.n_ctx);
+        return -EINVAL;
+    }
+    size_t off = 0;
+    for (int i = 0; i < c->n && !rc; i++) {
+        const struct cluster_worker *w = &c->w[i];
+        const size_t part = forward_state_bytes(c->cfg.model, w->l0, w->l1, pos, c->cfg.kv_f16);
+        struct wire_msg m = {.type = WIRE_TYPE_STATE}, r;
+        m.state = (struct wire_state){.seq_id = seq, .op = WIRE_STATE_SNAPSHOT, .pos = pos,
+                                      .layer_begin = w->l0, .layer_end = w->l1,
+                                      .bytes = part};
+        m.tensor = (const uint8_t *)blob + off, m.tensor_bytes = part;
+        rc = cl_state_exchange(c, i, &m, WIRE_STATE_LOADED, &r);
+        if (!rc) {
+            if (r.state.pos != pos) {
+                log_error("worker %d loaded a snapshot at %u tokens, not %u", i, r.state.pos,
+                          pos);
+                rc = -EPROTO;
+            }
+            wire_msg_free(&r);
+        }
+        off += part;
+    }
+    return rc;
 }
 
 /* ---- start-up ---- */

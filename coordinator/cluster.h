@@ -144,6 +144,17 @@ uint32_t cluster_n_seq(const struct cluster *c);
 /* Starts every sequence over on every worker. */
 int cluster_reset(struct cluster *c);
 
+/* Sequence snapshots of slot seq (the prompt cache), with no step in flight. Save: every
+ * worker's snapshot of its range (worker/forward.h's layout), back to back in layer order,
+ * into a malloc'd *blob of *bytes, at *pos tokens (the workers must agree). Load: a blob of
+ * that form (forward_state_bytes over every layer at pos; -EINVAL, logged, otherwise), cut
+ * at the workers' ranges; each worker then continues slot seq from pos. Errors as
+ * cluster_step (a worker's refusal: -EIO). */
+int cluster_state_save(struct cluster *c, uint32_t seq, void **blob, size_t *bytes,
+                       uint32_t *pos);
+int cluster_state_load(struct cluster *c, uint32_t seq, const void *blob, size_t bytes,
+                       uint32_t pos);
+
 /* Prints the per-worker summary table of the steps so far. */
 void cluster_print_summary(const struct cluster *c, FILE *out);
 

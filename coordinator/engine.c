@@ -255,6 +255,72 @@ int engine_eval_sample(struct engine *e, const int32_t *ids, uint32_t n, struct 
     return rc;
 }
 
+bool engine_kv_f16(const struct engine *e)
+{
+    return e->cfg.kv_f16;
+}
+
+size_t engine_state_bytes(const struct engine *e, uint32_t pos)
+{
+    return forward_state_bytes(e->m, 0, e->m->hp.n_layer, pos, e->cfg.kv_f16);
+}
+
+int engine_state_save(struct engine *e, void **blob, size_t *bytes)
+{
+    if (e->cl) {
+        uint32_t pos;
+        int rc = cluster_state_save(e->cl, 0, blob, bytes, &pos);
+        if (!rc && pos != e->pos) {
+            log_error("the workers' snapshot is at %u tokens, the sequence at %u", pos, e->pos);
+            free(*blob);
+            return -EPROTO;
+        }
+        return rc;
+    }
+    const size_t n = engine_state_bytes(e, e->pos);
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        log_error("no memory for a sequence snapshot of %zu bytes", n);
+        return -ENOMEM;
+    }
+    int rc = 0;
+    if (e->be)
+        rc = backend_state_save(e->be, p);
+    else
+        forward_seq_save(e->seq, p);
+    if (rc) {
+        free(p);
+        return rc;
+    }
+    *blob = p, *bytes = n;
+    return 0;
+}
+
+int engine_state_load(struct engine *e, const void *blob, size_t bytes, uint32_t pos)
+{
+    const size_t want = engine_state_bytes(e, pos);
+    if (bytes != want) {
+        log_error("sequence snapshot refused: %zu bytes, the model's layers take %zu at %u "
+                  "tokens", bytes, want, pos);
+        return -EINVAL;
+    }
+    if (pos > engine_n_ctx(e)) {
+        log_error("sequence snapshot of %u tokens refused: the context holds %u", pos,
+                  engine_n_ctx(e));
+        return -ENOSPC;
+    }
+    int rc;
+    if (e->cl)
+        rc = cluster_state_load(e->cl, 0, blob, bytes, pos);
+    else if (e->be)
+        rc = backend_state_load(e->be, blob, bytes, pos);
+    else
+        rc = forward_seq_load(e->seq, blob, pos);
+    if (!rc)
+        e->pos = pos;
+    return rc;
+}
+
 int engine_reset(struct engine *e)
 {
     e->pos = 0;

@@ -71,6 +71,17 @@ int engine_eval(struct engine *e, const int32_t *ids, uint32_t n, bool all, floa
 int engine_eval_sample(struct engine *e, const int32_t *ids, uint32_t n, struct sampler *s,
                        float *logits, int32_t *token);
 
+/* Sequence snapshots (the prompt cache; layout in worker/forward.h, over every layer in
+ * order, so the same bytes whichever path or layer split made them): the sequence's state
+ * after engine_pos() tokens, as a malloc'd *blob of *bytes (engine_state_bytes(e, pos));
+ * and back, after which the sequence continues at pos. The load refuses (-EINVAL, logged) a
+ * blob of another size and (-ENOSPC) a position past the context; errors of the path as
+ * engine_eval. */
+size_t engine_state_bytes(const struct engine *e, uint32_t pos);
+int engine_state_save(struct engine *e, void **blob, size_t *bytes);
+int engine_state_load(struct engine *e, const void *blob, size_t bytes, uint32_t pos);
+bool engine_kv_f16(const struct engine *e);
+
 /* Starts the sequence over at position 0. */
 int engine_reset(struct engine *e);
 

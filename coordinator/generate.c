@@ -13,6 +13,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "coordinator/engine.h"
+#include "ipc/shm.h"
 #include "model/tokenizer.h"
 
 
@@ -27,7 +28,21 @@ struct generate_job {
     size_t n_ids;
     float *logits;           /* n_ids x n_vocab when dumping, else n_vocab */
     int32_t first;           /* the token picked after the prompt */
+    uint32_t cached;         /* prompt tokens the prompt cache gave (0: none) */
+    bool cache_write;        /* write the prompt cache after the prompt */
 };
+
+#define PC_MAGIC "LMNPCACH"
+#define PC_VERSION 1u
+
+struct pc_header {
+    char magic[8];
+    uint32_t version, kv_f16;
+    uint64_t model_hash;
+    uint32_t n_layer, n_tokens, n_vocab, reserved;
+    uint64_t state_bytes;
+};
+_Static_assert(sizeof(struct pc_header) == 48, "prompt cache header layout");
 
 static double generate_now(void)
 {
@@ -43,7 +58,7 @@ static int generate_load(struct generate_job *job)
                                .n_ctx = cfg->n_ctx, .n_batch = cfg->n_batch,
                                .kv_f16 = cfg->kv_f16, .progress = true,
                                .cluster = cfg->cluster, .on_cluster = cfg->on_cluster,
-                               .record_heat = cfg->record_heat};
+                               .record_heat = cfg->record_heat, .backend = cfg->backend};
     job->eng = engine_create(&ec);
     if (!job->eng)
         return -EINVAL;
@@ -112,6 +127,145 @@ static void generate_emit(struct generate_job *job, int32_t id)
     }
 }
 
+/* Reads the prompt cache into *hdr and the malloc'd *body (tokens, logits, state). 1: a
+ * usable cache of this model and KV type; 0: none or not usable (a warning says why; it is
+ * recomputed and rewritten); < 0: a file that is not a prompt cache (refused). */
+static int pc_read(struct generate_job *job, struct pc_header *hdr, uint8_t **body)
+{
+    const char *path = job->cfg->prompt_cache;
+    const struct arch_hparams *hp = &job->m->hp;
+    *body = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        if (errno != ENOENT) {
+            log_error("prompt cache %s: %s", path, strerror(errno));
+            return -errno;
+        }
+        log_info("prompt cache %s: none yet; it is written after the prompt", path);
+        return 0;
+    }
+    const char *why = NULL;
+    size_t got = fread(hdr, 1, sizeof(*hdr), f);
+    if (got < sizeof(hdr->magic) || memcmp(hdr->magic, PC_MAGIC, sizeof(hdr->magic))) {
+        fclose(f);
+        log_error("%s is not a lamina prompt cache (no magic \"%s\"): refusing to use or "
+                  "overwrite it", path, PC_MAGIC);
+        return -EINVAL;
+    }
+    uint64_t body_bytes = 0;
+    if (got != sizeof(*hdr))
+        why = "it ends inside its header";
+    else if (hdr->version != PC_VERSION)
+        why = "it has another format version";
+    else if (hdr->model_hash != shm_model_hash(engine_gguf(job->eng)) ||
+             hdr->n_layer != hp->n_layer || hdr->n_vocab != hp->n_vocab)
+        why = "it was made for another model file";
+    else if (hdr->kv_f16 != (uint32_t)engine_kv_f16(job->eng))
+        why = "it was made with another --kv-type";
+    else if (hdr->n_tokens == 0 || hdr->n_tokens > engine_n_ctx(job->eng))
+        why = "its token count is 0 or past the context";
+    else if (hdr->state_bytes != engine_state_bytes(job->eng, hdr->n_tokens))
+        why = "its state size does not match its token count";
+    if (!why) {
+        body_bytes = (uint64_t)hdr->n_tokens * 4 + (uint64_t)hdr->n_vocab * 4 + hdr->state_bytes;
+        *body = malloc(body_bytes + 1);
+        if (!*body) {
+            fclose(f);
+            log_error("prompt cache %s: no memory for %llu bytes", path,
+                      (unsigned long long)body_bytes);
+            return -ENOMEM;
+        }
+        if (fread(*body, 1, body_bytes + 1, f) != body_bytes)
+            why = "its size does not match its header";
+    }
+    fclose(f);
+    for (uint32_t i = 0; !why && i < hdr->n_tokens; i++) {
+        int32_t id;
+        memcpy(&id, *body + (size_t)i * 4, 4);
+        if (id < 0 || (uint32_t)id >= hp->n_vocab)
+            why = "it holds a token id outside the vocabulary";
+    }
+    if (why) {
+        free(*body);
+        *body = NULL;
+        log_warn("prompt cache %s not used: %s; the prompt is run in full%s", path, why,
+                 job->cfg->prompt_cache_ro ? "" : " and the file replaced");
+        return 0;
+    }
+    return 1;
+}
+
+/* Loads the prompt cache when the prompt starts with its tokens: job->cached tokens are then
+ * in the sequence, and when that is the whole prompt, their logits are in job->logits. */
+static int pc_load(struct generate_job *job)
+{
+    const struct generate_config *cfg = job->cfg;
+    struct pc_header hdr;
+    uint8_t *body;
+    int rc = pc_read(job, &hdr, &body);
+    job->cache_write = !cfg->prompt_cache_ro && rc >= 0;
+    if (rc <= 0)
+        return rc;
+    size_t same = 0;
+    while (same < hdr.n_tokens && same < job->n_ids &&
+           !memcmp(body + same * 4, &job->ids[same], 4))
+        same++;
+    if (same < hdr.n_tokens) {
+        log_info("prompt cache %s: holds another prompt, not a start of this one (%zu of its "
+                 "%u tokens match; a recurrent state cannot be cut back): the prompt is run in "
+                 "full", cfg->prompt_cache, same, hdr.n_tokens);
+        free(body);
+        return 0;
+    }
+    const size_t nv = job->m->hp.n_vocab;
+    rc = engine_state_load(job->eng, body + (size_t)hdr.n_tokens * 4 + nv * 4,
+                           hdr.state_bytes, hdr.n_tokens);
+    if (!rc) {
+        memcpy(job->logits, body + (size_t)hdr.n_tokens * 4, nv * sizeof(float));
+        job->cached = hdr.n_tokens;
+        job->cache_write = job->cache_write && job->cached < job->n_ids;
+        log_info("prompt cache %s: %u of the prompt's %zu tokens loaded", cfg->prompt_cache,
+                 hdr.n_tokens, job->n_ids);
+    }
+    free(body);
+    return rc;
+}
+
+/* Writes the prompt cache: the prompt, its last logits (job->logits) and the state after it;
+ * through a temporary file renamed over the old one. */
+static int pc_write(struct generate_job *job)
+{
+    const char *path = job->cfg->prompt_cache;
+    const size_t nv = job->m->hp.n_vocab;
+    void *state;
+    size_t bytes;
+    int rc = engine_state_save(job->eng, &state, &bytes);
+    if (rc)
+        return rc;
+    struct pc_header hdr = {.version = PC_VERSION, .kv_f16 = engine_kv_f16(job->eng),
+                            .model_hash = shm_model_hash(engine_gguf(job->eng)),
+                            .n_layer = job->m->hp.n_layer, .n_tokens = (uint32_t)job->n_ids,
+                            .n_vocab = (uint32_t)nv, .state_bytes = bytes};
+    memcpy(hdr.magic, PC_MAGIC, sizeof(hdr.magic));
+    char tmp[4096];
+    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "wb");
+    bool ok = f && fwrite(&hdr, sizeof(hdr), 1, f) == 1 &&
+              fwrite(job->ids, 4, job->n_ids, f) == job->n_ids &&
+              fwrite(job->logits, sizeof(float), nv, f) == nv &&
+              fwrite(state, 1, bytes, f) == bytes;
+    ok = (f && fclose(f) == 0) && ok;
+    free(state);
+    if (!ok || rename(tmp, path) != 0) {
+        log_error("cannot write the prompt cache %s: %s", path, strerror(errno ? errno : EIO));
+        unlink(tmp);
+        return -EIO;
+    }
+    log_info("prompt cache %s: %zu tokens written (%.1f MiB of state)", path, job->n_ids,
+             bytes / 1048576.0);
+    return 0;
+}
+
 static int generate_prefill(struct generate_job *job, struct generate_stats *st)
 {
     const struct generate_config *cfg = job->cfg;
@@ -126,8 +280,19 @@ static int generate_prefill(struct generate_job *job, struct generate_stats *st)
     for (size_t i = 0; i < n; i++) /* the window of the first pick holds the prompt */
         sampler_accept(job->smp, job->ids[i]);
     double t0 = generate_now();
-    int rc;
-    if (cfg->dump_logits || cfg->n_predict <= 0) {
+    int rc = cfg->prompt_cache ? pc_load(job) : 0;
+    if (rc)
+        return rc;
+    if (job->cached == n) { /* the whole prompt came from the cache, its logits too */
+        job->first = cfg->n_predict <= 0 ? 0 : sampler_sample(job->smp, job->logits,
+                                                                  (int32_t)hp->n_vocab);
+    } else if (cfg->prompt_cache) { /* the logits stay here for the cache file */
+        rc = engine_eval(job->eng, job->ids + job->cached, (uint32_t)(n - job->cached), false,
+                         job->logits);
+        job->first = rc || cfg->n_predict <= 0 ? 0 : sampler_sample(job->smp, job->logits,
+                                                                     (int32_t)hp->n_vocab);
+        rc = rc || !job->cache_write ? rc : pc_write(job);
+    } else if (cfg->dump_logits || cfg->n_predict <= 0) {
         rc = engine_eval(job->eng, job->ids, (uint32_t)n, cfg->dump_logits != NULL,
                          job->logits);
         if (rc)
@@ -142,6 +307,7 @@ static int generate_prefill(struct generate_job *job, struct generate_stats *st)
                                 &job->first);
     }
     st->n_prompt = (uint32_t)n;
+    st->n_cached = job->cached;
     st->prompt_s = generate_now() - t0;
     if (!rc && job->first < 0)
         rc = job->first;

@@ -61,6 +61,10 @@ static const char usage[] =
     "  --dump-logits OUT.npy   write float32 logits of every prompt position\n"
     "  --record-heat OUT.json  count the router's picks per layer and expert (with --inproc)\n"
     "                          and write them as a heat file for --heat\n"
+    "  --prompt-cache FILE     keep the state after the prompt in FILE; a later prompt that\n"
+    "                          starts with the same tokens continues from it (llama.cpp's)\n"
+    "  --prompt-cache-ro       use the prompt cache but do not update it\n"
+    "  --backend cuda:N|cpu    with --inproc: run every layer on this worker backend\n"
     "  --devices LIST          one worker per entry, e.g. cpu,cpu or cuda:0,cuda:1\n"
     "                          (default: cpu); GPUs are numbered in PCI bus order\n"
     "  --gpus LIST             same as --devices cuda:LIST, e.g. --gpus 0,1\n"
@@ -479,6 +483,12 @@ static int run_parse_one(struct cli *c, const char *a, struct run_opts *o)
         return cli_value(c, &g->dump_logits);
     if (!strcmp(a, "--record-heat"))
         return cli_value(c, &g->record_heat);
+    if (!strcmp(a, "--prompt-cache"))
+        return cli_value(c, &g->prompt_cache);
+    if (!strcmp(a, "--prompt-cache-ro"))
+        return g->prompt_cache_ro = true, 0;
+    if (!strcmp(a, "--backend"))
+        return cli_value(c, &g->backend);
     bool hit;
     int rc = run_parse_sampler(c, a, &g->sampler, &hit);
     if (!hit)
@@ -541,6 +551,14 @@ static int cmd_run(struct cli *c)
     if (!rc && o.inproc && o.cl.experts_home && !strcmp(o.cl.experts_home, "any"))
         rc = cli_fail(c, "%s", "--experts-home any places experts on other workers: it has no "
                       "--inproc form (use --devices)");
+    if (!rc && o.g.prompt_cache_ro && !o.g.prompt_cache)
+        rc = cli_fail(c, "%s", "--prompt-cache-ro needs --prompt-cache FILE");
+    if (!rc && o.g.prompt_cache && o.g.dump_logits)
+        rc = cli_fail(c, "%s", "--dump-logits writes every prompt position's logits, which a "
+                      "prompt cache does not keep: use one or the other");
+    if (!rc && o.g.backend && !o.inproc)
+        rc = cli_fail(c, "%s", "--backend runs every layer in this process: give --inproc "
+                      "(workers take --devices)");
     if (!o.inproc) {
         main_cluster_defaults(&o);
         o.g.cluster = &o.cl;
@@ -551,9 +569,10 @@ static int cmd_run(struct cli *c)
         rc = generate_run(&o.g, &st);
     if (!rc)
         fprintf(stderr,
-                "[stats] load %.2f s | prompt %u tok, %.1f tok/s | generation %u tok, %.1f tok/s "
-                "| peak RSS %.1f MiB\n",
-                st.load_s, st.n_prompt, st.prompt_s > 0 ? st.n_prompt / st.prompt_s : 0.0,
+                "[stats] load %.2f s | prompt %u tok (%u cached), %.1f tok/s | generation %u "
+                "tok, %.1f tok/s | peak RSS %.1f MiB\n",
+                st.load_s, st.n_prompt, st.n_cached,
+                st.prompt_s > 0 ? (st.n_prompt - st.n_cached) / st.prompt_s : 0.0,
                 st.n_gen, st.gen_s > 0 ? st.n_gen / st.gen_s : 0.0, st.peak_rss_kb / 1024.0);
     free(o.prompt_buf);
     free(o.ids);

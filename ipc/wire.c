@@ -42,6 +42,7 @@ WIRE_STATIC_TYPE(WIRE_TYPE_HEARTBEAT, HEARTBEAT);
 WIRE_STATIC_TYPE(WIRE_TYPE_ERROR, ERROR);
 WIRE_STATIC_TYPE(WIRE_TYPE_SHUTDOWN, SHUTDOWN);
 WIRE_STATIC_TYPE(WIRE_TYPE_RESET, RESET);
+WIRE_STATIC_TYPE(WIRE_TYPE_STATE, STATE);
 _Static_assert(WIRE_ENVELOPE_MAX < WIRE_MSG_MAX_DEFAULT, "envelope limit above frame limit");
 
 #define WIRE_CURVE_NONE 0
@@ -138,6 +139,7 @@ const char *wire_msg_type_name(uint32_t type)
         [WIRE_TYPE_ERROR] = "error",
         [WIRE_TYPE_SHUTDOWN] = "shutdown",
         [WIRE_TYPE_RESET] = "reset",
+        [WIRE_TYPE_STATE] = "state",
     };
     return wire_type_is_known(type) ? names[type] : "unknown";
 }
@@ -329,7 +331,8 @@ static bool wire_msg_check(const struct wire_msg *m, struct wire_verdict *v)
         return wire_fail(v, WIRE_REJECT_FIELDS, "tensor_bytes %zu without a tensor",
                          m->tensor_bytes);
     bool tensor_ok = m->type == WIRE_TYPE_STEP || m->type == WIRE_TYPE_EXPERT_REQUEST ||
-                     m->type == WIRE_TYPE_EXPERT_REPLY || m->type == WIRE_TYPE_RESULT;
+                     m->type == WIRE_TYPE_EXPERT_REPLY || m->type == WIRE_TYPE_RESULT ||
+                     m->type == WIRE_TYPE_STATE;
     if (!tensor_ok && m->tensor_bytes)
         return wire_fail(v, WIRE_REJECT_SHAPE, "%s carries no tensor, got %zu bytes",
                          wire_msg_type_name(m->type), m->tensor_bytes);
@@ -369,6 +372,19 @@ static bool wire_msg_check(const struct wire_msg *m, struct wire_verdict *v)
             return wire_fail(v, WIRE_REJECT_FIELDS, "error message over %d bytes",
                              WIRE_STRING_MAX);
         return true;
+    case WIRE_TYPE_STATE: {
+        const struct wire_state *st = &m->state;
+        const uint64_t want = st->op == WIRE_STATE_SNAPSHOT ? st->bytes : 0;
+        if (st->op < WIRE_STATE_SAVE || st->op > WIRE_STATE_LOADED)
+            return wire_fail(v, WIRE_REJECT_FIELDS, "state op %u unknown", st->op);
+        if (st->layer_begin >= st->layer_end && st->op != WIRE_STATE_SAVE)
+            return wire_fail(v, WIRE_REJECT_FIELDS, "state of layers [%u, %u): empty range",
+                             st->layer_begin, st->layer_end);
+        if (want != m->tensor_bytes || (st->op != WIRE_STATE_SNAPSHOT && st->bytes))
+            return wire_fail(v, WIRE_REJECT_SHAPE, "state op %u of %llu bytes with a %zu-byte "
+                             "frame", st->op, (unsigned long long)st->bytes, m->tensor_bytes);
+        return true;
+    }
     case WIRE_TYPE_READY:
     case WIRE_TYPE_HEARTBEAT:
     case WIRE_TYPE_SHUTDOWN:
@@ -400,6 +416,7 @@ union wire_pb {
     Lamina__Error error;
     Lamina__Shutdown shutdown;
     Lamina__Reset reset;
+    Lamina__State state;
 };
 
 /* Fills q from p; the residency entries go to res and res_ptrs (n_residency each), then the
@@ -536,6 +553,15 @@ static void wire_build(union wire_pb *u, const struct wire_msg *m)
     case WIRE_TYPE_RESET:
         lamina__reset__init(&u->reset);
         u->reset.seq_id = m->reset.seq_id;
+        break;
+    case WIRE_TYPE_STATE:
+        lamina__state__init(&u->state);
+        u->state.seq_id = m->state.seq_id;
+        u->state.op = m->state.op;
+        u->state.pos = m->state.pos;
+        u->state.layer_begin = m->state.layer_begin;
+        u->state.layer_end = m->state.layer_end;
+        u->state.bytes = m->state.bytes;
         break;
     case WIRE_TYPE_SHUTDOWN:
         lamina__shutdown__init(&u->shutdown);
@@ -754,6 +780,12 @@ static void wire_fill(struct wire_msg *m, const ProtobufCMessage *pm, struct wir
     case WIRE_TYPE_RESET:
         m->reset.seq_id = ((const Lamina__Reset *)pm)->seq_id;
         break;
+    case WIRE_TYPE_STATE: {
+        const Lamina__State *q = (const Lamina__State *)pm;
+        m->state = (struct wire_state){q->seq_id, q->op, q->pos, q->layer_begin, q->layer_end,
+                                       q->bytes};
+        break;
+    }
     }
 }
 
@@ -772,6 +804,7 @@ static const ProtobufCMessageDescriptor *wire_descriptor(enum wire_type type)
         [WIRE_TYPE_ERROR] = &lamina__error__descriptor,
         [WIRE_TYPE_SHUTDOWN] = &lamina__shutdown__descriptor,
         [WIRE_TYPE_RESET] = &lamina__reset__descriptor,
+        [WIRE_TYPE_STATE] = &lamina__state__descriptor,
     };
     return d[type];
 }

@@ -27,7 +27,9 @@
  * sampler value out of range (temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty as
  * in model/sampler.h; uniform outside [0, 1)), a window id below 0 or more than WIRE_WINDOW_MAX
  * ids, or a window without sample; strings longer than their limit; a Result with neither token nor
- * logits or a token outside [-1, n_vocab); a Timing line containing a newline.
+ * logits or a token outside [-1, n_vocab); a Timing line containing a newline; a State with an
+ * unknown op, an empty layer range, or a frame other than `bytes` bytes on a SNAPSHOT (none on
+ * the other ops).
  *
  * Left to the caller, which knows the model and the plan (check before use):
  *   - n_embd and n_vocab equal the model's; n_tokens <= max_batch; pos + n_tokens <= n_ctx;
@@ -54,10 +56,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define WIRE_VERSION 5                      /* Envelope.version of this build (2: NCCL hand-off;
+#define WIRE_VERSION 6                      /* Envelope.version of this build (2: NCCL hand-off;
                                                3: sampling on the last worker; 4: sequence
                                                slots, LoadPlan.n_seq; 5: foreign experts,
-                                               LoadPlan.foreign and the expert tags) */
+                                               LoadPlan.foreign and the expert tags; 6:
+                                               sequence snapshots, State) */
 #define WIRE_ENVELOPE_MAX (256u * 1024)     /* largest envelope frame accepted, bytes */
 #define WIRE_MSG_MAX_DEFAULT (1ll << 30)    /* default ZMQ_MAXMSGSIZE per frame, bytes */
 #define WIRE_ID_MAX 255                     /* largest ZeroMQ routing id, bytes */
@@ -88,9 +91,10 @@ enum wire_type {
     WIRE_TYPE_ERROR = 10,
     WIRE_TYPE_SHUTDOWN = 11,      /* no fields */
     WIRE_TYPE_RESET = 12,         /* start a sequence over */
+    WIRE_TYPE_STATE = 13,         /* a sequence snapshot: asked for, carried, acknowledged */
 };
 #define WIRE_TYPE_FIRST WIRE_TYPE_HELLO
-#define WIRE_TYPE_LAST WIRE_TYPE_RESET
+#define WIRE_TYPE_LAST WIRE_TYPE_STATE
 
 /* Why wire_recv() dropped a message; indexes wire_stats.rejected_by. */
 enum wire_reject {
@@ -231,6 +235,20 @@ struct wire_error {
 struct wire_reset {
     uint64_t seq_id;
 };
+enum wire_state_op {
+    WIRE_STATE_SAVE = 1,     /* coordinator -> worker: send slot seq_id's snapshot; no frame */
+    WIRE_STATE_SNAPSHOT = 2, /* a snapshot (raw frame of `bytes` bytes): the answer to SAVE,
+                                or coordinator -> worker, one to load */
+    WIRE_STATE_LOADED = 3,   /* worker -> coordinator: the snapshot is loaded; no frame */
+};
+struct wire_state { /* raw frame (SNAPSHOT only): bytes bytes, forward.h's snapshot layout */
+    uint64_t seq_id;
+    uint32_t op;          /* enum wire_state_op */
+    uint32_t pos;         /* tokens the snapshot holds */
+    uint32_t layer_begin; /* the range it covers: layer_begin < layer_end */
+    uint32_t layer_end;
+    uint64_t bytes;       /* the frame's size (SNAPSHOT), else 0 */
+};
 
 struct wire_msg_storage;
 
@@ -249,6 +267,7 @@ struct wire_msg {
         struct wire_heartbeat heartbeat;
         struct wire_error error;
         struct wire_reset reset;
+        struct wire_state state;
     };
     const void *tensor;  /* raw f32 rows, or NULL; received: WIRE_TENSOR_ALIGN-aligned */
     size_t tensor_bytes; /* 0 when there is no tensor frame */

@@ -6,7 +6,11 @@
  *   - backend_reset_seq starts one slot over and leaves the other alone; backend_reset all;
  *   - a slot out of range is refused with -EINVAL and nothing changes;
  *   - the budget charges every slot's KV cache and state (a budget that fits one slot and
- *     not three refuses three slots).
+ *     not three refuses three slots);
+ *   - sequence snapshots: slot 0's state after the prompt and two decode steps, loaded into
+ *     slot 1, continues there with the same bits as the sequence run through; the snapshot is
+ *     forward_state_bytes long and equals the CPU forward's own (forward_seq_save); a
+ *     snapshot of another size, or past the context, is refused.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -176,9 +180,81 @@ static void bs_model_checks(const char *arch)
     bs_close(&bm);
 }
 
+static void bs_snapshot_checks(const char *arch)
+{
+    struct bs_model bm = {0};
+    if (bs_open(&bm, arch)) {
+        CHECK(0, "%s: cannot make the model", arch);
+        bs_close(&bm);
+        return;
+    }
+    const size_t rows = BS_P + BS_D, w = bm.m->hp.n_embd, bytes = rows * w * sizeof(float);
+    float *ref = calloc(rows, w * sizeof(float)), *got = calloc(rows, w * sizeof(float));
+    struct backend *b = bs_backend(&bm, 2, 0);
+    int rc = b && ref && got ? 0 : -ENOMEM;
+    for (uint32_t k = 0; k <= BS_D && !rc; k++)
+        rc = bs_step(&bm, b, 0, 0, k, ref);
+    CHECK(rc == 0, "%s: the sequence run through: %d", arch, rc);
+    rc = rc ? rc : backend_reset_seq(b, 0);
+    for (uint32_t k = 0; k <= 2 && !rc; k++)
+        rc = bs_step(&bm, b, 0, 0, k, got);
+    const uint32_t pos = BS_P + 2;
+    const size_t sb = forward_state_bytes(bm.m, 0, bm.m->hp.n_layer, pos, false);
+    uint8_t *snap = malloc(sb + 8), *fwd = malloc(sb + 8);
+    rc = rc ? rc : snap && fwd ? 0 : -ENOMEM;
+    CHECK(rc || (backend_pos(b) == pos && backend_state_bytes(b) == sb), "%s: snapshot at %u "
+          "tokens: pos %u, %zu bytes (want %zu)", arch, pos, rc ? 0 : backend_pos(b),
+          rc ? 0 : backend_state_bytes(b), sb);
+    rc = rc ? rc : backend_state_save(b, snap);
+    /* the CPU forward run over the same tokens gives the same bytes */
+    struct forward_config fc = {.model = bm.m, .pool = bm.pool, .n_ctx = BS_CTX,
+                                .max_batch = BS_P};
+    struct forward *fw = rc ? NULL : forward_create(&fc);
+    struct forward_seq *fs = fw ? forward_seq_create(fw) : NULL;
+    float *h = calloc(rows, w * sizeof(float));
+    int32_t ids[BS_P + 2];
+    for (uint32_t i = 0; i < pos; i++)
+        ids[i] = bs_id(0, i);
+    int frc = fs && h ? forward_embed(bm.emb, ids, pos, h) : -ENOMEM;
+    frc = frc ? frc : forward_layers(fw, fs, h, BS_P);
+    for (uint32_t i = BS_P; i < pos && !frc; i++)
+        frc = forward_layers(fw, fs, h + (size_t)i * w, 1);
+    if (!frc)
+        forward_seq_save(fs, fwd);
+    CHECK(rc || (frc == 0 && !memcmp(snap, fwd, sb)), "%s: the backend's snapshot differs from "
+          "the CPU forward's (%d)", arch, frc);
+    /* loaded into slot 1, the rest of the sequence continues there */
+    rc = rc ? rc : backend_use_seq(b, 1);
+    rc = rc ? rc : backend_state_load(b, snap, sb, pos);
+    for (uint32_t k = 3; k <= BS_D && !rc; k++)
+        rc = bs_step(&bm, b, 1, 0, k, got);
+    CHECK(rc == 0 && !memcmp(ref, got, bytes), "%s: continued from a snapshot in slot 1: %d",
+          arch, rc);
+    if (b) {
+        CHECK(backend_state_load(b, snap, sb - 1, pos) == -EINVAL, "%s: a short snapshot "
+              "accepted", arch);
+        const size_t past = forward_state_bytes(bm.m, 0, bm.m->hp.n_layer, BS_CTX + 1, false);
+        uint8_t *big = calloc(1, past);
+        CHECK(big && backend_state_load(b, big, past, BS_CTX + 1) == -ENOSPC, "%s: a snapshot "
+              "past the context accepted", arch);
+        free(big);
+    }
+    free(h);
+    forward_seq_destroy(fs);
+    forward_destroy(fw);
+    free(snap);
+    free(fwd);
+    backend_destroy(b);
+    free(ref);
+    free(got);
+    bs_close(&bm);
+}
+
 int main(void)
 {
     bs_model_checks("qwen3next");
     bs_model_checks("qwen3moe");
+    bs_snapshot_checks("qwen3next");
+    bs_snapshot_checks("qwen3moe");
     return test_main_result("test_backend_seq");
 }

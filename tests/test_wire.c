@@ -191,6 +191,12 @@ static struct wire_msg sample_msg(const struct samples *s, enum wire_type t, int
     case WIRE_TYPE_RESET:
         m.reset.seq_id = 5;
         break;
+    case WIRE_TYPE_STATE: /* a snapshot of 7 bytes (the frame need not be f32 rows) */
+        m.state = (struct wire_state){.seq_id = 3, .op = WIRE_STATE_SNAPSHOT, .pos = 12,
+                                      .layer_begin = 4, .layer_end = 9, .bytes = 7};
+        m.tensor = s->hidden;
+        m.tensor_bytes = 7;
+        break;
     }
     return m;
 }
@@ -325,6 +331,14 @@ static void check_same(const struct wire_msg *a, const struct wire_msg *b, const
         break;
     case WIRE_TYPE_RESET:
         SAME(reset.seq_id);
+        break;
+    case WIRE_TYPE_STATE:
+        SAME(state.seq_id);
+        SAME(state.op);
+        SAME(state.pos);
+        SAME(state.layer_begin);
+        SAME(state.layer_end);
+        SAME(state.bytes);
         break;
     }
 }
@@ -542,6 +556,18 @@ static void test_timeouts_and_refusals(void *ctx, const char *dir)
     bad.tensor = s.hidden;
     bad.tensor_bytes = 16;
     CHECK(wire_send(lonely, &bad, NULL, 0) == -EINVAL, "heartbeat with a tensor refused");
+    bad = sample_msg(&s, WIRE_TYPE_STATE, 0, 5);
+    bad.state.bytes = 8;
+    CHECK(wire_send(lonely, &bad, NULL, 0) == -EINVAL, "snapshot of 8 bytes in 7 refused");
+    bad = sample_msg(&s, WIRE_TYPE_STATE, 0, 5);
+    bad.state.op = WIRE_STATE_SAVE;
+    CHECK(wire_send(lonely, &bad, NULL, 0) == -EINVAL, "state save with a frame refused");
+    bad = sample_msg(&s, WIRE_TYPE_STATE, 0, 5);
+    bad.state.op = 4;
+    CHECK(wire_send(lonely, &bad, NULL, 0) == -EINVAL, "state op 4 refused");
+    bad = sample_msg(&s, WIRE_TYPE_STATE, 0, 5);
+    bad.state.layer_end = bad.state.layer_begin;
+    CHECK(wire_send(lonely, &bad, NULL, 0) == -EINVAL, "snapshot of no layers refused");
     bad = (struct wire_msg){.type = (enum wire_type)99};
     CHECK(wire_send(lonely, &bad, NULL, 0) == -EINVAL, "unknown type refused");
     CHECK(wire_socket_stats(lonely)->sent == 0, "refused messages not counted as sent");

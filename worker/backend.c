@@ -78,6 +78,9 @@ struct backend *backend_create(const char *kind, const struct backend_config *cf
     h->b.foreign = foreign ? cfg->foreign : NULL;
     h->b.n_layer = cfg->model->hp.n_layer;
     h->b.n_expert = cfg->model->hp.n_expert;
+    h->b.model = cfg->model;
+    h->b.l0 = cfg->layer_begin, h->b.l1 = cfg->layer_end;
+    h->b.n_ctx = cfg->n_ctx ? cfg->n_ctx : 4096, h->b.kv_f16 = cfg->kv_f16; /* the backends' default */
     if (ops->init(&h->b, cfg)) {
         free(h);
         return NULL;
@@ -182,4 +185,34 @@ int backend_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
         return -EINVAL;
     }
     return b->ops->serve(b, layer, experts, counts, n_groups, X, Y);
+}
+
+uint32_t backend_pos(const struct backend *b)
+{
+    return b->ops->pos(b);
+}
+
+size_t backend_state_bytes(const struct backend *b)
+{
+    return forward_state_bytes(b->model, b->l0, b->l1, b->ops->pos(b), b->kv_f16);
+}
+
+int backend_state_save(struct backend *b, void *dst)
+{
+    return b->ops->state_save(b, dst);
+}
+
+int backend_state_load(struct backend *b, const void *src, size_t bytes, uint32_t pos)
+{
+    const size_t want = forward_state_bytes(b->model, b->l0, b->l1, pos, b->kv_f16);
+    if (bytes != want) {
+        log_error("sequence snapshot refused: %zu bytes, layers %u-%u at %u tokens (KV %s) take "
+                  "%zu", bytes, b->l0, b->l1 - 1, pos, b->kv_f16 ? "f16" : "f32", want);
+        return -EINVAL;
+    }
+    if (pos > b->n_ctx) {
+        log_error("sequence snapshot of %u tokens refused: the context holds %u", pos, b->n_ctx);
+        return -ENOSPC;
+    }
+    return b->ops->state_load(b, src, pos);
 }

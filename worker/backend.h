@@ -99,6 +99,14 @@ struct backend_ops {
      * refused). The caller (backend_serve) has checked every expert is held. */
     int (*serve)(struct backend *b, uint32_t layer, const uint32_t *experts,
                  const uint32_t *counts, uint32_t n_groups, const float *X, float *Y);
+    /* Tokens the current slot has consumed. */
+    uint32_t (*pos)(const struct backend *b);
+    /* Snapshot of the current slot (forward_state_bytes at pos() tokens, forward.h's layout)
+     * into dst, host memory. */
+    int (*state_save)(struct backend *b, void *dst);
+    /* Makes the current slot the snapshot src of `pos` tokens (pos <= the context, checked
+     * by the caller); the next layers() continues from it. */
+    int (*state_load)(struct backend *b, const void *src, uint32_t pos);
 };
 
 struct backend {
@@ -110,6 +118,10 @@ struct backend {
     uint32_t serve_max_rows;          /* most rows of one serve() call */
     const uint8_t *const *foreign;    /* cfg->foreign, borrowed (outlives the backend) */
     uint32_t n_layer, n_expert;       /* the model's */
+    const struct arch_model *model;   /* cfg->model, borrowed */
+    uint32_t l0, l1;                  /* the layer range */
+    uint32_t n_ctx;                   /* KV positions (cfg->n_ctx) */
+    bool kv_f16;                      /* cfg->kv_f16 */
     uint64_t calls;                   /* layers() calls so far */
     uint32_t n_seq;                   /* sequence slots (cfg->n_seq, at least 1) */
     uint32_t seq;                     /* the slot layers() runs on */
@@ -143,5 +155,14 @@ const struct forward_stats *backend_stats(const struct backend *b);
  * exceed serve_max_rows. */
 int backend_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
                   const uint32_t *counts, uint32_t n_groups, const float *X, float *Y);
+
+/* Sequence snapshots of the current slot (the prompt cache; forward.h has the layout): its
+ * position, the bytes of its snapshot there, and save / load. backend_state_load refuses
+ * (-EINVAL, logged) a snapshot whose size is not forward_state_bytes(.., pos, ..) for this
+ * range and KV type, and (-ENOSPC) a position past the context. */
+uint32_t backend_pos(const struct backend *b);
+size_t backend_state_bytes(const struct backend *b);
+int backend_state_save(struct backend *b, void *dst);
+int backend_state_load(struct backend *b, const void *src, size_t bytes, uint32_t pos);
 
 #endif

@@ -248,6 +248,25 @@ static int cpu_layers(struct backend *b, float *h, uint32_t n)
     return forward_layers(c->fw, c->seq, h, n);
 }
 
+static uint32_t cpu_pos(const struct backend *b)
+{
+    const struct backend_cpu *c = b->impl;
+    return forward_seq_pos(c->seq);
+}
+
+static int cpu_state_save(struct backend *b, void *dst)
+{
+    struct backend_cpu *c = b->impl;
+    forward_seq_save(c->seq, dst);
+    return 0;
+}
+
+static int cpu_state_load(struct backend *b, const void *src, uint32_t pos)
+{
+    struct backend_cpu *c = b->impl;
+    return forward_seq_load(c->seq, src, pos);
+}
+
 static int cpu_logits(struct backend *b, const float *h, uint32_t n, float *out)
 {
     struct backend_cpu *c = b->impl;
@@ -282,4 +301,7 @@ const struct backend_ops backend_cpu_ops = {
     .logits = cpu_logits,
     .stats = cpu_stats,
     .serve = cpu_serve,
+    .pos = cpu_pos,
+    .state_save = cpu_state_save,
+    .state_load = cpu_state_load,
 };

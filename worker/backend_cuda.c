@@ -76,8 +76,18 @@
  *
  * A failed CUDA call or launch is logged and returns -EIO; the backend then
  * refuses every later call (style.md habit 8: the worker exits).
- * The DeltaNet state lives on the device only: reset() zeroes it there (no
- * host copy yet: a CPU step of these layers is not possible).
+ * DeltaNet state: the host copy is canonical for snapshots (state_save / state_load, the
+ * prompt cache) and for any step taken on the host; each slot's copy (pinned, the device's
+ * layout) is allocated when first needed, so a backend that never snapshots holds none.
+ * Per slot and DeltaNet layer two flags say where the state is current: CB_DN_FRESH, the
+ * device copy is (no host write since the last push); CB_DN_AHEAD, the device copy is newer
+ * than the host's (a GPU step since the last pull). A snapshot or a host step pulls the
+ * layers that are ahead first; a GPU step after a host write (state_load) pushes the layers
+ * that are not fresh first, on the stream before its kernels; reset() zeroes the device copy
+ * (fresh, ahead). A failing GPU step pulls what the card holds (logged, best effort: a
+ * poisoned context may refuse the copy) and the backend refuses later calls, snapshots
+ * included, since that state is part of a step. KV rows have no host copy: a snapshot reads
+ * rows 0 .. pos-1 of each attention layer off the card and a load writes them back.
  * Stage timings: remote_wait (host time in collect) and the row and token
  * counters are always kept. With cfg->stage_times (the worker's
  * LAMINA_CUDA_STAGE_TIMES=1) each layer's GPU stages are timed too, between
@@ -127,6 +137,8 @@
  * tail lost 9 %, cols neither gained nor lost; docs/perf.md). cols: the combine split over
  * the down product's grid columns and each layer's norm inside its input product (combine
  * wins over cols where both are asked for). */
+#define CB_DN_FRESH 1u /* the device copy of a layer's DeltaNet state is current */
+#define CB_DN_AHEAD 2u /* the device copy is newer than the host copy */
 #define CB_TAIL_NORM 1u
 #define CB_TAIL_TOPK 2u
 #define CB_TAIL_COMBINE 4u
@@ -204,6 +216,9 @@ struct backend_cuda {
     size_t slot_bytes;                /* one slot's state; state_size is n_seq of them */
     uint32_t n_seq, seq;              /* sequence slots; the one the views point at */
     uint32_t *slot_pos;               /* per slot: next position (pos is the current's) */
+    uint8_t **host_dn;                /* per slot: pinned host copy of its DeltaNet state
+                                       * (dn_state_bytes, the device's layout), or NULL */
+    uint8_t *dn_flags;                /* per slot and layer of the range: CB_DN_* */
     cudaGraphExec_t *slot_gexec;      /* per slot: its decode graph (gexec is the current's) */
     /* scratch views, B rows each */
     float *h, *xa, *mix, *q, *kx, *vx, *att, *qkv, *u, *z, *beta, *alpha, *y;
@@ -907,8 +922,11 @@ static int cb_alloc_state(struct backend_cuda *c)
         return -ENOMEM;
     c->slot_pos = calloc(c->n_seq, sizeof(*c->slot_pos));
     c->slot_gexec = calloc(c->n_seq, sizeof(*c->slot_gexec));
-    if (!c->slot_pos || !c->slot_gexec)
+    c->host_dn = calloc(c->n_seq, sizeof(*c->host_dn));
+    c->dn_flags = malloc((size_t)c->n_seq * (c->l1 - c->l0));
+    if (!c->slot_pos || !c->slot_gexec || !c->host_dn || !c->dn_flags)
         return -ENOMEM;
+    memset(c->dn_flags, CB_DN_FRESH | CB_DN_AHEAD, (size_t)c->n_seq * (c->l1 - c->l0));
     cb_point_slot(c, 0);
     return c->state_size ? CUDA_CHECK(cudaMemset(c->state, 0, c->state_size)) : 0;
 }
@@ -1708,6 +1726,10 @@ static void cb_fini(struct backend *b)
         cudaGraphExecDestroy(c->gexec);
     free(c->slot_pos);
     free(c->slot_gexec);
+    for (uint32_t i = 0; c->host_dn && i < c->n_seq; i++)
+        cudaFreeHost(c->host_dn[i]);
+    free(c->host_dn);
+    free(c->dn_flags);
     for (uint32_t i = 0; c->layers && i < c->l1 - c->l0; i++) {
         cudaFree(c->layers[i].experts);
         free(c->layers[i].resident);
@@ -1953,6 +1975,70 @@ static void cb_reset(struct backend *b)
                                    c->dn_state_bytes, c->stream)) ||
         CUDA_CHECK(cudaStreamSynchronize(c->stream)))
         c->failed = true;
+    memset(c->dn_flags + (size_t)c->seq * (c->l1 - c->l0), CB_DN_FRESH | CB_DN_AHEAD,
+           c->l1 - c->l0);
+}
+
+/* Byte offset of layer i's DeltaNet state in a slot's DeltaNet part (device and host copy
+ * alike: cb_point_slot's layout); *conv_bytes: its conv part, padded. */
+static size_t cb_dn_offset(const struct backend_cuda *c, uint32_t i, size_t *conv_bytes)
+{
+    size_t off = 0;
+    for (uint32_t j = 0; j < i; j++)
+        if (c->layers[j].ly->recurrent)
+            off += cb_dn_bytes(c->hp, conv_bytes);
+    cb_dn_bytes(c->hp, conv_bytes);
+    return off;
+}
+
+/* Allocates slot seq's host copy of its DeltaNet state unless it has one. */
+static int cb_dn_host(struct backend_cuda *c, uint32_t seq)
+{
+    if (c->host_dn[seq] || cudaMallocHost((void **)&c->host_dn[seq], c->dn_state_bytes) ==
+                               cudaSuccess)
+        return 0;
+    cudaGetLastError();
+    c->host_dn[seq] = NULL;
+    log_error("cannot allocate %.1f MiB of pinned host memory for the DeltaNet state of "
+              "sequence slot %u", c->dn_state_bytes / 1048576.0, seq);
+    return -ENOMEM;
+}
+
+/* Pulls (to_host) the DeltaNet layers of slot seq whose device copy is ahead, or pushes
+ * (!to_host, enqueued on the stream) those whose device copy is not fresh. The host copy is
+ * allocated at the first pull or push. 0, -ENOMEM or -EIO (logged). */
+static int cb_dn_sync(struct backend_cuda *c, uint32_t seq, bool to_host)
+{
+    const uint32_t nl = c->l1 - c->l0;
+    uint8_t *flags = c->dn_flags + (size_t)seq * nl;
+    const uint8_t *dev = c->state + (size_t)seq * c->slot_bytes;
+    int rc = 0;
+    for (uint32_t i = 0; i < nl && !rc; i++) {
+        if (!c->layers[i].ly->recurrent ||
+            (to_host ? !(flags[i] & CB_DN_AHEAD) : (flags[i] & CB_DN_FRESH)))
+            continue;
+        if (cb_dn_host(c, seq))
+            return -ENOMEM;
+        size_t conv_bytes;
+        const size_t off = cb_dn_offset(c, i, &conv_bytes);
+        const size_t bytes = cb_dn_bytes(c->hp, &conv_bytes);
+        rc = to_host ? CUDA_CHECK(cudaMemcpyAsync(c->host_dn[seq] + off, dev + off, bytes,
+                                                  cudaMemcpyDeviceToHost, c->stream))
+                     : CUDA_CHECK(cudaMemcpyAsync((uint8_t *)dev + off, c->host_dn[seq] + off,
+                                                  bytes, cudaMemcpyHostToDevice, c->stream));
+        flags[i] = to_host ? flags[i] & ~CB_DN_AHEAD : flags[i] | CB_DN_FRESH;
+    }
+    if (!rc && to_host)
+        rc = CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    return rc;
+}
+
+/* After a GPU step of the current slot: every DeltaNet layer's device copy is ahead. */
+static void cb_dn_stepped(struct backend_cuda *c)
+{
+    const uint32_t nl = c->l1 - c->l0;
+    for (uint32_t i = 0; i < nl; i++)
+        c->dn_flags[(size_t)c->seq * nl + i] |= CB_DN_AHEAD;
 }
 
 static int cb_layers(struct backend *b, float *h, uint32_t n)
@@ -1967,16 +2053,99 @@ static int cb_layers(struct backend *b, float *h, uint32_t n)
                   c->n_ctx);
         return -ENOSPC;
     }
+    int rc = cb_dn_sync(c, c->seq, false);
+    if (rc) {
+        c->failed = rc == -EIO;
+        return rc;
+    }
     for (uint32_t s = 0; s < n; s += c->B) {
         const uint32_t S = n - s < c->B ? n - s : c->B;
-        int rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, S);
+        rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, S);
+        cb_dn_stepped(c);
         if (rc) {
-            /* the sequence state is now partial; a CUDA error poisons the context */
+            /* The sequence state is now partial (a CUDA error also poisons the context: the
+             * backend then refuses every later call); keep what the card holds on the host. */
+            if (c->dn_state_bytes) {
+                const int pulled = cb_dn_sync(c, c->seq, true);
+                log_error("cuda layers %u-%u: step failed (%d); the DeltaNet state of slot %u "
+                          "%s", c->l0, c->l1 - 1, rc, c->seq,
+                          pulled ? "could not be pulled from the card"
+                                 : "as the card held it is in the host copy");
+            }
             c->failed = rc == -EIO;
             return rc;
         }
     }
     return 0;
+}
+
+static uint32_t cb_pos(const struct backend *b)
+{
+    const struct backend_cuda *c = b->impl;
+    return c->pos;
+}
+
+/* Copies between a snapshot (forward.h's layout) and the current slot: DeltaNet layers from
+ * or to the host copy, KV rows 0 .. pos-1 from or to the card. */
+static int cb_state_copy(struct backend_cuda *c, uint8_t *p, uint32_t pos, bool save)
+{
+    const struct arch_hparams *hp = c->hp;
+    const size_t conv = (size_t)arch_conv_dim(hp) * (hp->ssm_conv - 1) * sizeof(float);
+    const size_t ssm = (size_t)hp->ssm_nv * hp->ssm_dv * hp->ssm_dk * sizeof(float);
+    const size_t kv = (size_t)pos * hp->n_head_kv * hp->head_dim * (c->cfg.kv_f16 ? 2 : 4);
+    int rc = 0;
+    for (uint32_t i = 0; i < c->l1 - c->l0 && !rc; i++) {
+        const struct cb_layer *L = &c->layers[i];
+        if (L->ly->recurrent) {
+            size_t conv_bytes;
+            uint8_t *host = c->host_dn[c->seq] + cb_dn_offset(c, i, &conv_bytes);
+            memcpy(save ? p : host, save ? host : p, conv);
+            memcpy(save ? p + conv : host + conv_bytes, save ? host + conv_bytes : p + conv, ssm);
+            p += conv + ssm;
+            continue;
+        }
+        void *dev[2] = {L->kc, L->vc};
+        for (int j = 0; j < 2 && !rc; j++, p += kv)
+            rc = kv ? CUDA_CHECK(save ? cudaMemcpy(p, dev[j], kv, cudaMemcpyDeviceToHost)
+                                      : cudaMemcpy(dev[j], p, kv, cudaMemcpyHostToDevice))
+                    : 0;
+    }
+    return rc;
+}
+
+/* backend_ops.state_save: the host copy is canonical; layers the card is ahead on are
+ * pulled first. */
+static int cb_state_save(struct backend *b, void *dst)
+{
+    struct backend_cuda *c = b->impl;
+    if (c->failed) {
+        log_error("cuda backend refuses a snapshot after an earlier CUDA error");
+        return -EIO;
+    }
+    int rc = cb_dn_sync(c, c->seq, true);
+    rc = rc ? rc : cb_state_copy(c, dst, c->pos, true);
+    c->failed = rc == -EIO;
+    return rc;
+}
+
+/* backend_ops.state_load: writes the host copy (the device copy is then stale: the next
+ * step pushes it) and the KV rows. */
+static int cb_state_load(struct backend *b, const void *src, uint32_t pos)
+{
+    struct backend_cuda *c = b->impl;
+    if (c->failed) {
+        log_error("cuda backend refuses a snapshot after an earlier CUDA error");
+        return -EIO;
+    }
+    const uint32_t nl = c->l1 - c->l0;
+    int rc = c->dn_state_bytes ? cb_dn_host(c, c->seq) : 0;
+    rc = rc ? rc : cb_state_copy(c, (uint8_t *)src, pos, false);
+    if (!rc) {
+        memset(c->dn_flags + (size_t)c->seq * nl, 0, nl); /* the host copy is current */
+        c->pos = pos;
+    }
+    c->failed = rc == -EIO;
+    return rc;
 }
 
 /* Rows per output-head pass: the scratch holds B rows of h. */
@@ -2138,6 +2307,9 @@ const struct backend_ops backend_cuda_ops = {
     .argmax = cb_argmax,
     .stats = cb_stats,
     .serve = cb_serve,
+    .pos = cb_pos,
+    .state_save = cb_state_save,
+    .state_load = cb_state_load,
 };
 
 #endif /* LAMINA_CUDA */

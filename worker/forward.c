@@ -810,6 +810,60 @@ void forward_seq_reset(struct forward_seq *seq)
     seq->pos = 0;
 }
 
+size_t forward_state_bytes(const struct arch_model *m, uint32_t l0, uint32_t l1, uint32_t pos,
+                           bool kv_f16)
+{
+    const struct arch_hparams *hp = &m->hp;
+    const size_t dn = ((size_t)arch_conv_dim(hp) * (hp->ssm_conv - 1) +
+                       (size_t)hp->ssm_nv * hp->ssm_dv * hp->ssm_dk) * sizeof(float);
+    const size_t kv = 2 * (size_t)pos * fw_kv_dim(hp) * (kv_f16 ? 2 : 4);
+    size_t bytes = 0;
+    for (uint32_t l = l0; l < l1; l++)
+        bytes += m->layers[l].recurrent ? dn : kv;
+    return bytes;
+}
+
+/* Copies seq's state to (save) or from (load) the snapshot at p. */
+static void fw_seq_copy(struct forward_seq *seq, uint8_t *p, bool save)
+{
+    const struct forward *fw = seq->fw;
+    const struct arch_hparams *hp = fw->hp;
+    const size_t conv = (size_t)arch_conv_dim(hp) * (hp->ssm_conv - 1) * sizeof(float);
+    const size_t ssm = (size_t)hp->ssm_nv * hp->ssm_dv * hp->ssm_dk * sizeof(float);
+    const size_t kv = (size_t)seq->pos * fw_kv_dim(hp) * (fw->kv_f16 ? 2 : 4);
+    for (uint32_t i = 0; i < fw->l1 - fw->l0; i++) {
+        void *part[2] = {seq->k[i], seq->v[i]};
+        size_t size[2] = {kv, kv};
+        if (fw->m->layers[fw->l0 + i].recurrent) {
+            part[0] = seq->conv[i], part[1] = seq->ssm[i];
+            size[0] = conv, size[1] = ssm;
+        }
+        for (int j = 0; j < 2; j++) {
+            if (save)
+                memcpy(p, part[j], size[j]);
+            else
+                memcpy(part[j], p, size[j]);
+            p += size[j];
+        }
+    }
+}
+
+void forward_seq_save(const struct forward_seq *seq, void *dst)
+{
+    fw_seq_copy((struct forward_seq *)seq, dst, true);
+}
+
+int forward_seq_load(struct forward_seq *seq, const void *src, uint32_t pos)
+{
+    if (pos > seq->fw->n_ctx) {
+        log_error("snapshot of %u tokens does not fit the context of %u", pos, seq->fw->n_ctx);
+        return -ENOSPC;
+    }
+    seq->pos = pos;
+    fw_seq_copy(seq, (uint8_t *)src, false);
+    return 0;
+}
+
 uint32_t forward_seq_pos(const struct forward_seq *seq)
 {
     return seq->pos;

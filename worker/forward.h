@@ -90,6 +90,22 @@ void forward_seq_destroy(struct forward_seq *seq);
 /* Clears the state: the next token is position 0. */
 void forward_seq_reset(struct forward_seq *seq);
 
+/* Sequence snapshots (the prompt cache): one sequence's state for a layer range as bytes,
+ * the same on every backend. For each layer of [l0, l1) in order: a DeltaNet layer gives its
+ * conv state (conv_dim x (ssm_conv - 1) f32, channel-major, oldest first) and its delta
+ * state (ssm_nv x ssm_dv x ssm_dk f32, key index fastest; kernels/cpu/deltanet.h); an
+ * attention layer gives K then V rows 0 .. pos-1 (n_head_kv * head_dim each, f16 when kv_f16,
+ * else f32). No header: the position, the range and the KV type travel beside it. */
+size_t forward_state_bytes(const struct arch_model *m, uint32_t l0, uint32_t l1, uint32_t pos,
+                           bool kv_f16);
+
+/* Writes seq's snapshot (forward_state_bytes at its position) into dst. */
+void forward_seq_save(const struct forward_seq *seq, void *dst);
+
+/* Makes seq the snapshot src of `pos` tokens (forward_state_bytes(.., pos, ..) bytes, from
+ * forward_seq_save or a backend's state_save). -ENOSPC (logged) when pos exceeds the context. */
+int forward_seq_load(struct forward_seq *seq, const void *src, uint32_t pos);
+
 /* Context size and positions used so far. */
 uint32_t forward_n_ctx(const struct forward *fw);
 uint32_t forward_seq_pos(const struct forward_seq *seq);

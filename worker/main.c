@@ -314,7 +314,7 @@ static int worker_collect(void *ctx, uint32_t layer, float *Y, uint32_t n_rows)
             wire_msg_free(&m);
             return 0;
         }
-        if (m.type == WIRE_TYPE_STEP || m.type == WIRE_TYPE_RESET) {
+        if (m.type == WIRE_TYPE_STEP || m.type == WIRE_TYPE_RESET || m.type == WIRE_TYPE_STATE) {
             rc = worker_defer(w, &m); /* the next sequence's step: after this one */
             if (rc)
                 return rc;
@@ -896,6 +896,47 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
     return res.type == WIRE_TYPE_RESULT ? worker_send(w, w->coord, &res) : 0;
 }
 
+/* A sequence snapshot from the coordinator (no step in flight): SAVE answers with slot
+ * seq_id's snapshot of this range, SNAPSHOT loads one and answers LOADED. */
+static int worker_state(struct worker *w, const struct wire_msg *m)
+{
+    const struct wire_state *st = &m->state;
+    if (st->seq_id >= w->n_seq || st->op == WIRE_STATE_LOADED ||
+        (st->op == WIRE_STATE_SNAPSHOT && (st->layer_begin != w->l0 || st->layer_end != w->l1))) {
+        log_error("state message refused: op %u for sequence %llu of layers %u-%u (this worker "
+                  "has layers %u-%u and %u slots)", st->op, (unsigned long long)st->seq_id,
+                  st->layer_begin, st->layer_end ? st->layer_end - 1 : 0, w->l0, w->l1 - 1,
+                  w->n_seq);
+        return -EPROTO;
+    }
+    const uint32_t seq = (uint32_t)st->seq_id;
+    int rc = backend_use_seq(w->be, seq);
+    if (rc)
+        return rc;
+    struct wire_msg o = {.type = WIRE_TYPE_STATE};
+    o.state = (struct wire_state){.seq_id = seq, .layer_begin = w->l0, .layer_end = w->l1};
+    if (st->op == WIRE_STATE_SNAPSHOT) {
+        rc = backend_state_load(w->be, m->tensor, m->tensor_bytes, st->pos);
+        if (rc)
+            return rc;
+        w->pos[seq] = st->pos;
+        o.state.op = WIRE_STATE_LOADED, o.state.pos = st->pos;
+        return worker_send(w, w->coord, &o);
+    }
+    const size_t bytes = backend_state_bytes(w->be);
+    void *buf = malloc(bytes ? bytes : 1);
+    if (!buf) {
+        log_error("no memory for a snapshot of %zu bytes", bytes);
+        return -ENOMEM;
+    }
+    rc = backend_state_save(w->be, buf);
+    o.state.op = WIRE_STATE_SNAPSHOT, o.state.pos = backend_pos(w->be), o.state.bytes = bytes;
+    o.tensor = buf, o.tensor_bytes = bytes;
+    rc = rc ? rc : worker_send(w, w->coord, &o);
+    free(buf);
+    return rc;
+}
+
 /* Handles one message; returns 1 to stop with success, 0 to go on, < 0 on error. */
 static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, double wait)
 {
@@ -925,6 +966,16 @@ static int worker_handle(struct worker *w, struct wire_msg *m, bool from_coord, 
             return 0;
         struct wire_msg o = {.type = WIRE_TYPE_RESET};
         return worker_send(w, w->out, &o);
+    }
+    case WIRE_TYPE_STATE: {
+        int rc = worker_state(w, m);
+        if (rc) { /* the coordinator's request fails; only a device error ends the worker */
+            char what[160];
+            snprintf(what, sizeof(what), "sequence snapshot (op %u) failed in layers %u-%u: %s",
+                     m->state.op, w->l0, w->l1 - 1, strerror(-rc));
+            worker_report_error(w, rc, what);
+        }
+        return rc == -EIO ? rc : 0;
     }
     case WIRE_TYPE_SHUTDOWN:
         return 1;

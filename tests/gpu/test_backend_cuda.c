@@ -42,6 +42,13 @@
  *   - f16 KV cache, cuda vs token-by-token cpu with f16 KV: within the bound
  *     of TBC_TOL_F16;
  *   - a device budget too small is refused;
+ *   - sequence snapshots through the DeltaNet state's host copy and its fresh / ahead flags
+ *     (two slots; the prompt and half the decode steps in slot 0, through the graph): the
+ *     snapshot (a pull) is within TBC_TOL_SNAP of the cpu backend's at that point and not
+ *     all zeros; loaded into slot 1 and saved again with no step between, the same bytes;
+ *     continued in slot 1 (the push before its first step), the rest of the decode logits
+ *     byte-identical to the run through; the cpu backend's snapshot loaded into slot 1 (a
+ *     host-side state, then GPU steps) continues within the bound of the cpu's logits;
  *   - on tiny synthetic qwen3next models of Q8_0 and Q4_0 weights (6 prompt
  *     positions, 10 greedy decode steps): the shared expert as pair k of the
  *     routed decode products against its own branch (LAMINA_CUDA_SHPAIR=0):
@@ -78,6 +85,7 @@
 #include "tests/fixture.h"
 #include "worker/backend.h"
 #include "worker/expert_exec.h"
+#include "worker/forward.h"
 
 #define TBC_TOL 2e-3     /* max |cuda - token-by-token cpu| logit, f32 models and KV */
 #define TBC_COND 1e-4     /* cpu's own spread above which a position is ill-conditioned */
@@ -89,6 +97,7 @@
 #define TBC_DECODE 6     /* decode steps after the prompt */
 #define TBC_CTX 256
 #define TBC_TOL_SERVE 1e-4 /* served rows: max |cuda - expert_exec| / max |y| */
+#define TBC_TOL_SNAP 1e-2  /* a snapshot: max |cuda - cpu| / max |value| (f32 KV and state) */
 
 /* The expert pool a coordinator would run: expert_exec on the CPU. */
 struct tbc_remote {
@@ -306,6 +315,84 @@ static void tbc_compare(const struct tbc_arch *a, const float *ref, const float 
             "%.3g at %d ill-conditioned ones", a->name, what, good, a->rows - n_ill, tol, ill,
             n_ill);
     CHECK(bad < 0, "%s %s: logit diff beyond the bound at position %d", a->name, what, bad);
+}
+
+/* Decode steps d0 .. d1-1 (tokens greedy[d]) through b, logits into rows n + d of out. */
+static int tbc_steps(const struct tbc_arch *a, struct backend *b, int d0, int d1, float *out)
+{
+    float *h = malloc(a->n_embd * sizeof(float));
+    int rc = h ? 0 : -1;
+    for (int d = d0; d < d1 && !rc; d++) {
+        rc = tbc_embed(a, &a->greedy[d], 1, h) || backend_layers(b, h, 1);
+        rc = rc || backend_logits(b, h, 1, out + (size_t)(a->n + d) * a->V);
+    }
+    free(h);
+    return rc ? -1 : 0;
+}
+
+/* The prompt and the first `half` decode steps through b (prompt logits into out). */
+static int tbc_prefix(const struct tbc_arch *a, struct backend *b, int half, float *out)
+{
+    float *h = malloc((size_t)a->n * a->n_embd * sizeof(float));
+    int rc = !h || tbc_embed(a, a->ids, a->n, h) || backend_layers(b, h, (uint32_t)a->n);
+    rc = rc || backend_logits(b, h, (uint32_t)a->n, out);
+    free(h);
+    return rc || tbc_steps(a, b, 0, half, out) ? -1 : 0;
+}
+
+/* Sequence snapshots of the cuda backend (see the top of the file). gpu: the cuda run
+ * through; tok: the token-by-token cpu's logits. */
+static void tbc_snapshot(const struct tbc_arch *a, const float *gpu, const float *tok)
+{
+    const int half = TBC_DECODE / 2;
+    const uint32_t pos = (uint32_t)a->n + half;
+    const size_t sz = a->rows * a->V * sizeof(float);
+    struct backend_config cfg = tbc_config(a, 0, a->m->hp.n_layer, TBC_BATCH);
+    struct backend *c = backend_create("cpu", &cfg);
+    cfg.n_seq = 2;
+    struct backend *g = backend_create("cuda", &cfg);
+    float *lg = malloc(sz), *lc = malloc(sz);
+    const size_t sb = forward_state_bytes(a->m, 0, a->m->hp.n_layer, pos, false);
+    float *sg = malloc(sb + 4), *sc = malloc(sb + 4), *again = malloc(sb + 4);
+    int rc = g && c && lg && lc && sg && sc && again ? 0 : -1;
+    rc = rc || tbc_prefix(a, g, half, lg) || tbc_prefix(a, c, half, lc);
+    CHECK(rc || (backend_pos(g) == pos && backend_state_bytes(g) == sb), "%s: cuda snapshot at "
+          "%u tokens of %zu bytes", a->name, pos, sb);
+    rc = rc || backend_state_save(g, sg) || backend_state_save(c, sc);
+    CHECK(rc == 0, "%s: snapshots of the cuda and cpu backends", a->name);
+    if (!rc) {
+        double d = 0, mag = 0;
+        size_t nz = 0;
+        for (size_t i = 0; i < sb / 4; i++) {
+            d = fmax(d, fabs((double)sg[i] - sc[i]));
+            mag = fmax(mag, fabs((double)sc[i]));
+            nz += sg[i] != 0;
+        }
+        MEASURE("%s snapshot at %u tokens (%zu bytes): cuda vs cpu max |diff| %.3g of max "
+                "|value| %.3g", a->name, pos, sb, d, mag);
+        CHECK(nz > 0 && d <= TBC_TOL_SNAP * mag, "%s: the cuda snapshot is not the cpu's "
+              "(%zu non-zero floats, max diff %.3g, max value %.3g)", a->name, nz, d, mag);
+    }
+    /* into slot 1; saved again at once: the host copy is current, nothing is pulled */
+    rc = rc || backend_use_seq(g, 1) || backend_state_load(g, sg, sb, pos);
+    rc = rc || backend_state_save(g, again);
+    CHECK(rc == 0 && !memcmp(sg, again, sb), "%s: a snapshot loaded and saved again differs",
+          a->name);
+    /* continued in slot 1: the push, then the same bits as the run through */
+    rc = rc || tbc_steps(a, g, half, TBC_DECODE, lg);
+    CHECK(rc == 0 && !memcmp(lg, gpu, sz), "%s: cuda continued from its snapshot in another "
+          "slot differs from the run through (max %.3g)", a->name,
+          rc ? 0.0 : tbc_maxdiff(lg, gpu, a->rows * a->V));
+    /* the cpu's snapshot (a state made on the host), then GPU steps */
+    rc = rc || backend_reset_seq(g, 1) || backend_state_load(g, sc, sb, pos);
+    rc = rc || tbc_steps(a, g, half, TBC_DECODE, lg);
+    CHECK(rc == 0, "%s: cuda continued from the cpu's snapshot", a->name);
+    if (!rc)
+        tbc_compare(a, tok, lg, "cuda continuing from the cpu backend's snapshot vs "
+                    "token-by-token cpu", TBC_TOL);
+    backend_destroy(g);
+    backend_destroy(c);
+    free(lg), free(lc), free(sg), free(sc), free(again);
 }
 
 /* Half residency: even experts on the device, odd ones through the remote. */
@@ -568,6 +655,7 @@ static void tbc_arch_run(struct tbc_arch *a)
     f16.max_batch = TBC_BATCH;
     tbc_run(a, "cuda", f16, tmp, NULL);
     tbc_compare(a, gpu2, tmp, "cuda f16 KV vs token-by-token cpu f16 KV", TBC_TOL_F16);
+    tbc_snapshot(a, gpu, tok);
     tbc_layers(a);
     tbc_budget(a);
     tbc_serve(a);
