@@ -49,11 +49,13 @@ CUDA_LIB := $(BUILD)/liblamina_cuda.a
 CUDA_LDLIBS := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt
 GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c)
 GPU_TESTS := $(GPU_TEST_SRCS:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
+# tools/cuda: diagnostics that need more of the toolkit (CUPTI), built where it is there.
+CUDA_TOOLS := $(if $(wildcard $(CUDA_HOME)/include/cupti.h),$(BUILD)/tools/graph_trace)
 endif
 
 .PHONY: all test test-gpu clean cuda demo
 TOOLS    := $(patsubst tools/%.c,$(BUILD)/tools/%,$(wildcard tools/*.c))
-all: $(BINS) $(TESTS) $(TOOLS) $(CU_OBJS) $(GPU_TESTS)
+all: $(BINS) $(TESTS) $(TOOLS) $(CU_OBJS) $(GPU_TESTS) $(CUDA_TOOLS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -90,6 +92,9 @@ $(BUILD)/lamina: $(BUILD)/coordinator/main.o $(LIB) $(CUDA_LIB)
 
 $(BUILD)/tools/%: $(BUILD)/tools/%.o $(LIB) $(CUDA_LIB)
 	$(CC) -o $@ $< $(LIB) $(CUDA_LDLIBS) $(LDLIBS)
+
+$(BUILD)/tools/graph_trace: $(BUILD)/tools/cuda/graph_trace.o $(LIB) $(CUDA_LIB)
+	$(CC) -o $@ $< $(LIB) $(CUDA_LDLIBS) -lcupti $(LDLIBS)
 
 $(BUILD)/lamina-worker: $(BUILD)/worker/main.o $(LIB) $(CUDA_LIB)
 	$(CC) -o $@ $(BUILD)/worker/main.o $(LIB) $(CUDA_LDLIBS) $(LDLIBS)

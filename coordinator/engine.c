@@ -188,6 +188,8 @@ static int engine_pass(struct engine *e, const int32_t *ids, uint32_t c, bool al
     if (e->cl)
         return cluster_step(e->cl, e->h, c, e->pos, all, out);
     if (e->be) {
+        if (last && !all) /* the head right after the layers, on the device */
+            return backend_layers_head(e->be, e->h, c, out, NULL);
         rc = backend_layers(e->be, e->h, c);
         if (rc || (!all && !last))
             return rc;

@@ -24,6 +24,7 @@
 #     place    the placement benchmark (tools/bench-place.sh) at PLACE_BUDGETS
 #     cards    one card against two (tools/bench-cards.sh, issue 6; two GPUs)
 #     ncu      Nsight Compute over the decode graph's kernels ($OUT/ncu.csv)
+#     trace    the decode graph's timeline kernel by kernel (tools/cuda/graph_trace, CUPTI)
 #     llama    run llama-bench -ngl 99 on the same file (one card), from
 #              .peerbuild/bin/llama-bench: llama.cpp built by hand from its
 #              public source (nothing here builds it), either on that machine
@@ -46,11 +47,19 @@ stage() {
     # shellcheck disable=SC2086
     make -j"$(nproc)" BUILD=$B CUDA_ARCHS="-gencode=arch=compute_90,code=sm_90" \
         $B/lamina $B/lamina-worker $B/tools/bench_ipc $gpu_tests || exit 1
-    rm -rf .devbin && mkdir -p .devbin/tests/gpu .devbin/tools
+    rm -rf .devbin && mkdir -p .devbin/tests/gpu .devbin/tools .devbin/lib
     cp $B/lamina $B/lamina-worker .devbin/
     cp $B/tests/gpu/test_* .devbin/tests/gpu/ 2>/dev/null
     rm -f .devbin/tests/gpu/*.o .devbin/tests/gpu/*.d
     cp $B/tools/bench_ipc .devbin/tools/ 2>/dev/null
+    # tools/cuda/graph_trace where CUPTI is here, with NVIDIA's libcupti (the machine's
+    # toolkit may lack it)
+    CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+    if [ "$what" != bin ] && [ -f "$CUDA_HOME/include/cupti.h" ]; then
+        make -j"$(nproc)" BUILD=$B CUDA_ARCHS="-gencode=arch=compute_90,code=sm_90" \
+            $B/tools/graph_trace && cp $B/tools/graph_trace .devbin/tools/ &&
+            cp -L "$CUDA_HOME"/lib64/libcupti.so.* .devbin/lib/ 2>/dev/null
+    fi
     strip .devbin/lamina .devbin/lamina-worker .devbin/tests/gpu/* .devbin/tools/* 2>/dev/null
     mkdir -p .devdebs
     if ! ls .devdebs/libzmq5_*.deb >/dev/null 2>&1; then
@@ -91,7 +100,7 @@ libs() {
     fi
     mkdir -p /tmp/devlib
     for f in .devdebs/*.deb; do dpkg -x "$f" /tmp/devlib; done
-    export LD_LIBRARY_PATH=/tmp/devlib/usr/lib/x86_64-linux-gnu:/tmp/devlib/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export LD_LIBRARY_PATH=/tmp/devlib/usr/lib/x86_64-linux-gnu:/tmp/devlib/lib/x86_64-linux-gnu:$ROOT/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export LAMINA_FIXTURES=$ROOT/.fixtures
     export NCCL_NVLS_ENABLE=0
 }
@@ -197,6 +206,32 @@ cards() {
     cp /tmp/cards/cards.md /tmp/cards/summaries.md /tmp/cards/dumps.tar.gz "$OUT"/
 }
 
+# The decode graph's timeline, kernel by kernel (tools/cuda/graph_trace: CUPTI's records, the
+# GPU machine has no Nsight Systems): $OUT/trace.txt and every record in $OUT/trace.csv.
+# TRACE_N decode steps (default 16); TRACE_VARIANTS: environment settings separated by ';',
+# each one more trace (trace-N.txt).
+trace() {
+    local m=.models/q3n-80b-q4_0.gguf v i=0
+    mkdir -p .models
+    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
+        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    [ -x .devbin/tools/graph_trace ] || { echo "trace: no .devbin/tools/graph_trace"; return 1; }
+    { echo; [ -z "${TRACE_VARIANTS:-}" ] || echo "$TRACE_VARIANTS" | tr ';' '\n'; } |
+        while read -r v; do
+            local f=trace${i#0}
+            [ "$i" = 0 ] && f=trace
+            echo "== graph_trace ${v:-(default)}"
+            # shellcheck disable=SC2086
+            env $v .devbin/tools/graph_trace -m $m -n "${TRACE_N:-16}" -o "$OUT/$f.csv" \
+                >"$OUT/$f.txt" 2>"$OUT/$f.err" </dev/null ||
+                { echo "trace: failed"; tail -5 "$OUT/$f.err"; }
+            head -3 "$OUT/$f.txt"
+            sed -n '/^by kernel/,$p' "$OUT/$f.txt" | head -24
+            gzip -f "$OUT/$f.csv"
+            i=$((i + 1))
+        done
+}
+
 profile() {
     local m=.models/q3n-80b-q4_0.gguf
     LAMINA_CUDA_PROFILE=1 LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 16 -r 1 \
@@ -248,12 +283,13 @@ run)
         cards) cards ;;
         llama) llama_bench ;;
         ncu) ncu_step ;;
+        trace) trace ;;
         *) echo "device-check: unknown step $step" ;;
         esac
     done
     ;;
 *)
-    echo "usage: tools/device-check.sh stage | stage-bin | run [tests] [bench] [profile] [place] [cards] [llama] [ncu]" >&2
+    echo "usage: tools/device-check.sh stage | stage-bin | run [tests] [bench] [profile] [place] [cards] [llama] [ncu] [trace]" >&2
     exit 2
     ;;
 esac

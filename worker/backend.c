@@ -129,7 +129,8 @@ int backend_reset_seq(struct backend *b, uint32_t seq)
     return backend_use_seq(b, cur);
 }
 
-int backend_layers(struct backend *b, float *h, uint32_t n)
+/* Failure injection (cfg->fail) for the layers call now counted: 0 or -EIO. */
+static int backend_inject(struct backend *b)
 {
     const struct backend_fail *f = &((struct backend_holder *)b)->fail;
     b->calls++;
@@ -146,7 +147,30 @@ int backend_layers(struct backend *b, float *h, uint32_t n)
         log_error("injected crash at step %llu", (unsigned long long)b->calls);
         abort();
     }
-    return b->ops->layers(b, h, n);
+    return 0;
+}
+
+int backend_layers(struct backend *b, float *h, uint32_t n)
+{
+    int rc = backend_inject(b);
+    return rc ? rc : b->ops->layers(b, h, n);
+}
+
+int backend_layers_head(struct backend *b, float *h, uint32_t n, float *logits, int32_t *id)
+{
+    if ((!logits) == (!id) || n == 0 || (id && !b->ops->argmax))
+        return -ENOTSUP;
+    int rc = backend_inject(b);
+    if (rc)
+        return rc;
+    rc = b->ops->layers_head ? b->ops->layers_head(b, h, n, logits, id) : -ENOTSUP;
+    if (rc != -ENOTSUP)
+        return rc;
+    rc = b->ops->layers(b, h, n);
+    const float *last = h + (size_t)(n - 1) * b->model->hp.n_embd;
+    if (rc)
+        return rc;
+    return id ? b->ops->argmax(b, last, 1, id) : b->ops->logits(b, last, 1, logits);
 }
 
 int backend_logits(struct backend *b, const float *h, uint32_t n, float *out)

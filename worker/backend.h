@@ -91,6 +91,11 @@ struct backend_ops {
      * (ties: the lowest id; NaN never wins), without bringing the logits back. NULL: not
      * offered (the caller takes logits() and samples them). */
     int (*argmax)(struct backend *b, const float *h, uint32_t n, int32_t *ids);
+    /* layers() over n rows, then the head of the last row: its logits into logits (n_vocab
+     * floats) or, with id, only its arg-max (as argmax()); h afterwards is unspecified. For
+     * a backend that can run the two without a round trip through the host. NULL, or
+     * -ENOTSUP before anything ran: the caller runs layers() and the head itself. */
+    int (*layers_head)(struct backend *b, float *h, uint32_t n, float *logits, int32_t *id);
     /* Stage timings since creation. */
     const struct forward_stats *(*stats)(const struct backend *b);
     /* Runs foreign experts (cfg->foreign) over groups of rows, as expert_exec_run: group g is
@@ -146,6 +151,11 @@ int backend_reset_seq(struct backend *b, uint32_t seq);
 /* Dispatch helpers; layers() applies failure injection first. */
 int backend_layers(struct backend *b, float *h, uint32_t n);
 int backend_logits(struct backend *b, const float *h, uint32_t n, float *out);
+/* layers() over n rows and the head of the last row (backend_ops.layers_head, or layers()
+ * then logits() / argmax() where it is not offered): exactly one of logits (n_vocab floats)
+ * and id is given; h afterwards is unspecified. -ENOTSUP (nothing run) for id on a backend
+ * without argmax(). Failure injection as backend_layers. */
+int backend_layers_head(struct backend *b, float *h, uint32_t n, float *logits, int32_t *id);
 /* backend_ops.argmax, or -ENOTSUP (nothing logged) where the backend does not offer it. */
 int backend_argmax(struct backend *b, const float *h, uint32_t n, int32_t *ids);
 const struct forward_stats *backend_stats(const struct backend *b);

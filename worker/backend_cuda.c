@@ -220,6 +220,9 @@ struct backend_cuda {
                                        * (dn_state_bytes, the device's layout), or NULL */
     uint8_t *dn_flags;                /* per slot and layer of the range: CB_DN_* */
     cudaGraphExec_t *slot_gexec;      /* per slot: its decode graph (gexec is the current's) */
+    uint32_t pass_rows;               /* the last pass: rows, whether a graph ran it, and the */
+    bool pass_graph;                  /* launch count before it (cb_pass_done) */
+    uint64_t pass_launches0;
     /* scratch views, B rows each */
     float *h, *xa, *mix, *q, *kx, *vx, *att, *qkv, *u, *z, *beta, *alpha, *y;
     float *rl, *w, *gu, *act, *Y, *sg, *sact, *so;
@@ -1651,7 +1654,12 @@ static int cb_graph_step(struct backend_cuda *c)
     return CUDA_CHECK(cudaGraphLaunch(c->gexec, c->stream));
 }
 
-static int cb_pass(struct backend_cuda *c, float *h, uint32_t S)
+static void cb_pass_done(struct backend_cuda *c);
+
+/* One pass of S rows: h up (or from the hand-off), the layers, h back (or to the hand-off),
+ * synchronised. keep: h stays on the device (c->h) and nothing is synchronised or collected:
+ * the caller enqueues more (the head) and then calls cb_pass_done. */
+static int cb_pass(struct backend_cuda *c, float *h, uint32_t S, bool keep)
 {
     const size_t bytes = (size_t)S * c->hp->n_embd * sizeof(float);
     const uint64_t launches0 = c->launches;
@@ -1672,6 +1680,10 @@ static int cb_pass(struct backend_cuda *c, float *h, uint32_t S)
     rc = graph ? cb_graph_step(c) : cb_enqueue_layers(c, S, c->pos);
     if (!rc && c->prof && c->prof_n)
         rc = CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
+    if (keep && !rc) {
+        c->pass_rows = S, c->pass_graph = graph, c->pass_launches0 = launches0;
+        return 0;
+    }
     if (ho->send)
         rc = rc ? rc : ho->send(ho->ctx, c->h, bytes, c->stream);
     else
@@ -1680,19 +1692,27 @@ static int cb_pass(struct backend_cuda *c, float *h, uint32_t S)
     rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (rc)
         return rc;
-    cb_prof_collect(c, S == 1);
-    cb_stage_collect(c);
     if (!ho->send)
         memcpy(h, c->h_h, bytes);
+    c->pass_rows = S, c->pass_graph = graph, c->pass_launches0 = launches0;
+    cb_pass_done(c);
+    return 0;
+}
+
+/* After a pass's work has completed: its timings, position and counters. */
+static void cb_pass_done(struct backend_cuda *c)
+{
+    const uint32_t S = c->pass_rows;
+    cb_prof_collect(c, S == 1);
+    cb_stage_collect(c);
     c->pos += S;
     c->stats.tokens += S;
     if (S == 1 && !c->launches_logged) {
         c->launches_logged = true;
         log_info("cuda decode step over layers %u-%u: %llu kernels per token%s", c->l0, c->l1 - 1,
-                 (unsigned long long)(c->launches - launches0),
-                 graph ? ", launched as one CUDA graph" : ", launched one by one");
+                 (unsigned long long)(c->launches - c->pass_launches0),
+                 c->pass_graph ? ", launched as one CUDA graph" : ", launched one by one");
     }
-    return 0;
 }
 
 /* ---- backend ops ---- */
@@ -2060,7 +2080,7 @@ static int cb_layers(struct backend *b, float *h, uint32_t n)
     }
     for (uint32_t s = 0; s < n; s += c->B) {
         const uint32_t S = n - s < c->B ? n - s : c->B;
-        rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, S);
+        rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, S, false);
         cb_dn_stepped(c);
         if (rc) {
             /* The sequence state is now partial (a CUDA error also poisons the context: the
@@ -2186,6 +2206,26 @@ static int cb_load_head(struct backend *b, struct backend_cuda *c)
     return 0;
 }
 
+/* Enqueues the final norm and lm head of S rows of the device buffer d_h (<= the head's
+ * logit rows), then either their logits into out (host) or, with ids, only their arg-max
+ * (cuda_argmax, the sampler's greedy rule) into ids (host). */
+static int cb_head_enqueue(struct backend_cuda *c, const float *d_h, uint32_t S, float *out,
+                           int32_t *ids)
+{
+    const size_t ne = c->hp->n_embd, nvocab = c->hp->n_vocab;
+    int rc = CB_K(c, "head.norm", cuda_rmsnorm(c->xa, ne, d_h, ne, c->out_norm, (uint32_t)ne,
+                                               S, c->hp->eps, c->stream));
+    rc = rc ? rc : cb_mm(c, "head.lm", &c->output, c->xa, ne, S, c->logits, nvocab);
+    if (ids) {
+        rc = rc ? rc : CB_K(c, "head.argmax", cuda_argmax(c->logits, (uint32_t)nvocab, S,
+                                                          c->d_argmax, c->stream));
+        return rc ? rc : CUDA_CHECK(cudaMemcpyAsync(ids, c->d_argmax, S * sizeof(int32_t),
+                                                    cudaMemcpyDeviceToHost, c->stream));
+    }
+    return rc ? rc : CUDA_CHECK(cudaMemcpyAsync(out, c->logits, (size_t)S * nvocab * sizeof(float),
+                                                cudaMemcpyDeviceToHost, c->stream));
+}
+
 /* Final norm and lm head of n rows; then either the logits into out or, with
  * ids, only their arg-max (cuda_argmax, the sampler's greedy rule). */
 static int cb_head(struct backend *b, const float *h, uint32_t n, float *out, int32_t *ids)
@@ -2201,21 +2241,52 @@ static int cb_head(struct backend *b, const float *h, uint32_t n, float *out, in
         const size_t bytes = (size_t)S * ne * sizeof(float);
         memcpy(c->h_h, h + (size_t)s * ne, bytes);
         rc = CUDA_CHECK(cudaMemcpyAsync(c->h, c->h_h, bytes, cudaMemcpyHostToDevice, c->stream));
-        rc = rc ? rc : CB_K(c, "head.norm", cuda_rmsnorm(c->xa, ne, c->h, ne, c->out_norm,
-                                                         (uint32_t)ne, S, c->hp->eps, c->stream));
-        rc = rc ? rc : cb_mm(c, "head.lm", &c->output, c->xa, ne, S, c->logits, nvocab);
-        if (ids) {
-            rc = rc ? rc : CB_K(c, "head.argmax", cuda_argmax(c->logits, (uint32_t)nvocab, S,
-                                                              c->d_argmax, c->stream));
-            rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(ids + s, c->d_argmax, S * sizeof(int32_t),
-                                                      cudaMemcpyDeviceToHost, c->stream));
-        } else {
-            rc = rc ? rc : CUDA_CHECK(cudaMemcpyAsync(out + (size_t)s * nvocab, c->logits,
-                                                      (size_t)S * nvocab * sizeof(float),
-                                                      cudaMemcpyDeviceToHost, c->stream));
-        }
+        rc = rc ? rc : cb_head_enqueue(c, c->h, S, ids ? NULL : out + (size_t)s * nvocab,
+                                       ids ? ids + s : NULL);
         rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
     }
+    c->failed = rc == -EIO;
+    return rc;
+}
+
+/* backend_ops.layers_head: layers() over n rows, then the head of the last row from the
+ * device copy of h, with one synchronisation at the end: no round trip through the host
+ * between the last layer and the head (h is not brought back). Not offered with a send
+ * hand-off (its rows leave the card) or before the head fits (-ENOTSUP: the caller runs
+ * layers() and the head itself). */
+static int cb_layers_head(struct backend *b, float *h, uint32_t n, float *logits, int32_t *id)
+{
+    struct backend_cuda *c = b->impl;
+    if (c->cfg.handoff.send || n == 0)
+        return -ENOTSUP;
+    if (c->failed) {
+        log_error("cuda backend refuses work after an earlier CUDA error");
+        return -EIO;
+    }
+    if ((uint64_t)c->pos + n > c->n_ctx) {
+        log_error("context full: %u tokens at position %u exceed the context of %u", n, c->pos,
+                  c->n_ctx);
+        return -ENOSPC;
+    }
+    int rc = c->head ? 0 : cb_load_head(b, c);
+    if (rc)
+        return rc == -ENOMEM ? -ENOTSUP : rc;
+    rc = cb_dn_sync(c, c->seq, false);
+    if (!rc)
+        cb_dn_stepped(c); /* from here the card's copy is ahead, whatever happens */
+    const uint32_t last = (n - 1) / c->B * c->B; /* the last pass's first row */
+    for (uint32_t s = 0; s < last && !rc; s += c->B)
+        rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, c->B, false);
+    const uint32_t S = n - last;
+    rc = rc ? rc : cb_pass(c, h + (size_t)last * c->hp->n_embd, S, true);
+    rc = rc ? rc : cb_head_enqueue(c, c->h + (size_t)(S - 1) * c->hp->n_embd, 1, logits, id);
+    rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    if (!rc) {
+        cb_pass_done(c);
+        return 0;
+    }
+    if (c->dn_state_bytes) /* as cb_layers: keep what the card holds */
+        cb_dn_sync(c, c->seq, true);
     c->failed = rc == -EIO;
     return rc;
 }
@@ -2307,6 +2378,7 @@ const struct backend_ops backend_cuda_ops = {
     .argmax = cb_argmax,
     .stats = cb_stats,
     .serve = cb_serve,
+    .layers_head = cb_layers_head,
     .pos = cb_pos,
     .state_save = cb_state_save,
     .state_load = cb_state_load,

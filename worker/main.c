@@ -125,6 +125,9 @@ struct worker {
     struct nccl_comm *nccl_prev;   /* pair with the previous worker (we receive), or NULL */
     struct nccl_comm *nccl_next;   /* pair with the next worker (we send), or NULL */
     const struct wire_step *cur;   /* the step being run: borrowed for backend_layers */
+    enum { WORKER_HEAD_NONE, WORKER_HEAD_ID, WORKER_HEAD_LOGITS } head; /* what the step's
+                                      backend_layers_head left: head_id or w->logits, or none */
+    int32_t head_id;
     bool announced;                /* the next worker was sent cur (NCCL hand-off) */
     double nccl_send_ms;           /* this step: GPU time of the NCCL sends */
     double nccl_recv_ms;           /* this step: GPU time of the NCCL receives */
@@ -780,6 +783,14 @@ static int worker_sample(struct worker *w, const struct wire_step *st, int32_t *
     return 0;
 }
 
+/* Whether the last worker picks step st's token as the arg-max of one row's logits where
+ * they are (greedy without penalties, LAMINA_DEVICE_ARGMAX not 0). */
+static bool worker_greedy_here(const struct worker *w, const struct wire_step *st)
+{
+    return st->sample && !st->all_logits && st->temperature == 0 && st->repeat_penalty == 1 &&
+           st->presence_penalty == 0 && w->device_argmax;
+}
+
 /* Hands the hidden states on, or (last worker) computes the logits, samples them when the
  * step asks, and fills *res (the token alone, or the logits) for the caller to send after its
  * timing line. */
@@ -805,10 +816,9 @@ static int worker_finish_step(struct worker *w, const struct wire_step *st, stru
     const float *hr = w->h + (size_t)(st->n_tokens - rows) * n;
     /* greedy without penalties: the arg-max where the logits are (a CUDA worker brings
      * back 4 bytes instead of the vocabulary's logits) */
-    if (st->sample && rows == 1 && st->temperature == 0 && st->repeat_penalty == 1 &&
-        st->presence_penalty == 0 && w->device_argmax) {
-        int32_t id = -1;
-        int rc = backend_argmax(w->be, hr, 1, &id);
+    if (worker_greedy_here(w, st)) {
+        int32_t id = w->head_id;
+        int rc = w->head == WORKER_HEAD_ID ? 0 : backend_argmax(w->be, hr, 1, &id);
         if (rc != -ENOTSUP) {
             if (rc)
                 return rc;
@@ -819,7 +829,7 @@ static int worker_finish_step(struct worker *w, const struct wire_step *st, stru
             return 0;
         }
     }
-    int rc = backend_logits(w->be, hr, rows, w->logits);
+    int rc = w->head == WORKER_HEAD_LOGITS ? 0 : backend_logits(w->be, hr, rows, w->logits);
     if (rc)
         return rc;
     *res = (struct wire_msg){.type = WIRE_TYPE_RESULT};
@@ -875,7 +885,19 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
     w->nccl_bytes = 0;
     if (!st->via_nccl)
         memcpy(w->h, m->tensor, m->tensor_bytes);
-    rc = backend_layers(w->be, w->h, st->n_tokens);
+    /* the last worker's head follows its layers on the device where one row's token or
+     * logits are wanted (backend_layers_head: no round trip of h through the host) */
+    w->head = WORKER_HEAD_NONE;
+    rc = -ENOTSUP;
+    if (w->is_last && !st->all_logits && worker_greedy_here(w, st)) {
+        rc = backend_layers_head(w->be, w->h, st->n_tokens, NULL, &w->head_id);
+        w->head = rc ? WORKER_HEAD_NONE : WORKER_HEAD_ID;
+    } else if (w->is_last && !st->all_logits) {
+        rc = backend_layers_head(w->be, w->h, st->n_tokens, w->logits, NULL);
+        w->head = rc ? WORKER_HEAD_NONE : WORKER_HEAD_LOGITS;
+    }
+    if (rc == -ENOTSUP)
+        rc = backend_layers(w->be, w->h, st->n_tokens);
     w->cur = NULL;
     if (rc)
         return rc;

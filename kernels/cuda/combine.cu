@@ -47,7 +47,17 @@ static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t row
  * normalises h as the previous layer's combine would have. f is read
  * (shared-expert gate) before any y is written: y may be f. EARLY: f was
  * written two or more launches back, so the gate is computed before the
- * PDL wait (f through L2), beside the launch just before. */
+ * PDL wait (f through L2), beside the launch just before, and the router's
+ * weights w (three launches back) are read before it too.
+ * Where a thread has at most kCombineCols columns and k <= kCombineK (hidden
+ * sizes up to 2048), its columns' expert rows, h and the shared expert's row
+ * are all loaded in one round after the wait (and the norm weights before
+ * it), and h stays in registers for the norm: the same operations in the same
+ * order as the loop below, which serves the rest. (The loop's loads of one
+ * column waited for the store of the one before: one read of L2 a column.) */
+constexpr uint32_t kCombineCols = 2; /* columns per thread of the one-round path */
+constexpr uint32_t kCombineK = 16;   /* expert rows of the one-round path */
+
 template <bool NORM, bool EARLY>
 static __global__ void __launch_bounds__(1024)
     moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
@@ -70,13 +80,78 @@ static __global__ void __launch_bounds__(1024)
         d = ops_block_sum(d, s_tmp);
         return 1.0f / (1.0f + expf(-d));
     };
+    float *hr = h + s * n;
+    if (n <= kCombineCols * blockDim.x && k <= kCombineK) { /* every load in flight at once */
+        __shared__ float s_w[kCombineK];
+        float nwv[kCombineCols];
+#pragma unroll
+        for (uint32_t c = 0; c < kCombineCols; c++) { /* weights: before the wait */
+            const uint32_t j = threadIdx.x + c * blockDim.x;
+            nwv[c] = NORM && nw && j < n ? nw[j] : 1.0f;
+        }
+        if (EARLY) { /* the router's weights, three launches back: through L2 */
+            if (threadIdx.x < k)
+                s_w[threadIdx.x] = __ldcg(w + s * k + threadIdx.x);
+            __syncthreads();
+            if (so && gate)
+                gs = gate_of();
+        }
+        pdl_wait();
+        pdl_trigger();
+        if (!EARLY) {
+            if (threadIdx.x < k)
+                s_w[threadIdx.x] = w[s * k + threadIdx.x];
+            __syncthreads();
+            if (so && gate)
+                gs = gate_of();
+        }
+        float yv[kCombineCols][kCombineK], hv[kCombineCols], sv[kCombineCols];
+#pragma unroll
+        for (uint32_t c = 0; c < kCombineCols; c++) {
+            const uint32_t j = threadIdx.x + c * blockDim.x;
+#pragma unroll
+            for (uint32_t i = 0; i < kCombineK; i++)
+                yv[c][i] = j < n && i < k ? Y[(s * k + i) * n + j] : 0.0f;
+            hv[c] = j < n ? hr[j] : 0.0f;
+            sv[c] = j < n && so ? so[s * n + j] : 0.0f;
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (uint32_t c = 0; c < kCombineCols; c++) {
+            const uint32_t j = threadIdx.x + c * blockDim.x;
+            if (j >= n)
+                continue;
+            float out = 0.0f;
+#pragma unroll
+            for (uint32_t i = 0; i < kCombineK; i++)
+                if (i < k)
+                    out = __fadd_rn(out, __fmul_rn(s_w[i], yv[c][i]));
+            if (so)
+                out = __fadd_rn(out, __fmul_rn(gs, sv[c]));
+            hv[c] = __fadd_rn(hv[c], out);
+            hr[j] = hv[c];
+            sum += hv[c] * hv[c];
+        }
+        if (!NORM)
+            return;
+        sum = ops_block_sum(sum, s_tmp);
+        const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma unroll
+        for (uint32_t c = 0; c < kCombineCols; c++) {
+            const uint32_t j = threadIdx.x + c * blockDim.x;
+            if (j < n) {
+                const float v = hv[c] * scale;
+                y[s * n + j] = nw ? v * nwv[c] : v;
+            }
+        }
+        return;
+    }
     if (EARLY && so && gate)
         gs = gate_of();
     pdl_wait();
     pdl_trigger();
     if (!EARLY && so && gate)
         gs = gate_of();
-    float *hr = h + s * n;
     float sum = 0.0f;
     for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
         float out = 0.0f;

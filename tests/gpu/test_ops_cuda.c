@@ -870,44 +870,89 @@ static void test_moe_combine(struct rng *r, uint32_t n)
     free(h), free(Y), free(w), free(so), free(gate), free(f), free(ref), free(g[0]), free(g[1]);
 }
 
+/* The first maximum of row (NaNs never win; none but NaNs: 0): cuda_argmax's rule. */
+static int32_t argmax_ref(const float *row, uint32_t n)
+{
+    int32_t best = -1;
+    for (uint32_t i = 0; i < n; i++)
+        if (!isnan(row[i]) && (best < 0 || row[i] > row[best]))
+            best = (int32_t)i;
+    return best < 0 ? 0 : best;
+}
+
+/* cuda_argmax on rows with planted ties (a second place, the first and last elements, the
+ * two sides of every split point a cluster of up to 8 blocks could use), all-equal, all-NaN,
+ * all -inf and NaN-sprinkled rows, at vocabulary sizes that take the cluster with 16-byte
+ * aligned rows (151936), misaligned rows (151937: the scalar loads), a short tail (40001) and
+ * one block (4099): exact against the CPU rule, twice (the same ids). */
 static void test_argmax(struct rng *r)
 {
-    const uint32_t V = 151936, S = 7;
-    float *x = xmalloc((size_t)S * V * 4);
-    fill_uniform(r, x, (size_t)S * V, -10.0f, 10.0f);
-    int32_t want[7];
-    for (uint32_t s = 0; s < S; s++) {
-        float *row = x + (size_t)s * V;
-        const uint32_t a = (uint32_t)(rng_next(r) % V), b = (uint32_t)(rng_next(r) % V);
-        if (s == 5) { /* all equal: index 0 */
-            for (uint32_t i = 0; i < V; i++)
-                row[i] = 1.5f;
-            want[s] = 0;
-            continue;
+    static const uint32_t sizes[] = {151936, 151937, 40001, 4099};
+    const uint32_t S = 12;
+    size_t bad = 0, rows = 0;
+    for (int z = 0; z < 4; z++) {
+        const uint32_t V = sizes[z];
+        float *x = xmalloc((size_t)S * V * 4);
+        fill_uniform(r, x, (size_t)S * V, -10.0f, 10.0f);
+        int32_t want[12];
+        for (uint32_t s = 0; s < S; s++) {
+            float *row = x + (size_t)s * V;
+            const uint32_t a = (uint32_t)(rng_next(r) % V), b = (uint32_t)(rng_next(r) % V);
+            switch (s) {
+            case 0:
+                row[a] = 20.0f;
+                break;
+            case 1: /* a tie at a second place: the lower wins */
+                row[a] = row[b] = 20.0f;
+                break;
+            case 2: /* all equal: index 0 */
+                for (uint32_t i = 0; i < V; i++)
+                    row[i] = 1.5f;
+                break;
+            case 3: /* the first and the last element */
+                row[0] = row[V - 1] = 30.0f;
+                break;
+            case 4: /* all NaN: 0 */
+                for (uint32_t i = 0; i < V; i++)
+                    row[i] = NAN;
+                break;
+            case 5: /* all -inf: 0 */
+                for (uint32_t i = 0; i < V; i++)
+                    row[i] = -INFINITY;
+                break;
+            case 6: /* NaNs everywhere, the max among them */
+                for (uint32_t i = 0; i < V; i += 3)
+                    row[i] = NAN;
+                row[a | 1] = 25.0f;
+                break;
+            default: /* ties across a possible split point of k blocks (k = s - 5) */
+                for (uint32_t k = 2; k <= 8; k++) {
+                    const uint32_t per = (V / k + 3) & ~3u;
+                    for (uint32_t m = 1; m < k && m * per < V; m++)
+                        row[m * per - 1] = row[m * per] = s == 7 ? 40.0f : 40.0f + (float)m;
+                }
+                break;
+            }
+            want[s] = argmax_ref(row, V);
         }
-        row[a] = 20.0f; /* s >= 1: a tie at a second place, the lower wins */
-        if (s >= 1)
-            row[b] = 20.0f;
-        want[s] = (int32_t)(s >= 1 && b < a ? b : a);
-        if (s == 6) { /* a tie at the last and first elements */
-            row[0] = row[V - 1] = 30.0f;
-            want[s] = 0;
+        float *dx = dev_upload(x, (size_t)S * V * 4);
+        int32_t *dout = dev_alloc(S * 4), got[2][12];
+        for (int run = 0; run < 2; run++) {
+            dev_poison(dout, S * 4);
+            CHECK(cuda_argmax(dx, V, S, dout, 0) == 0, "argmax n_vocab %u", V);
+            dev_download(got[run], dout, S * 4);
         }
+        for (uint32_t s = 0; s < S; s++, rows++) {
+            const bool wrong = got[0][s] != want[s] || got[1][s] != want[s];
+            bad += wrong;
+            CHECK(!wrong, "argmax n_vocab %u row %u: %d, %d (want %d)", V, s, got[0][s],
+                  got[1][s], want[s]);
+        }
+        cudaFree(dx), cudaFree(dout);
+        free(x);
     }
-    float *dx = dev_upload(x, (size_t)S * V * 4);
-    int32_t *dout = dev_alloc(S * 4), got[2][7];
-    for (int run = 0; run < 2; run++) {
-        dev_poison(dout, S * 4);
-        CHECK(cuda_argmax(dx, V, S, dout, 0) == 0, "argmax");
-        dev_download(got[run], dout, S * 4);
-    }
-    size_t bad = 0;
-    for (uint32_t s = 0; s < S; s++)
-        bad += got[0][s] != want[s] || got[1][s] != want[s];
-    CHECK(bad == 0, "argmax: %zu rows wrong", bad);
-    MEASURE("argmax n_vocab %u: %u rows exact (planted ties, all-equal row)", V, S);
-    cudaFree(dx), cudaFree(dout);
-    free(x);
+    MEASURE("argmax: %zu rows of 4 vocabulary sizes exact (ties, NaN, -inf, split points), "
+            "%zu wrong", rows, bad);
 }
 
 /* ---- argument checks ---- */
