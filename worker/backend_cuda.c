@@ -2061,9 +2061,9 @@ static void cb_dn_stepped(struct backend_cuda *c)
         c->dn_flags[(size_t)c->seq * nl + i] |= CB_DN_AHEAD;
 }
 
-static int cb_layers(struct backend *b, float *h, uint32_t n)
+/* Whether a step of n rows may run: not after a CUDA error, not past the context. */
+static int cb_step_check(const struct backend_cuda *c, uint32_t n)
 {
-    struct backend_cuda *c = b->impl;
     if (c->failed) {
         log_error("cuda backend refuses work after an earlier CUDA error");
         return -EIO;
@@ -2073,7 +2073,32 @@ static int cb_layers(struct backend *b, float *h, uint32_t n)
                   c->n_ctx);
         return -ENOSPC;
     }
-    int rc = cb_dn_sync(c, c->seq, false);
+    return 0;
+}
+
+/* A step that failed with rc: the sequence state is now partial (a CUDA error also poisons
+ * the context: the backend then refuses every later call); keep what the card holds on the
+ * host. Returns rc. */
+static int cb_step_failed(struct backend_cuda *c, int rc)
+{
+    if (c->dn_state_bytes) {
+        const int pulled = cb_dn_sync(c, c->seq, true);
+        log_error("cuda layers %u-%u: step failed (%d); the DeltaNet state of slot %u %s", c->l0,
+                  c->l1 - 1, rc, c->seq,
+                  pulled ? "could not be pulled from the card"
+                         : "as the card held it is in the host copy");
+    }
+    c->failed = rc == -EIO;
+    return rc;
+}
+
+static int cb_layers(struct backend *b, float *h, uint32_t n)
+{
+    struct backend_cuda *c = b->impl;
+    int rc = cb_step_check(c, n);
+    if (rc)
+        return rc;
+    rc = cb_dn_sync(c, c->seq, false);
     if (rc) {
         c->failed = rc == -EIO;
         return rc;
@@ -2082,19 +2107,8 @@ static int cb_layers(struct backend *b, float *h, uint32_t n)
         const uint32_t S = n - s < c->B ? n - s : c->B;
         rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, S, false);
         cb_dn_stepped(c);
-        if (rc) {
-            /* The sequence state is now partial (a CUDA error also poisons the context: the
-             * backend then refuses every later call); keep what the card holds on the host. */
-            if (c->dn_state_bytes) {
-                const int pulled = cb_dn_sync(c, c->seq, true);
-                log_error("cuda layers %u-%u: step failed (%d); the DeltaNet state of slot %u "
-                          "%s", c->l0, c->l1 - 1, rc, c->seq,
-                          pulled ? "could not be pulled from the card"
-                                 : "as the card held it is in the host copy");
-            }
-            c->failed = rc == -EIO;
-            return rc;
-        }
+        if (rc)
+            return cb_step_failed(c, rc);
     }
     return 0;
 }
@@ -2259,16 +2273,10 @@ static int cb_layers_head(struct backend *b, float *h, uint32_t n, float *logits
     struct backend_cuda *c = b->impl;
     if (c->cfg.handoff.send || n == 0)
         return -ENOTSUP;
-    if (c->failed) {
-        log_error("cuda backend refuses work after an earlier CUDA error");
-        return -EIO;
-    }
-    if ((uint64_t)c->pos + n > c->n_ctx) {
-        log_error("context full: %u tokens at position %u exceed the context of %u", n, c->pos,
-                  c->n_ctx);
-        return -ENOSPC;
-    }
-    int rc = c->head ? 0 : cb_load_head(b, c);
+    int rc = cb_step_check(c, n);
+    if (rc)
+        return rc;
+    rc = c->head ? 0 : cb_load_head(b, c);
     if (rc)
         return rc == -ENOMEM ? -ENOTSUP : rc;
     rc = cb_dn_sync(c, c->seq, false);
@@ -2285,10 +2293,7 @@ static int cb_layers_head(struct backend *b, float *h, uint32_t n, float *logits
         cb_pass_done(c);
         return 0;
     }
-    if (c->dn_state_bytes) /* as cb_layers: keep what the card holds */
-        cb_dn_sync(c, c->seq, true);
-    c->failed = rc == -EIO;
-    return rc;
+    return cb_step_failed(c, rc);
 }
 
 static int cb_logits(struct backend *b, const float *h, uint32_t n, float *out)
