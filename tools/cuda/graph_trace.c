@@ -15,8 +15,10 @@
  *   - the kernels of the median step in start order: short name, grid, start and end
  *     (us from the step's first start), duration, and the increment (its end minus the
  *     latest end before it: what it adds to the step's critical path);
- *   - a summary over all traced steps by (short name, grid, block): launches per step, median
- *     duration, median and total increment per step, sorted by total increment.
+ *   - a summary over all traced steps by (short name, grid, block; "#2" for a kernel that
+ *     directly follows one of its own name and shape, as the down product follows the
+ *     gate/up one): launches per step, median duration, median and total increment per
+ *     step, sorted by total increment.
  * -o writes every record (step, index, name, grid, block, start, end) as CSV.
  * Timing with tracing on may differ a little from `lamina bench` (CUPTI's records); the
  * wall time per step shows by how much. Needs a CUDA device and libcupti.
@@ -241,6 +243,7 @@ int main(int argc, char **argv)
             r++;
         const size_t first = r;
         uint64_t latest = 0;
+        int run = 0;
         for (; r < gt_n && gt_recs[r].start < c_step[s + 1]; r++) {
             const struct gt_rec *k = &gt_recs[r];
             const double inc = k->end > latest ? (latest ? k->end - latest : k->end - k->start)
@@ -250,12 +253,21 @@ int main(int argc, char **argv)
             if (out)
                 fprintf(out, "%d,%zu,%s,%d,%d,%llu,%llu\n", s, r - first, k->name, k->grid,
                         k->block, (unsigned long long)k->start, (unsigned long long)k->end);
+            /* a kernel right after one of its own name and shape (the routed gate/up and
+             * down products) is listed as its second (third, ...) in a row */
+            const struct gt_rec *pk = r > first ? &gt_recs[r - 1] : NULL;
+            run = pk && !strcmp(pk->name, k->name) && pk->grid == k->grid &&
+                          pk->block == k->block
+                      ? run + 1
+                      : 1;
+            char name[48];
+            snprintf(name, sizeof(name), run > 1 ? "%.40s #%d" : "%.40s", k->name, run);
             size_t j = 0;
-            while (j < n_keys && (strcmp(keys[j].name, k->name) || keys[j].grid != k->grid ||
+            while (j < n_keys && (strcmp(keys[j].name, name) || keys[j].grid != k->grid ||
                                   keys[j].block != k->block))
                 j++;
             if (j == n_keys && n_keys < 4096) {
-                snprintf(keys[j].name, sizeof(keys[j].name), "%s", k->name);
+                snprintf(keys[j].name, sizeof(keys[j].name), "%s", name);
                 keys[j].grid = k->grid, keys[j].block = k->block;
                 keys[j].dur = malloc((size_t)steps * 1024 * sizeof(double));
                 keys[j].inc = malloc((size_t)steps * 1024 * sizeof(double));
