@@ -7,8 +7,10 @@
 #      prompt token and still gives those tokens; one worker, two workers and --inproc (the
 #      CPU forward and the cpu backend) read each other's files;
 #   2. --prompt-cache-ro leaves the file as it was; another prompt, another model file,
-#      another --kv-type and a cut file are named in a warning, run in full (the same tokens)
-#      and the file replaced; a file that is not a prompt cache is refused and left intact;
+#      another --kv-type, a cut file and header fields changed one at a time (version, model
+#      hash, token count 0 or 2^32-1, state size, token ids outside the vocabulary) are named
+#      in a warning, run in full (the same tokens) and the file replaced; a file that is not a
+#      prompt cache is refused and left intact;
 #   3. refusals: --prompt-cache-ro alone, with --dump-logits, --backend without --inproc;
 #   4. nothing left behind: no worker process, no /dev/shm segment, no temporary file.
 set -u
@@ -101,6 +103,32 @@ run cut --prompt-ids $ALL --greedy --prompt-cache "$T/pc.bin" || fail "a cut fil
 says "a cut file is named" cut "its size does not match its header"
 same "a cut file: the prompt runs in full" ref cut
 cmp -s "$T/pc.bin" "$T/pc-1w.bin" && ok "a cut file is replaced" || fail "a cut file stays"
+# header fields changed one at a time (the file is untrusted input): each named, the prompt run
+# in full with the reference's tokens, the file replaced; no crash
+# edit OFFSET FORMAT VALUE: pc-1w.bin with that field rewritten, into pc.bin
+edit() {
+    python3 - "$T/pc-1w.bin" "$T/pc.bin" "$1" "$2" "$3" <<'PY'
+import struct, sys
+src, dst, off, fmt, val = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5], 0)
+b = bytearray(open(src, 'rb').read())
+struct.pack_into('<' + fmt, b, off, val)
+open(dst, 'wb').write(b)
+PY
+}
+for case in "8 I 2 another format version" "16 Q 12345 another model file" \
+    "28 I 4294967295 past the context" "28 I 0 token count is 0" \
+    "40 Q 16 state size does not match" "48 i -5 outside the vocabulary" \
+    "48 i 2147483647 outside the vocabulary"; do
+    set -- $case
+    off=$1; fmt=$2; val=$3; shift 3
+    edit "$off" "$fmt" "$val"
+    if run field --prompt-ids $ALL --greedy --prompt-cache "$T/pc.bin" &&
+        grep -q "prompt cache .* not used: .*$*" "$T/field.err" && cmp -s "$T/ref.out" "$T/field.out"; then
+        ok "header field at $off set to $val: named ($*), the prompt run in full"
+    else
+        fail "header field at $off set to $val: $(grep -E 'prompt cache|error' "$T/field.err" | head -2)"
+    fi
+done
 printf 'precious user data\n' >"$T/notes.txt"
 cp "$T/notes.txt" "$T/keep.txt"
 if run foreign --prompt-ids $ALL --prompt-cache "$T/notes.txt"; then
