@@ -248,7 +248,11 @@ static int pc_write(struct generate_job *job)
                             .n_vocab = (uint32_t)nv, .state_bytes = bytes};
     memcpy(hdr.magic, PC_MAGIC, sizeof(hdr.magic));
     char tmp[4096];
-    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof(tmp)) {
+        log_error("cannot write the prompt cache %s: its name is too long", path);
+        free(state);
+        return -ENAMETOOLONG;
+    }
     FILE *f = fopen(tmp, "wb");
     bool ok = f && fwrite(&hdr, sizeof(hdr), 1, f) == 1 &&
               fwrite(job->ids, 4, job->n_ids, f) == job->n_ids &&
