@@ -54,7 +54,10 @@
  * (cuda_attn_prep), attention and its split combine, the output product; per
  * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv and
  * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two),
- * output; then add+norm, router, top-k, routed gate|up (one 2F-row
+ * output (LAMINA_CUDA_DN_IN=1: on sm_90 with Q4_0 or Q8_0 input rows the
+ * product, conv and heads in one launch, cuda_deltanet_in_conv_heads, a
+ * cluster per key head computing the rows its heads read: the same bits,
+ * slower on an H200 so far, docs/perf.md); then add+norm, router, top-k, routed gate|up (one 2F-row
  * product when gate and up share a row format: they sit back to back per
  * expert), routed down with the SiLU gate inside (int8 path), and the MoE
  * combine fused with the next layer's attention norm (only the first layer
@@ -235,6 +238,8 @@ struct backend_cuda {
     size_t dn_work_bytes, mmq_work_bytes, mmq_side_bytes;
     bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
     bool fuse;                        /* decode: fused conv + DeltaNet heads (LAMINA_CUDA_FUSE) */
+    bool dn_in;                       /* decode: the DeltaNet input product fused with them
+                                       * too (LAMINA_CUDA_DN_IN=1) */
     unsigned tails;                   /* decode: CB_TAIL_* as product tails
                                        * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
@@ -1210,6 +1215,22 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
     const size_t vd = nv * hp->ssm_dv;
     float *qkv = c->qkv, *z = c->z, *beta = c->beta, *alpha = c->alpha;
     int rc;
+    if (S == 1 && L->dn1.n_out && !raw && c->fuse && c->dn_in) {
+        /* the input product, conv and heads in one launch where it takes them */
+        const struct cb_mat *w = &L->dn1;
+        rc = CB_K(c, "dn.in_heads",
+                  cuda_deltanet_in_conv_heads(w->type, w->d, w->row_bytes, (uint32_t)n, c->xa,
+                                              c->dec, L->conv_st, L->conv, hp->ssm_conv,
+                                              L->ssm_st, L->ssm_a, L->dt_bias, L->ssm_norm, c->y,
+                                              hp->ssm_nk, hp->ssm_nv, hp->ssm_dk, hp->ssm_dv,
+                                              hp->ssm_tiled, hp->eps, c->stream));
+        if (rc != -ENOTSUP) {
+            if (tail)
+                return rc ? rc : cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
+            return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
+        }
+        cb_unlaunch(c); /* not launched: the product, then conv and heads */
+    }
     if (S == 1 && L->dn1.n_out) {
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
         rc = raw ? cb_mm_norm(c, "dn.in", &L->dn1, L->attn_norm, c->dec)
@@ -1945,8 +1966,9 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->prof = pr && !strcmp(pr, "1");
     const char *mq = getenv("LAMINA_CUDA_MMQ");
     c->mmq = !(mq && !strcmp(mq, "0"));
-    const char *fu = getenv("LAMINA_CUDA_FUSE");
+    const char *fu = getenv("LAMINA_CUDA_FUSE"), *di = getenv("LAMINA_CUDA_DN_IN");
     c->fuse = !(fu && !strcmp(fu, "0"));
+    c->dn_in = di && !strcmp(di, "1");
     const char *ta = getenv("LAMINA_CUDA_TAIL");
     c->tails = ta ? cb_tail_mask(ta) : CB_TAIL_NORM | CB_TAIL_TOPK;
     const char *pf = getenv("LAMINA_CUDA_PF");

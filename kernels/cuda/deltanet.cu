@@ -123,6 +123,8 @@
 #include <cooperative_groups.h>
 #include <mma.h>
 
+#include "kernels/cuda/mvq.cuh"
+#include "kernels/cuda/mvq.h"
 #include "kernels/cuda/pdl.cuh"
 
 extern "C" {
@@ -1336,6 +1338,433 @@ extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv
         break;
     }
     return dn_check_launch("cuda_deltanet_conv_heads");
+}
+
+/*
+ * The DeltaNet decode input fused with conv + heads (cuda_deltanet_in_conv_heads):
+ * one launch does what the layer's stacked input product (mvq.cu) and
+ * dn_conv_heads_split_kernel do in two. A thread block cluster per key head g
+ * (r = nv / nk value heads of hb blocks each, r * hb <= 8) first computes the
+ * rows of the stacked matrix that g's heads read: q and k of g, then per value
+ * head v, z, beta and alpha (dn_in_row), rows_g in all, a consecutive share of
+ * `per` rows per block, each row with mvq's maths (the activation rounded to
+ * int8 per block of 32 in shared memory, lanes_per_row lanes a row taking
+ * blocks sub, sub + G, ... in order, the same butterfly): the same bits as
+ * the unfused product, written to the same place of dec. A cluster barrier
+ * (release / acquire) makes the rows visible to the cluster; then the first
+ * ht = 4 * dv / hb threads of each block run dn_conv_heads_split_kernel's
+ * step for their head (the head's sum of o^2 over its hb blocks through
+ * distributed shared memory, dn_cluster_sum's order), and after that
+ * barrier every block of g has read the q and k conv state, so rank 0
+ * rewrites it: no counter. Outputs and states equal the two launches' bit
+ * for bit.
+ * Before the PDL wait each block asks for its rows, its delta state rows
+ * and a share of the conv taps in L2 (a thread a row) and loads its first
+ * DN_IN_NBUF passes of weight words into registers (tiles of R rows per
+ * group of G lanes, U blocks a lane a pass); after it each pass is summed
+ * while the others' loads are in flight. Registers for two blocks an SM,
+ * so that clusters of 8 find their SMs in a GPC.
+ */
+#define DN_IN_THREADS 256 /* threads per block of the fused input kernel */
+#define DN_IN_U 2         /* weight blocks per lane per pass */
+#define DN_IN_R 2         /* rows per lane group per pass */
+/* passes of weight registers in flight: four of Q4_0 (5 words a block), two of Q8_0 (9) */
+#define DN_IN_NBUF(type) ((type) == QUANT_TYPE_Q4_0 ? 4 : 2)
+
+struct dn_in_args {
+    const uint8_t *w;     /* stacked input matrix: q | k | v | z | beta | alpha rows */
+    size_t row_bytes;
+    const float *x;       /* the normalised activation row, n floats */
+    float *dec;           /* one float per row of w (the unfused product's output) */
+    uint32_t nbx;         /* blocks of 32 in a row */
+    uint32_t rows_g, per; /* rows of a key head's group; rows per block */
+    uint32_t hb, ht;      /* blocks per value head; heads threads per block */
+};
+
+/* Row vi of key head g's group, as its index in the stacked matrix. */
+template <int DK>
+__device__ __forceinline__ uint32_t dn_in_row(const struct dn_heads_args &p, uint32_t g,
+                                              uint32_t vi)
+{
+    const uint32_t kd = p.nk * DK, vd = p.nv * p.dv, cd = 2 * kd + vd;
+    if (vi < DK)
+        return g * DK + vi;
+    if (vi < 2 * DK)
+        return kd + g * DK + (vi - DK);
+    const uint32_t t = vi - 2 * DK, per_head = 2 * p.dv + 2, i = t / per_head, o = t % per_head;
+    const uint32_t h = p.tiled ? g + i * p.nk : g * (p.nv / p.nk) + i;
+    if (o < p.dv)
+        return 2 * kd + h * p.dv + o;
+    if (o < 2 * p.dv)
+        return cd + h * p.dv + (o - p.dv);
+    return cd + vd + (o == 2 * p.dv ? 0u : p.nv) + h;
+}
+
+/* The rows of pass s of this lane's group (~0u past the block's share),
+ * from the block's table of its rows' indices. */
+template <int G>
+__device__ __forceinline__ void dn_in_rows(const uint32_t *s_rows, uint32_t nr, uint32_t passes,
+                                           uint32_t s, uint32_t (&rows)[DN_IN_R])
+{
+    const uint32_t grp = threadIdx.x / G, tile = s / passes;
+    const uint32_t lr0 = (tile * (DN_IN_THREADS / G) + grp) * DN_IN_R;
+#pragma unroll
+    for (int r = 0; r < DN_IN_R; r++)
+        rows[r] = lr0 + r < nr ? s_rows[lr0 + r] : ~0u;
+}
+
+template <int TYPE, int G>
+__device__ __forceinline__ void dn_in_issue(const struct dn_in_args &a,
+                                            const uint32_t (&rows)[DN_IN_R], uint32_t pass,
+                                            uint32_t (&v)[DN_IN_U][DN_IN_R][9],
+                                            uint32_t (&sh)[DN_IN_U][DN_IN_R])
+{
+    const uint32_t sub = threadIdx.x % G;
+#pragma unroll
+    for (int u = 0; u < DN_IN_U; u++)
+#pragma unroll
+        for (int r = 0; r < DN_IN_R; r++) {
+            const uint32_t b = (pass * DN_IN_U + u) * G + sub;
+            if (b < a.nbx && rows[r] != ~0u)
+                mvq::load_block<TYPE>(a.w + (size_t)rows[r] * a.row_bytes, b, v[u][r], &sh[u][r]);
+        }
+}
+
+/* Adds pass `pass` of the rows to acc (mvq_kernel's order: blocks in
+ * increasing order per lane); after the row's last pass the butterfly over
+ * the G lanes, lane r of the group writes row r, acc starts again at 0. */
+template <int TYPE, int G>
+__device__ __forceinline__ void dn_in_sum(const struct dn_in_args &a,
+                                          const uint32_t (&rows)[DN_IN_R], uint32_t pass,
+                                          uint32_t passes, const uint32_t (&v)[DN_IN_U][DN_IN_R][9],
+                                          const uint32_t (&sh)[DN_IN_U][DN_IN_R],
+                                          const int8_t *s_q, const float *s_d, const float *s_s,
+                                          float (&acc)[DN_IN_R])
+{
+    const uint32_t sub = threadIdx.x % G;
+#pragma unroll
+    for (int u = 0; u < DN_IN_U; u++) {
+        const uint32_t b = (pass * DN_IN_U + u) * G + sub;
+        if (b >= a.nbx)
+            break;
+        const int4 *xq = reinterpret_cast<const int4 *>(s_q + b * 32);
+        const int4 xa = xq[0], xb = xq[1];
+        const float dx = s_d[b], sx = s_s[b];
+#pragma unroll
+        for (int r = 0; r < DN_IN_R; r++)
+            if (rows[r] != ~0u)
+                acc[r] += mvq::block_dot<TYPE>(v[u][r], sh[u][r], xa, xb, dx, sx);
+    }
+    if (pass + 1 < passes)
+        return;
+#pragma unroll
+    for (int r = 0; r < DN_IN_R; r++) {
+#pragma unroll
+        for (int o = G / 2; o > 0; o >>= 1)
+            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], o);
+    }
+    if (sub < DN_IN_R) {
+        float out = acc[0];
+        uint32_t row = rows[0];
+#pragma unroll
+        for (int r = 1; r < DN_IN_R; r++) {
+            out = sub == (uint32_t)r ? acc[r] : out;
+            row = sub == (uint32_t)r ? rows[r] : row;
+        }
+        if (row != ~0u)
+            a.dec[row] = out;
+    }
+#pragma unroll
+    for (int r = 0; r < DN_IN_R; r++)
+        acc[r] = 0.0f;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+/* dn_cluster_sum for a head whose hb blocks start at cluster rank `first`:
+ * the calling warp's sum goes into slot widx of red in each of them (only
+ * the ht heads threads, `act`); every thread of the cluster arrives. */
+__device__ __forceinline__ float dn_cluster_sum_at(float ss, float *red, uint32_t n_warps,
+                                                   uint32_t first, uint32_t hb, uint32_t widx,
+                                                   bool act)
+{
+    const uint32_t lane = threadIdx.x % 32;
+    if (act && lane < hb)
+        cg::this_cluster().map_shared_rank(red, (int)(first + lane))[widx] = ss;
+    cg::this_cluster().sync();
+    float total = 0.0f;
+    for (uint32_t i = 0; i < n_warps; i++)
+        total += red[i];
+    return total;
+}
+#endif
+
+template <int DK, int TYPE, int G>
+__global__ void __launch_bounds__(DN_IN_THREADS, 2)
+    dn_in_conv_heads_kernel(const struct dn_heads_args p, const struct dn_conv_args c,
+                            const struct dn_in_args a)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int NC = DK / 16, NQ = DK >= 32 ? DK / 32 : 1;
+    extern __shared__ int4 s_dyn[];
+    int8_t *s_q = reinterpret_cast<int8_t *>(s_dyn);
+    float *s_d = reinterpret_cast<float *>(s_q + a.nbx * 32), *s_s = s_d + a.nbx;
+    uint32_t *s_rows = reinterpret_cast<uint32_t *>(s_s + a.nbx); /* per row indices */
+    __shared__ float4 qs[DK / 4], ks[DK / 4];
+    __shared__ float sc[2];
+    __shared__ float red[16];
+    const uint32_t C = cg::this_cluster().num_blocks(), rank = cg::this_cluster().block_rank();
+    const uint32_t g = blockIdx.x / C, i = rank / a.hb, bsub = rank % a.hb;
+    const uint32_t h = p.tiled ? g + i * p.nk : g * (p.nv / p.nk) + i;
+    const uint32_t t = threadIdx.x, warp = t / 32, sub = t % 4;
+    const bool act = t < a.ht;
+    const uint32_t j = act ? (bsub * a.ht + t) / 4 : 0;
+    const uint32_t r0 = rank * a.per;
+    const uint32_t nr = r0 < a.rows_g ? min(a.per, a.rows_g - r0) : 0;
+    const uint32_t passes = (a.nbx + DN_IN_U * G - 1) / (DN_IN_U * G);
+    const uint32_t tile_rows = (DN_IN_THREADS / G) * DN_IN_R;
+    const uint32_t steps = (nr + tile_rows - 1) / tile_rows * passes;
+    float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
+
+    /* before the wait: the block's rows and state rows in L2 (a thread a
+     * row), the conv taps' share, decay and dt; NB passes of weights in
+     * registers */
+    for (uint32_t lr = t; lr < nr; lr += DN_IN_THREADS) {
+        const uint32_t row = dn_in_row<DK>(p, g, r0 + lr);
+        s_rows[lr] = row;
+        pdl_prefetch_l2(a.w + (size_t)row * a.row_bytes, a.row_bytes);
+    }
+    if (act && t % 4 == 0)
+        pdl_prefetch_l2(srow, DK * sizeof(float));
+    if (t == 0) {
+        const size_t bytes = ((size_t)2 * p.nk * DK + (size_t)p.nv * p.dv) * c.K * sizeof(float);
+        const size_t share = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~(size_t)15;
+        const size_t off = (size_t)blockIdx.x * share;
+        if (off < bytes)
+            pdl_prefetch_l2(reinterpret_cast<const uint8_t *>(c.w) + off,
+                            bytes - off < share ? bytes - off : share);
+        if (blockIdx.x == 0)
+            pdl_prefetch_l2(p.a, p.nv * sizeof(float)), pdl_prefetch_l2(p.dt, p.nv * sizeof(float));
+    }
+    /* NB passes of registers (the heads' phase needs more registers than
+     * the product's two-row passes, so the product may hold several) */
+    __syncthreads(); /* s_rows */
+    constexpr int NB = DN_IN_NBUF(TYPE);
+    uint32_t v[NB][DN_IN_U][DN_IN_R][9], sh[NB][DN_IN_U][DN_IN_R], rw[NB][DN_IN_R];
+#pragma unroll
+    for (int k = 0; k < NB; k++)
+        if ((uint32_t)k < steps) {
+            dn_in_rows<G>(s_rows, nr, passes, k, rw[k]);
+            dn_in_issue<TYPE, G>(a, rw[k], k % passes, v[k], sh[k]);
+        }
+    pdl_wait(); /* x comes from the kernel before; dec and y may still be read */
+    pdl_trigger();
+
+    /* the activation row rounded into shared memory (mvq_kernel's maths),
+     * eight blocks' loads in flight a warp */
+    constexpr uint32_t n_warps = DN_IN_THREADS / 32, XB = 8;
+    for (uint32_t b0 = warp; b0 < a.nbx; b0 += XB * n_warps) {
+        float xv[XB];
+#pragma unroll
+        for (uint32_t k = 0; k < XB; k++) {
+            const uint32_t b = b0 + k * n_warps;
+            xv[k] = b < a.nbx ? a.x[b * 32 + t % 32] : 0.0f;
+        }
+#pragma unroll
+        for (uint32_t k = 0; k < XB; k++) {
+            const uint32_t b = b0 + k * n_warps;
+            mvq::round_block(xv[k], b, b < a.nbx, s_q, s_d, s_s);
+        }
+    }
+    __syncthreads();
+    float acc[DN_IN_R];
+#pragma unroll
+    for (int r = 0; r < DN_IN_R; r++)
+        acc[r] = 0.0f;
+    for (uint32_t s0 = 0; s0 < steps; s0 += NB) {
+#pragma unroll
+        for (int k = 0; k < NB; k++) {
+            const uint32_t s1 = s0 + k;
+            if (s1 >= steps)
+                break;
+            dn_in_sum<TYPE, G>(a, rw[k], s1 % passes, passes, v[k], sh[k], s_q, s_d, s_s, acc);
+            if (s1 + NB < steps) {
+                dn_in_rows<G>(s_rows, nr, passes, s1 + NB, rw[k]);
+                dn_in_issue<TYPE, G>(a, rw[k], (s1 + NB) % passes, v[k], sh[k]);
+            }
+        }
+    }
+    /* the cluster's rows written (release) and visible here (acquire); every
+     * block of the cluster runs from here on (distributed shared memory) */
+    cg::this_cluster().sync();
+
+    /* conv + heads: dn_conv_heads_split_kernel's step for head h */
+    float4 st[NC];
+#pragma unroll
+    for (int m = 0; m < NC; m++)
+        st[m] = act ? srow[sub + 4 * m] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float wj = act ? p.norm_w[j] : 0.0f;
+    struct dn_tok<DK> cur = {};
+    float nqk[NQ][DN_MAX_K - 1];
+    if (act)
+        dn_conv_in<DK>(p, c, h, g, j, cur, nqk);
+    const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+    const float total = dn_cluster_sum_at(act ? dn_warp_sq(o) : 0.0f, red, p.dv / 8, i * a.hb,
+                                          a.hb, bsub * (a.ht / 32) + warp, act);
+    if (!act)
+        return;
+    dn_out(p, h, 0, j, o, total, cur.z, wj);
+    if (rank == 0) /* every block of g has read the q and k conv state */
+        dn_conv_store_qk<DK>(p, c, g, nqk);
+#pragma unroll
+    for (int m = 0; m < NC; m++)
+        srow[sub + 4 * m] = st[m];
+#endif
+}
+
+/* Blocks per value head of the fused input kernel for this device and shape
+ * (0: the fused kernel does not take it): the largest hb with r * hb <= 8
+ * blocks a cluster, whole warps of at least two per head block
+ * (dn_split_fits), at most DN_IN_THREADS heads threads, nv * hb at most the
+ * SM count and every cluster resident at once. */
+template <int DK, int TYPE, int G>
+static uint32_t dn_in_blocks(uint32_t nk, uint32_t nv, uint32_t dv, size_t smem, int sms)
+{
+    static struct {
+        uint32_t csize;
+        size_t smem;
+        int fits;
+    } seen[8];
+    static int n_seen = 0;
+    const uint32_t r = nv / nk;
+    for (uint32_t hb = 8; hb >= 1; hb /= 2) {
+        if (r * hb > 8 || !dn_split_fits(dv, hb) || 4 * dv / hb > DN_IN_THREADS ||
+            (hb > 1 && (uint64_t)nv * hb > (uint64_t)sms))
+            continue;
+        const uint32_t cs = r * hb;
+        int fits = -1;
+        for (int k = 0; k < n_seen; k++)
+            if (seen[k].csize == cs && seen[k].smem == smem)
+                fits = seen[k].fits;
+        if (fits < 0) {
+            cudaLaunchConfig_t cfg = {};
+            cudaLaunchAttribute attr;
+            attr.id = cudaLaunchAttributeClusterDimension;
+            attr.val.clusterDim.x = cs;
+            attr.val.clusterDim.y = 1;
+            attr.val.clusterDim.z = 1;
+            cfg.gridDim = dim3(nk * cs);
+            cfg.blockDim = dim3(DN_IN_THREADS);
+            cfg.dynamicSmemBytes = smem;
+            cfg.attrs = &attr;
+            cfg.numAttrs = 1;
+            int n_clusters = 0;
+            const cudaError_t e = cudaOccupancyMaxActiveClusters(
+                &n_clusters, dn_in_conv_heads_kernel<DK, TYPE, G>, &cfg);
+            fits = e == cudaSuccess && (uint32_t)n_clusters >= nk;
+            if (e != cudaSuccess)
+                (void)cudaGetLastError();
+            if (n_seen < 8)
+                seen[n_seen++] = {cs, smem, fits};
+        }
+        if (fits)
+            return hb;
+    }
+    return 0;
+}
+
+template <int DK, int TYPE, int G>
+static int dn_in_launch(const struct dn_heads_args &p, const struct dn_conv_args &c,
+                        struct dn_in_args a, int sms, cudaStream_t stream)
+{
+    /* shared memory: the rounded row, its scales, and the row table (at
+     * most rows_g: one block a cluster) */
+    const uint32_t rows_g = 2 * DK + p.nv / p.nk * (2 * p.dv + 2);
+    const size_t smem = (size_t)a.nbx * 32 + 2 * sizeof(float) * a.nbx;
+    const uint32_t hb = dn_in_blocks<DK, TYPE, G>(p.nk, p.nv, p.dv,
+                                                  smem + (size_t)rows_g * sizeof(uint32_t), sms);
+    if (!hb)
+        return -ENOTSUP;
+    const uint32_t cs = p.nv / p.nk * hb;
+    a.hb = hb;
+    a.ht = 4 * p.dv / hb;
+    a.rows_g = rows_g;
+    a.per = (a.rows_g + cs - 1) / cs;
+    const size_t smem_all = smem + (size_t)a.per * sizeof(uint32_t);
+    pdl_launch_cluster(dn_in_conv_heads_kernel<DK, TYPE, G>, dim3(p.nk * cs), dim3(DN_IN_THREADS),
+                       cs, smem_all, stream, p, c, a);
+    return dn_check_launch("cuda_deltanet_in_conv_heads");
+}
+
+template <int DK, int TYPE>
+static int dn_in_go(const struct dn_heads_args &p, const struct dn_conv_args &c,
+                    const struct dn_in_args &a, int sms, cudaStream_t stream)
+{
+    switch (mvq::lanes_per_row(a.nbx)) {
+    case 32: return dn_in_launch<DK, TYPE, 32>(p, c, a, sms, stream);
+    case 16: return dn_in_launch<DK, TYPE, 16>(p, c, a, sms, stream);
+    default: return dn_in_launch<DK, TYPE, 8>(p, c, a, sms, stream);
+    }
+}
+
+template <int TYPE>
+static int dn_in_dk(uint32_t dk, const struct dn_heads_args &p, const struct dn_conv_args &c,
+                    const struct dn_in_args &a, int sms, cudaStream_t stream)
+{
+    switch (dk) {
+    case 16: return dn_in_go<16, TYPE>(p, c, a, sms, stream);
+    case 32: return dn_in_go<32, TYPE>(p, c, a, sms, stream);
+    case 64: return dn_in_go<64, TYPE>(p, c, a, sms, stream);
+    default: return dn_in_go<128, TYPE>(p, c, a, sms, stream);
+    }
+}
+
+extern "C" int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_t row_bytes,
+                                           uint32_t n, const float *d_x, float *d_dec,
+                                           float *d_conv_state, const float *d_conv_w,
+                                           uint32_t K, float *d_state, const float *d_a,
+                                           const float *d_dt, const float *d_norm_w, float *d_y,
+                                           uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                                           bool tiled, float eps, cudaStream_t stream)
+{
+    const size_t kd = (size_t)nk * dk, vd = (size_t)nv * dv, cd = 2 * kd + vd;
+    float *z = d_dec + cd, *beta = z + vd, *alpha = beta + nv;
+    if (!dn_heads_args_ok(d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w, d_y, nk, nv, dk,
+                          dv, 1) ||
+        K == 0 || K > DN_MAX_K || (K > 1 && !d_conv_state) || !d_conv_w || !d_w || !d_x ||
+        n == 0 || n % 32 || row_bytes == 0) {
+        log_error("cuda_deltanet_in_conv_heads: bad arguments (K %u, max %d; dk %u, dv %u, nk %u, "
+                  "nv %u; n %u: a multiple of 32)", K, DN_MAX_K, dk, dv, nk, nv, n);
+        return -EINVAL;
+    }
+    const char *split = getenv("LAMINA_CUDA_DN_SPLIT");
+    const uint64_t rows = cd + vd + 2 * (uint64_t)nv;
+    if ((split && split[0] == '0') ||
+        (type != QUANT_TYPE_Q4_0 && type != QUANT_TYPE_Q8_0) || n > 16384 ||
+        ((uintptr_t)d_x & 3) || !cuda_mvq_pays(n, rows))
+        return -ENOTSUP;
+    int dev = 0, major = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) {
+        log_error("cuda_deltanet_in_conv_heads: device query failed: %s", cudaGetErrorString(e));
+        return -EIO;
+    }
+    if (major < 9)
+        return -ENOTSUP;
+    const struct dn_heads_args p = {d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w,
+                                    d_y,     nk,    nv,   dv,    1,   tiled, eps};
+    const struct dn_conv_args c = {d_conv_state, d_conv_w, d_dec, K};
+    struct dn_in_args a = {};
+    a.w = static_cast<const uint8_t *>(d_w);
+    a.row_bytes = row_bytes;
+    a.x = d_x;
+    a.dec = d_dec;
+    a.nbx = n / 32;
+    return type == QUANT_TYPE_Q4_0 ? dn_in_dk<QUANT_TYPE_Q4_0>(dk, p, c, a, sms, stream)
+                                   : dn_in_dk<QUANT_TYPE_Q8_0>(dk, p, c, a, sms, stream);
 }
 
 static bool dn_chunk_dims_ok(uint32_t dk, uint32_t dv)

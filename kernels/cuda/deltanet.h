@@ -57,6 +57,26 @@ int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_
                              uint32_t nv, uint32_t dk, uint32_t dv, bool tiled, float eps,
                              cudaStream_t stream);
 
+/* The layer's stacked decode input product (rows q | k | v | z | beta |
+ * alpha of the weights w, type Q4_0 or Q8_0, rows of n elements, over the
+ * normalised activation row x, as cuda_matvec computes it with the int8
+ * kernels: the same bits, into dec, 2*nk*dk + 2*nv*dv + 2*nv floats) and
+ * then cuda_deltanet_conv_heads over dec in one launch (a thread block
+ * cluster per key head computes the rows its heads read; sm_90 and later).
+ * -ENOTSUP (nothing launched: the caller runs the product and
+ * cuda_deltanet_conv_heads) where the device, the type, n, the int8 kernels'
+ * choice (cuda_mvq_pays), the heads' cluster shape (every cluster resident
+ * at once) or LAMINA_CUDA_DN_SPLIT=0 rule it out; -EINVAL for bad arguments, -EIO for a
+ * failed launch or device query. Same state contracts as
+ * cuda_deltanet_conv_heads, and like it launches on one device must not run
+ * concurrently. */
+int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_t row_bytes, uint32_t n,
+                                const float *d_x, float *d_dec, float *d_conv_state,
+                                const float *d_conv_w, uint32_t K, float *d_state,
+                                const float *d_a, const float *d_dt, const float *d_norm_w,
+                                float *d_y, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                                bool tiled, float eps, cudaStream_t stream);
+
 /* Bytes of work memory cuda_deltanet_heads_chunked needs for nv value heads
  * of dk x dv and S tokens: 0 when those S tokens take the token-by-token
  * kernel (S < 16, or dk != dv, or dk not 64 or 128), else about

@@ -38,6 +38,7 @@
 
 #include <cuda_fp16.h>
 
+#include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/tail.cuh"
 
@@ -47,6 +48,10 @@ extern "C" {
 }
 
 namespace {
+
+using mvq::Blk;
+using mvq::block_dot;
+using mvq::load_block;
 
 constexpr int kThreads = 256;
 static_assert(kThreads == kTailThreads, "cuda tails assume blocks of kTailThreads");
@@ -78,63 +83,6 @@ struct MvqArgs {
     float nin_eps;                /* the product reads rmsnorm(h) * nin_w (NULL: 1) in */
     uint32_t nin_width;           /* cuda_rmsnorm_wide's tree of this width (0: off) */
 };
-
-template <int TYPE>
-struct Blk;
-
-template <>
-struct Blk<QUANT_TYPE_Q4_0> {
-    static constexpr int BYTES = 18, WORDS = 5;
-};
-
-template <>
-struct Blk<QUANT_TYPE_Q8_0> {
-    static constexpr int BYTES = 34, WORDS = 9;
-};
-
-/* The words around weight block b of a row: base aligned down to 4 bytes. */
-template <int TYPE>
-__device__ __forceinline__ void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[9],
-                                           uint32_t *shift)
-{
-    const uintptr_t at =
-        reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(b) * Blk<TYPE>::BYTES;
-    const uint32_t *p = reinterpret_cast<const uint32_t *>(at & ~static_cast<uintptr_t>(3));
-    *shift = static_cast<uint32_t>(at & 3) * 8;
-#pragma unroll
-    for (int i = 0; i < Blk<TYPE>::WORDS; i++)
-        v[i] = __ldg(p + i);
-}
-
-/* Integer part and scale of one block dot: returns dw * (dx * isum - c * s). */
-template <int TYPE>
-__device__ __forceinline__ float block_dot(const uint32_t (&v)[9], uint32_t shift,
-                                           const int4 &xa, const int4 &xb, float dx, float sx)
-{
-    /* byte k of the block = byte (shift/8 + k) of the word run */
-    const uint32_t d16 = __funnelshift_rc(v[0], v[1], shift) & 0xFFFFu;
-    const float dw = __half2float(__ushort_as_half(static_cast<unsigned short>(d16)));
-    const uint32_t qs = shift + 16; /* quants start at byte 2: 16 or 32 bits in */
-    uint32_t q[8];
-#pragma unroll
-    for (int i = 0; i < (TYPE == QUANT_TYPE_Q4_0 ? 4 : 8); i++)
-        q[i] = qs >= 32 ? v[i + 1] : __funnelshift_rc(v[i], v[i + 1], qs);
-    const int xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-    int sum = 0;
-    if constexpr (TYPE == QUANT_TYPE_Q4_0) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            sum = __dp4a(static_cast<int>(q[i] & 0x0F0F0F0Fu), xw[i], sum);
-            sum = __dp4a(static_cast<int>((q[i] >> 4) & 0x0F0F0F0Fu), xw[4 + i], sum);
-        }
-        return dw * (dx * static_cast<float>(sum) - 8.0f * sx);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            sum = __dp4a(static_cast<int>(q[i]), xw[i], sum);
-        return dw * (dx * static_cast<float>(sum));
-    }
-}
 
 /* Asks for this block's tiles of rows (blockIdx.x, + gridDim.x, ...) in L2,
  * at most kPrefetch bytes; tiles are rows_per_tile consecutive rows. */
@@ -298,24 +246,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 #pragma unroll
         for (int i = 0; i < XB; i++) {
             const uint32_t b = b0 + i * kWarps;
-            float amax = fabsf(xv[i]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const int q = __float2int_rn(xv[i] * id);
-            int qs = q;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
-            if (b < a.nb) {
-                s_q[b * 32 + lane] = static_cast<int8_t>(q);
-                if (lane == 0) {
-                    const float d = amax / 127.0f;
-                    s_d[b] = d;
-                    s_s[b] = d * static_cast<float>(qs);
-                }
-            }
+            mvq::round_block(xv[i], b, b < a.nb, s_q, s_d, s_s);
         }
     }
     __syncthreads();
@@ -420,7 +351,7 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
 template <int TYPE>
 int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
 {
-    const uint32_t g = a.nb >= 64 ? 32 : a.nb >= 32 ? 16 : 8;
+    const uint32_t g = mvq::lanes_per_row(a.nb);
     const uint32_t per_lane = (a.nb + g - 1) / g;
     const int u = per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 8;
     const uint64_t groups = static_cast<uint64_t>(a.n_rows) * jobs;

@@ -52,7 +52,10 @@
  *   - on tiny synthetic qwen3next models of Q8_0 and Q4_0 weights (6 prompt
  *     positions, 10 greedy decode steps): the shared expert as pair k of the
  *     routed decode products against its own branch (LAMINA_CUDA_SHPAIR=0):
- *     byte-identical; decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
+ *     byte-identical; the DeltaNet input product, conv and heads in one
+ *     launch (LAMINA_CUDA_DN_IN=1) against two: byte-identical, and on sm_90
+ *     leaving the fused launch out changes the decode steps (it ran);
+ *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
  *     holding every expert of the second half serves grouped rows of those layers (decode
@@ -739,6 +742,32 @@ static void tbc_shpair(void)
                   a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
             MEASURE("shared expert as pair k (%s, tiny qwen3next, 6 prompt + 10 decode steps): "
                     "logits byte-identical to its own branch", quant_type_name(types[t]));
+            /* the DeltaNet input product, conv and heads as one launch (sm_90,
+             * LAMINA_CUDA_DN_IN=1) against the product and conv + heads: the same
+             * bits; skipping the fused launch changes the decode steps where it
+             * runs */
+            setenv("LAMINA_CUDA_DN_IN", "1", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, DeltaNet input fused");
+            CHECK(a && b && !memcmp(a, b, sz), "%s: the fused DeltaNet input differs from the "
+                  "product then conv + heads (max %.3g)", quant_type_name(types[t]),
+                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+            int major = 0, dev = 0;
+            cudaGetDevice(&dev);
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+            if (major >= 9) {
+                setenv("LAMINA_CUDA_SKIP", "dn.in_heads", 1);
+                CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run without the fused input");
+                unsetenv("LAMINA_CUDA_SKIP");
+                CHECK(a && b && memcmp(a + 6 * (size_t)m->hp.n_vocab,
+                                       b + 6 * (size_t)m->hp.n_vocab,
+                                       sz - 6 * (size_t)m->hp.n_vocab * sizeof(float)),
+                      "%s: LAMINA_CUDA_SKIP=dn.in_heads left the decode steps unchanged: the "
+                      "fused DeltaNet input did not run", quant_type_name(types[t]));
+            }
+            unsetenv("LAMINA_CUDA_DN_IN");
+            MEASURE("fused DeltaNet input (%s, tiny qwen3next): logits byte-identical to the "
+                    "product then conv + heads%s", quant_type_name(types[t]),
+                    major >= 9 ? "; it ran (skipping it changes the decode steps)" : "");
             /* LAMINA_CUDA_SKIP (timing experiments): the named decode kernels are not
              * launched, so the decode steps change and the prompt does not */
             setenv("LAMINA_CUDA_SKIP", "moe.down,moe.combine", 1);
