@@ -600,18 +600,29 @@ namespace cg = cooperative_groups;
  * every thread adds red[0 .. n_warps) in order, as dn_step adds its warp
  * sums: the same bits. Every block of the cluster must have started before
  * the first call (a cluster barrier after start), and red is written again
- * at the earliest two calls later, by which time every block has read it. */
-__device__ __forceinline__ float dn_cluster_sum(float ss, float *red, uint32_t n_warps)
+ * at the earliest two calls later, by which time every block has read it.
+ * dn_cluster_sum_at: the same for a head whose hb blocks start at cluster
+ * rank `first` (the fused input kernel's clusters hold r heads), the warp's
+ * slot widx, only the `act` threads writing; every thread of the cluster
+ * arrives. */
+__device__ __forceinline__ float dn_cluster_sum_at(float ss, float *red, uint32_t n_warps,
+                                                   uint32_t first, uint32_t hb, uint32_t widx,
+                                                   bool act)
 {
     const uint32_t lane = threadIdx.x % 32;
-    const uint32_t w = cg::this_cluster().block_rank() * (blockDim.x / 32) + threadIdx.x / 32;
-    if (lane < cg::this_cluster().num_blocks())
-        cg::this_cluster().map_shared_rank(red, (int)lane)[w] = ss;
+    if (act && lane < hb)
+        cg::this_cluster().map_shared_rank(red, (int)(first + lane))[widx] = ss;
     cg::this_cluster().sync();
     float total = 0.0f;
     for (uint32_t i = 0; i < n_warps; i++)
         total += red[i];
     return total;
+}
+
+__device__ __forceinline__ float dn_cluster_sum(float ss, float *red, uint32_t n_warps)
+{
+    const uint32_t w = cg::this_cluster().block_rank() * (blockDim.x / 32) + threadIdx.x / 32;
+    return dn_cluster_sum_at(ss, red, n_warps, 0, cg::this_cluster().num_blocks(), w, true);
 }
 #endif
 
@@ -1194,6 +1205,23 @@ static bool dn_split_fits(uint32_t dv, uint32_t nb)
     return n_warps % nb == 0 && n_warps / nb >= 2;
 }
 
+/* The current device's compute capability (major) and one attribute of it
+ * into *value; -EIO (logged with what) when a query fails. */
+static int dn_device(const char *what, enum cudaDeviceAttr attr, int *major, int *value)
+{
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(value, attr, dev);
+    if (e != cudaSuccess) {
+        log_error("%s: device query failed: %s", what, cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
 /* Blocks per value head of the decode kernels into *nb (DN_SPLIT in the file
  * comment), for the current device: 1 below compute capability 9.0, where
  * LAMINA_CUDA_DN_SPLIT is "0" or where dv cannot be split; "2", "4" or "8"
@@ -1208,14 +1236,12 @@ static int dn_split_blocks(uint32_t nv, uint32_t dv, const char *what, uint32_t 
     const char *env = getenv("LAMINA_CUDA_DN_SPLIT");
     if (env && env[0] == '0')
         return 0;
-    int dev = 0, major = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess || sms <= 0) {
-        log_error("%s: device query failed: %s", what, cudaGetErrorString(e));
+    int major = 0, sms = 0;
+    const int rc = dn_device(what, cudaDevAttrMultiProcessorCount, &major, &sms);
+    if (rc)
+        return rc;
+    if (sms <= 0) {
+        log_error("%s: the device reports %d multiprocessors", what, sms);
         return -EIO;
     }
     if (major < 9)
@@ -1479,24 +1505,6 @@ __device__ __forceinline__ void dn_in_sum(const struct dn_in_args &a,
         acc[r] = 0.0f;
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-/* dn_cluster_sum for a head whose hb blocks start at cluster rank `first`:
- * the calling warp's sum goes into slot widx of red in each of them (only
- * the ht heads threads, `act`); every thread of the cluster arrives. */
-__device__ __forceinline__ float dn_cluster_sum_at(float ss, float *red, uint32_t n_warps,
-                                                   uint32_t first, uint32_t hb, uint32_t widx,
-                                                   bool act)
-{
-    const uint32_t lane = threadIdx.x % 32;
-    if (act && lane < hb)
-        cg::this_cluster().map_shared_rank(red, (int)(first + lane))[widx] = ss;
-    cg::this_cluster().sync();
-    float total = 0.0f;
-    for (uint32_t i = 0; i < n_warps; i++)
-        total += red[i];
-    return total;
-}
-#endif
 
 template <int DK, int TYPE, int G>
 __global__ void __launch_bounds__(DN_IN_THREADS, 2)
@@ -1742,17 +1750,12 @@ extern "C" int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_
         (type != QUANT_TYPE_Q4_0 && type != QUANT_TYPE_Q8_0) || n > 16384 ||
         ((uintptr_t)d_x & 3) || !cuda_mvq_pays(n, rows))
         return -ENOTSUP;
-    int dev = 0, major = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess) {
-        log_error("cuda_deltanet_in_conv_heads: device query failed: %s", cudaGetErrorString(e));
-        return -EIO;
-    }
-    if (major < 9)
+    int major = 0, sms = 0;
+    const int rc = dn_device("cuda_deltanet_in_conv_heads", cudaDevAttrMultiProcessorCount,
+                             &major, &sms);
+    if (rc)
+        return rc;
+    if (major < 9 || sms <= 0)
         return -ENOTSUP;
     const struct dn_heads_args p = {d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w,
                                     d_y,     nk,    nv,   dv,    1,   tiled, eps};
@@ -1784,18 +1787,11 @@ extern "C" size_t cuda_deltanet_work_bytes(uint32_t nv, uint32_t dk, uint32_t dv
  * sm_80 or later, smem bytes of shared memory per block). */
 static int dn_chunk_device(size_t smem, bool *ok)
 {
-    int dev = 0, major = 0, optin = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e != cudaSuccess) {
-        log_error("cuda_deltanet_heads_chunked: device query failed: %s", cudaGetErrorString(e));
-        return -EIO;
-    }
-    *ok = major >= 8 && (size_t)optin >= smem;
-    return 0;
+    int major = 0, optin = 0;
+    const int rc = dn_device("cuda_deltanet_heads_chunked", cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                             &major, &optin);
+    *ok = !rc && major >= 8 && (size_t)optin >= smem;
+    return rc;
 }
 
 template <int D>
