@@ -35,6 +35,7 @@
 #include "kernels/cuda/matvec.h"
 #include "model/quant.h"
 #include "tests/check.h"
+#include "tests/gpu/gpu_check.h"
 
 #define TDN_STEPS 3 /* decode steps per case, states carried */
 
@@ -43,20 +44,13 @@ struct tdn_case {
     bool tiled;
 };
 
-struct tdn_rng {
-    uint64_t s;
-};
-
-static float tdn_uniform(struct tdn_rng *r, float lo, float hi)
+/* Uniform in [lo, hi) from the tests' shared generator. */
+static float tdn_uniform(struct rng *r, float lo, float hi)
 {
-    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (float)((double)(z >> 11) * (1.0 / 9007199254740992.0));
+    return lo + (hi - lo) * 0.5f * (rng_float(r) + 1.0f);
 }
 
-static void tdn_fill(struct tdn_rng *r, float *x, size_t n, float lo, float hi)
+static void tdn_fill(struct rng *r, float *x, size_t n, float lo, float hi)
 {
     for (size_t i = 0; i < n; i++)
         x[i] = tdn_uniform(r, lo, hi);
@@ -88,7 +82,7 @@ static bool tdn_upload(float *d, const float *h, size_t n)
     return tdn_ok(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice), "upload");
 }
 
-static bool tdn_alloc(struct tdn_bufs *b, const struct tdn_case *c, struct tdn_rng *r)
+static bool tdn_alloc(struct tdn_bufs *b, const struct tdn_case *c, struct rng *r)
 {
     memset(b, 0, sizeof(*b));
     b->c = c;
@@ -230,7 +224,7 @@ static double tdn_time(const struct tdn_bufs *b, int k)
 
 static void tdn_run(const struct tdn_case *c, uint64_t seed, bool must_fuse, bool timed)
 {
-    struct tdn_rng r = {seed};
+    struct rng r = {seed};
     struct tdn_bufs b;
     bool ok = tdn_alloc(&b, c, &r);
     float *x = malloc(c->n * sizeof(float));
@@ -287,7 +281,7 @@ static void tdn_run(const struct tdn_case *c, uint64_t seed, bool must_fuse, boo
 static void tdn_refusals(void)
 {
     const struct tdn_case big = {2, 4, 128, 128, 4096, 4, QUANT_TYPE_Q4_0, false};
-    struct tdn_rng r = {99};
+    struct rng r = {99};
     struct tdn_bufs b;
     if (!tdn_alloc(&b, &big, &r))
         return;
