@@ -120,6 +120,8 @@
 
 #include <errno.h>
 
+#include <mutex>
+
 #include <cooperative_groups.h>
 #include <mma.h>
 
@@ -1637,23 +1639,33 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
 template <int DK, int TYPE, int G>
 static uint32_t dn_in_blocks(uint32_t nk, uint32_t nv, uint32_t dv, size_t smem, int sms)
 {
+    /* the clusters of cs blocks resident at once, per device, cluster size and
+     * shared memory (asked once; backends on several threads share it) */
+    static std::mutex lock;
     static struct {
+        int dev;
         uint32_t csize;
         size_t smem;
-        int fits;
-    } seen[8];
+        int clusters;
+    } seen[16];
     static int n_seen = 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
     const uint32_t r = nv / nk;
     for (uint32_t hb = 8; hb >= 1; hb /= 2) {
         if (r * hb > 8 || !dn_split_fits(dv, hb) || 4 * dv / hb > DN_IN_THREADS ||
             (hb > 1 && (uint64_t)nv * hb > (uint64_t)sms))
             continue;
         const uint32_t cs = r * hb;
-        int fits = -1;
+        int clusters = -1;
+        std::lock_guard<std::mutex> guard(lock);
         for (int k = 0; k < n_seen; k++)
-            if (seen[k].csize == cs && seen[k].smem == smem)
-                fits = seen[k].fits;
-        if (fits < 0) {
+            if (seen[k].dev == dev && seen[k].csize == cs && seen[k].smem == smem)
+                clusters = seen[k].clusters;
+        if (clusters < 0) {
             cudaLaunchConfig_t cfg = {};
             cudaLaunchAttribute attr;
             attr.id = cudaLaunchAttributeClusterDimension;
@@ -1665,16 +1677,16 @@ static uint32_t dn_in_blocks(uint32_t nk, uint32_t nv, uint32_t dv, size_t smem,
             cfg.dynamicSmemBytes = smem;
             cfg.attrs = &attr;
             cfg.numAttrs = 1;
-            int n_clusters = 0;
-            const cudaError_t e = cudaOccupancyMaxActiveClusters(
-                &n_clusters, dn_in_conv_heads_kernel<DK, TYPE, G>, &cfg);
-            fits = e == cudaSuccess && (uint32_t)n_clusters >= nk;
+            int n = 0;
+            const cudaError_t e =
+                cudaOccupancyMaxActiveClusters(&n, dn_in_conv_heads_kernel<DK, TYPE, G>, &cfg);
             if (e != cudaSuccess)
                 (void)cudaGetLastError();
-            if (n_seen < 8)
-                seen[n_seen++] = {cs, smem, fits};
+            clusters = e == cudaSuccess ? n : 0;
+            if (n_seen < 16)
+                seen[n_seen++] = {dev, cs, smem, clusters};
         }
-        if (fits)
+        if ((uint32_t)clusters >= nk)
             return hb;
     }
     return 0;
