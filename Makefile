@@ -11,6 +11,10 @@ PKGS    := libpcre2-8 libzmq libprotobuf-c
 # The GPU architectures lamina ships for, listed once.
 CUDA_ARCHS := -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_75,code=sm_75 \
               -gencode=arch=compute_86,code=sm_86 -gencode=arch=compute_89,code=sm_89
+# nvcc compiles a file's architectures this many at a time (the int8 decode
+# products take minutes per architecture: one after the other they were the
+# build's longest path)
+NVCC_THREADS ?= 2
 
 ifdef SAN
 BUILD   := build/san
@@ -74,7 +78,8 @@ $(LIB_OBJS) $(TESTS:%=%.o) $(TOOLS:%=%.o) $(BUILD)/coordinator/main.o $(BUILD)/w
 
 $(BUILD)/kernels/cuda/%.o: kernels/cuda/%.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -std=c++17 -I. $(CUDA_ARCHS) -Xcompiler -Wall,-Werror -MMD -MP -c $< -o $@
+	$(NVCC) -O3 -std=c++17 -I. $(CUDA_ARCHS) --threads $(NVCC_THREADS) -Xcompiler -Wall,-Werror \
+	    -MMD -MP -c $< -o $@
 
 $(CUDA_LIB): $(CU_OBJS)
 	@mkdir -p $(dir $@)
