@@ -414,6 +414,20 @@ struct dn_conv_args {
     uint32_t K;
 };
 
+/* The block's 1/gridDim.x share of the layer's conv taps asked for in L2
+ * (one thread calls it). */
+template <int DK>
+__device__ __forceinline__ void dn_prefetch_taps(const struct dn_heads_args &p,
+                                                 const struct dn_conv_args &c)
+{
+    const size_t bytes = ((size_t)2 * p.nk * DK + (size_t)p.nv * p.dv) * c.K * sizeof(float);
+    const size_t share = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~(size_t)15;
+    const size_t off = (size_t)blockIdx.x * share;
+    if (off < bytes)
+        pdl_prefetch_l2(reinterpret_cast<const uint8_t *>(c.w) + off,
+                        bytes - off < share ? bytes - off : share);
+}
+
 /* Asks for what the decode kernels read after their PDL wait in L2: the
  * layer's conv taps (a 1/gridDim.x share per block), in block 0 the decay
  * and dt-bias vectors, and the block's rows of the delta state (blockDim.x
@@ -427,12 +441,7 @@ __device__ __forceinline__ void dn_prefetch(const struct dn_heads_args &p,
     if (threadIdx.x)
         return;
     pdl_prefetch_l2(srow, (size_t)blockDim.x / 4 * DK * sizeof(float));
-    const size_t bytes = ((size_t)2 * p.nk * DK + (size_t)p.nv * p.dv) * c.K * sizeof(float);
-    const size_t share = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~(size_t)15;
-    const size_t off = (size_t)blockIdx.x * share;
-    if (off < bytes)
-        pdl_prefetch_l2(reinterpret_cast<const uint8_t *>(c.w) + off,
-                        bytes - off < share ? bytes - off : share);
+    dn_prefetch_taps<DK>(p, c);
     if (blockIdx.x == 0 && p.a)
         pdl_prefetch_l2(p.a, p.nv * sizeof(float));
     if (blockIdx.x == 0 && p.dt)
@@ -1546,12 +1555,7 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     if (act && t % 4 == 0)
         pdl_prefetch_l2(srow, DK * sizeof(float));
     if (t == 0) {
-        const size_t bytes = ((size_t)2 * p.nk * DK + (size_t)p.nv * p.dv) * c.K * sizeof(float);
-        const size_t share = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~(size_t)15;
-        const size_t off = (size_t)blockIdx.x * share;
-        if (off < bytes)
-            pdl_prefetch_l2(reinterpret_cast<const uint8_t *>(c.w) + off,
-                            bytes - off < share ? bytes - off : share);
+        dn_prefetch_taps<DK>(p, c);
         if (blockIdx.x == 0)
             pdl_prefetch_l2(p.a, p.nv * sizeof(float)), pdl_prefetch_l2(p.dt, p.nv * sizeof(float));
     }
