@@ -135,17 +135,22 @@
 #define CB_MEM_MARGIN (512ull << 20) /* bytes left free when the budget is the card's */
 #define CB_ALIGN 256                  /* alignment of every device sub-buffer */
 /* Product tails (LAMINA_CUDA_TAIL: "0" none, "1" or "all" (norm, topk, combine), or a
- * comma list of "norm", "topk", "combine", "cols"; by default norm and topk: on an H200
- * they gained 2.1 % and 3.0 % of decode alone and 6.2 % together, the one-block combine
- * tail lost 9 %, cols neither gained nor lost; docs/perf.md). cols: the combine split over
- * the down product's grid columns and each layer's norm inside its input product (combine
- * wins over cols where both are asked for). */
+ * comma list of "norm", "topk", "combine", "cols", "rows"; by default norm and topk: on an
+ * H200 they gained 2.1 % and 3.0 % of decode alone and 6.2 % together, the one-block
+ * combine tail lost 9 %, cols neither gained nor lost; docs/perf.md). cols: the combine
+ * split over the down product's grid columns and each layer's norm inside its input
+ * product (combine wins over cols where both are asked for). rows: the down product and
+ * the combine as one launch cut by output rows (cuda_moe_down_combine; no counter), the
+ * norm inside the next input product as with cols; where it cannot run (experts off the
+ * card, the shared expert on the side stream, kernels skipped) cols or the combine launch
+ * serve. */
 #define CB_DN_FRESH 1u /* the device copy of a layer's DeltaNet state is current */
 #define CB_DN_AHEAD 2u /* the device copy is newer than the host copy */
 #define CB_TAIL_NORM 1u
 #define CB_TAIL_TOPK 2u
 #define CB_TAIL_COMBINE 4u
 #define CB_TAIL_COLS 8u
+#define CB_TAIL_ROWS 16u
 #define CB_LOGIT_ROWS 16              /* rows of logits per output-head pass */
 #define CB_PROF_MAX 4096              /* kernels per profiled pass, at most */
 #define CB_PROF_ROWS 48               /* distinct labels in the profile */
@@ -1303,11 +1308,14 @@ static int cb_experts_mm(struct backend_cuda *c, const char *label, const struct
 
 /* Routed experts held here (pairs of non-resident experts are skipped).
  * combine: the layer's combine as the tail of the down product (one token;
- * the shared expert's output ready before); *combined tells whether it ran
- * (not where the down product cannot take it). */
+ * the shared expert's output ready before); rows: the down product and the
+ * combine as one launch (cuda_moe_down_combine: one token, every expert
+ * here, the shared expert pair k or none, early reads allowed), h left
+ * unnormalised; *combined tells whether either ran (not where the kernels
+ * cannot take it). */
 static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
                             const struct cb_pairs *pr, const struct cuda_tail *combine,
-                            bool *combined)
+                            bool rows, bool *combined)
 {
     const struct arch_layer *ly = L->ly;
     const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp;
@@ -1345,6 +1353,18 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
      * the down product may read them, its weights and the combine's gate
      * input before its wait (not with kernels skipped) */
     const uint32_t early = c->early && !c->skip ? (uint32_t)c->hp->n_expert + 1 : 0;
+    if (S == 1 && rows && early) {
+        const uint32_t k = (uint32_t)c->hp->n_expert_used;
+        rc = CB_K(c, "moe.down_combine",
+                  cuda_moe_down_combine(d->type, L->tab_down, early, d->row_bytes, n, F, pr->ids,
+                                        P, k, c->gu, 2 * F, c->w,
+                                        P > k ? L->shexp_gate : NULL, c->xa, c->h, NULL,
+                                        c->stream));
+        *combined = rc == 0;
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+    }
     if (S == 1) { /* the SiLU gate inside, the combine after where it is a tail: one launch */
         rc = CB_K(c, "moe.down", cuda_mvq_experts_glu_tail(d->type, L->tab_down, d->row_bytes, n,
                                                           F, pr->ids, early, P, c->gu, 2 * F,
@@ -1451,7 +1471,7 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
     bool combined;
     const struct cb_pairs pr = {.P = (uint32_t)(S * k), .x_div = (uint32_t)k, .ids = c->ids,
                                 .prefill = S > 1};
-    rc = rc ? rc : cb_local_experts(c, L, S, &pr, NULL, &combined);
+    rc = rc ? rc : cb_local_experts(c, L, S, &pr, NULL, false, &combined);
     cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
     if (!rc && L->sh) {
         cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
@@ -1471,8 +1491,10 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
 
 /* The MoE block of layer l; next_norm: the next layer's attention norm,
  * applied to h into c->xa by the same launch as the combine (NULL: none).
- * cols (decode): the combine as COMBINE_COLS tails of the down product
- * where it takes them (next_norm then NULL: the next input product norms). */
+ * cols (decode): h left unnormalised (next_norm then NULL: the next input
+ * product norms), the combine as one launch with the down product where
+ * CB_TAIL_ROWS asks for it and it runs, else as COMBINE_COLS tails of the
+ * down product where CB_TAIL_COLS asks and it takes them. */
 static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S,
                   const float *next_norm, bool cols)
 {
@@ -1507,7 +1529,9 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     /* decode with tails: top-k in the router product, the combine (and the
      * next norm) in the down product */
     const bool topk_tail = S == 1 && (c->tails & CB_TAIL_TOPK);
-    const bool tails = S == 1 && ((c->tails & CB_TAIL_COMBINE) || cols); /* the combine's */
+    const bool rows = cols && (c->tails & CB_TAIL_ROWS) && local && (!L->sh || shpair);
+    const bool tails = S == 1 && ((c->tails & CB_TAIL_COMBINE) ||
+                                  (cols && (c->tails & CB_TAIL_COLS))); /* the combine's */
     if (!rc)
         cb_stage_mark(c, l, CB_STAGE_ROUTER, 0, c->stream);
     if (topk_tail) {
@@ -1548,7 +1572,7 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         }
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
-        rc = rc ? rc : cb_local_experts(c, L, S, &pr, tails ? &tc : NULL, &combined);
+        rc = rc ? rc : cb_local_experts(c, L, S, &pr, tails ? &tc : NULL, rows, &combined);
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
         if (!rc && L->sh && fork && !shared_done) {
@@ -1587,9 +1611,10 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     const struct arch_hparams *hp = c->hp;
     const uint32_t n = hp->n_embd;
     c->decoding = S == 1;
-    /* decode with cols tails: the combines leave h alone and each layer's
+    /* decode with cols or rows: the combines leave h alone and each layer's
      * input product normalises it (or a norm launch before it) */
-    const bool cols = S == 1 && (c->tails & CB_TAIL_COLS) && !(c->tails & CB_TAIL_COMBINE);
+    const bool cols = S == 1 && (c->tails & (CB_TAIL_COLS | CB_TAIL_ROWS)) &&
+                      !(c->tails & CB_TAIL_COMBINE);
     for (uint32_t l = c->l0; l < c->l1; l++) {
         const struct cb_layer *L = &c->layers[l - c->l0];
         cb_stage_mark(c, l, CB_STAGE_MIXER, 0, c->stream);
@@ -1728,6 +1753,8 @@ static void cb_pass_done(struct backend_cuda *c)
     cb_stage_collect(c);
     c->pos += S;
     c->stats.tokens += S;
+    if (S == 1)
+        c->stats.step_kernels = c->launches - c->pass_launches0;
     if (S == 1 && !c->launches_logged) {
         c->launches_logged = true;
         log_info("cuda decode step over layers %u-%u: %llu kernels per token%s", c->l0, c->l1 - 1,
@@ -1932,8 +1959,11 @@ static unsigned cb_tail_mask(const char *env)
             mask |= CB_TAIL_COMBINE;
         else if (len == 4 && !strncmp(p, "cols", 4))
             mask |= CB_TAIL_COLS;
+        else if (len == 4 && !strncmp(p, "rows", 4))
+            mask |= CB_TAIL_ROWS;
         else
-            log_warn("LAMINA_CUDA_TAIL: \"%.*s\" is none of norm, topk, combine, cols: ignored",
+            log_warn("LAMINA_CUDA_TAIL: \"%.*s\" is none of norm, topk, combine, cols, rows: "
+                     "ignored",
                      (int)len, p);
         p += len + (p[len] == ',');
     }

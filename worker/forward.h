@@ -72,6 +72,7 @@ struct forward_stats {
     uint64_t tokens;      /* tokens run through the layers */
     uint64_t expert_rows; /* (token, expert) pairs computed here */
     uint64_t remote_rows; /* (token, expert) pairs sent elsewhere */
+    uint64_t step_kernels; /* cuda: kernels the last one-token step launched (0: none yet) */
 };
 
 struct forward;

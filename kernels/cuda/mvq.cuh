@@ -84,30 +84,40 @@ __host__ __device__ constexpr uint32_t lanes_per_row(uint32_t nb)
     return nb >= 64 ? 32 : nb >= 32 ? 16 : 8;
 }
 
-/* One activation block b (32 elements, lane j holds xv = element j) rounded
- * by a warp: levels q = round(x * 127 / amax) into s_q[b * 32 + j], the scale
- * amax / 127 into s_d[b] and scale x level sum into s_s[b] (lane 0); every
- * lane must call it (shuffles), `store` false for a b past the row. */
-static __device__ __forceinline__ void round_block(float xv, uint32_t b, bool store, int8_t *s_q,
-                                            float *s_d, float *s_s)
+/* One activation block (32 elements, lane j holds xv = element j) rounded
+ * by a warp: lane j's level q = round(x * 127 / amax), the block's scale
+ * d = amax / 127 and scale x level sum s (every lane gets them); every lane
+ * must call it (shuffles). */
+static __device__ __forceinline__ void round_levels(float xv, int &q, float &d, float &s)
 {
-    const int lane = threadIdx.x & 31;
     float amax = fabsf(xv);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
     const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const int q = __float2int_rn(xv * id);
+    q = __float2int_rn(xv * id);
     int qs = q;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
+    d = amax / 127.0f;
+    s = d * static_cast<float>(qs);
+}
+
+/* round_levels of activation block b into s_q[b * 32 + j] (lane j), s_d[b]
+ * and s_s[b] (lane 0); `store` false for a b past the row. */
+static __device__ __forceinline__ void round_block(float xv, uint32_t b, bool store, int8_t *s_q,
+                                            float *s_d, float *s_s)
+{
+    const int lane = threadIdx.x & 31;
+    int q;
+    float d, sc;
+    round_levels(xv, q, d, sc);
     if (store) {
         s_q[b * 32 + lane] = static_cast<int8_t>(q);
         if (lane == 0) {
-            const float d = amax / 127.0f;
             s_d[b] = d;
-            s_s[b] = d * static_cast<float>(qs);
+            s_s[b] = sc;
         }
     }
 }

@@ -57,8 +57,9 @@ static inline TailArgs tail_args(const struct cuda_tail *t, const float *y, uint
 }
 
 /* ops_block_sum over a block of `width` virtual threads (a multiple of 32,
- * at most 1024) whose sums are part[m] of thread threadIdx.x - 256 m. */
-template <int M>
+ * at most 1024) whose sums are part[m] of thread threadIdx.x - THREADS m
+ * (THREADS: the calling block's width, a multiple of 32). */
+template <int M, int THREADS = kTailThreads>
 static __device__ __forceinline__ float tail_vsum(const float (&part)[M], uint32_t width,
                                                   float *s_tmp)
 {
@@ -66,7 +67,7 @@ static __device__ __forceinline__ float tail_vsum(const float (&part)[M], uint32
 #pragma unroll
     for (int m = 0; m < M; m++) {
         const float v = ops_warp_sum(part[m]);
-        const uint32_t vw = static_cast<uint32_t>(warp + m * (kTailThreads / 32));
+        const uint32_t vw = static_cast<uint32_t>(warp + m * (THREADS / 32));
         if (lane == 0 && vw < width / 32)
             s_tmp[vw] = v;
     }
@@ -139,35 +140,37 @@ static __device__ __forceinline__ void tail_add_norm(const TailArgs &a)
  * thread's sums still run over its columns in order. */
 /* The combine's shared-expert gate sigmoid(shexp_gate . f) (1 without a
  * gate or shared expert), the dot product in the combine kernel's tree;
- * every thread of the block calls it. */
+ * every thread of the block (THREADS of them) calls it. */
+template <int THREADS = kTailThreads>
 static __device__ __forceinline__ float tail_gate(const TailArgs &a, float *s_tmp)
 {
+    constexpr int M = 1024 / THREADS; /* virtual threads a thread plays */
     const uint32_t width = a.width, n = a.t.n;
     const float *gate = a.t.shexp_gate, *f = a.t.f;
     if (!a.t.so || !gate)
         return 1.0f;
     const uint32_t rounds = (n + width - 1) / width;
-    float part[kTailVirtual];
+    float part[M];
 #pragma unroll
-    for (int m = 0; m < kTailVirtual; m++)
+    for (int m = 0; m < M; m++)
         part[m] = 0.0f;
     for (uint32_t t = 0; t < rounds; t++) {
-        float gv[kTailVirtual], fv[kTailVirtual];
+        float gv[M], fv[M];
 #pragma unroll
-        for (int m = 0; m < kTailVirtual; m++) {
-            const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+        for (int m = 0; m < M; m++) {
+            const uint32_t v = threadIdx.x + m * THREADS, j = v + t * width;
             const bool in = v < width && j < n;
             gv[m] = in ? gate[j] : 0.0f;
             fv[m] = in ? __ldcg(f + j) : 0.0f; /* L2: maybe before the PDL wait */
         }
 #pragma unroll
-        for (int m = 0; m < kTailVirtual; m++) {
-            const uint32_t v = threadIdx.x + m * kTailThreads, j = v + t * width;
+        for (int m = 0; m < M; m++) {
+            const uint32_t v = threadIdx.x + m * THREADS, j = v + t * width;
             if (v < width && j < n)
                 part[m] += gv[m] * fv[m];
         }
     }
-    const float d = tail_vsum<kTailVirtual>(part, width, s_tmp);
+    const float d = tail_vsum<M, THREADS>(part, width, s_tmp);
     return 1.0f / (1.0f + expf(-d));
 }
 

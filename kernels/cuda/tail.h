@@ -107,6 +107,28 @@ int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_addr, size_t r
                               const float *d_X, size_t ldx, bool glu, float *d_Y,
                               const struct cuda_tail *t, cudaStream_t stream);
 
+/* The decode MoE's down product and combine in one launch, for one token
+ * whose experts are all on this card: h[j] += sum_{i<k} w[i] Y_i[j]
+ * (+ sigmoid(shexp_gate . f) Y_k[j] where n_pairs is k + 1: the shared
+ * expert as pair k), Y_p = down(id_p) . (silu(gate_p) * up_p), the gate/up
+ * rows d_X (ldx >= 2F, [gate F | up F] a pair). The same bits as
+ * cuda_mvq_experts_glu_tail (no tail) into Y followed by cuda_moe_combine
+ * (kernels/cuda/down_combine.cu); h is not normalised (the next input
+ * product does it, cuda_matvec_norm). d_Y: where the pairs' rows go as well
+ * (n_pairs x n, ldy n), or NULL. The ids, the router's weights d_w, the
+ * gate's input d_f and h must have been written two or more launches
+ * before this one in the stream (kernels/cuda/pdl.cuh): the kernel reads
+ * them, the experts' weights (d_addr[id], id < n_table; a NULL entry or an
+ * id outside counts as a row of zeros) and the gate before it waits for
+ * the launch just before it. -EINVAL for bad arguments (logged), -ENOTSUP
+ * for a type other than Q4_0 / Q8_0 or a shape it does not take (nothing
+ * launched: the caller runs the two steps), -EIO for a failed launch. */
+int cuda_moe_down_combine(uint32_t type, const void *const *d_addr, uint32_t n_table,
+                          size_t row_bytes, uint64_t n, uint64_t F, const int32_t *d_ids,
+                          uint32_t n_pairs, uint32_t k, const float *d_X, size_t ldx,
+                          const float *d_w, const float *d_shexp_gate, const float *d_f,
+                          float *d_h, float *d_Y, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

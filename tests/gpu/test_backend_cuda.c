@@ -30,7 +30,8 @@
  *     (LAMINA_CUDA_TAIL=1: the combine too): byte-identical;
  *   - the same with the combine split over the down product's columns and
  *     each layer's norm inside its input product (LAMINA_CUDA_TAIL=
- *     norm,topk,cols): byte-identical;
+ *     norm,topk,cols), and with the down product and the combine as one
+ *     launch cut by rows (norm,topk,rows): byte-identical;
  *   - the same without the down experts' L2 prefetch in the decode gate/up
  *     product (LAMINA_CUDA_PF=0), and with the down product reading the
  *     router's ids after its PDL wait (LAMINA_CUDA_EARLY=0): byte-identical;
@@ -54,7 +55,10 @@
  *     routed decode products against its own branch (LAMINA_CUDA_SHPAIR=0):
  *     byte-identical; the DeltaNet input product, conv and heads in one
  *     launch (LAMINA_CUDA_DN_IN=1) against two: byte-identical, and on sm_90
- *     leaving the fused launch out changes the decode steps (it ran);
+ *     leaving the fused launch out changes the decode steps (it ran); the
+ *     down product and combine by rows (LAMINA_CUDA_TAIL=norm,topk,rows):
+ *     byte-identical, and one kernel a layer fewer than when it declines
+ *     (LAMINA_CUDA_EARLY=0: it ran in every layer);
  *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
@@ -635,9 +639,10 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_PF", "0", "without expert prefetch"},
                 {"LAMINA_CUDA_DN_SPLIT", "0", "without DeltaNet head split"},
                 {"LAMINA_CUDA_TAIL", "norm,topk,cols", "with the combine over columns"},
-                {"LAMINA_CUDA_EARLY", "0", "without early expert ids"}};
-    double ms_off[9];
-    for (int k = 0; k < 9; k++) {
+                {"LAMINA_CUDA_EARLY", "0", "without early expert ids"},
+                {"LAMINA_CUDA_TAIL", "norm,topk,rows", "with down + combine by rows"}};
+    double ms_off[10];
+    for (int k = 0; k < 10; k++) {
         setenv(offs[k].env, offs[k].value, 1);
         ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
         unsetenv(offs[k].env);
@@ -647,9 +652,9 @@ static void tbc_arch_run(struct tbc_arch *a)
     MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
             "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
             "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f, "
-            "combine over columns %.3f, without early ids %.3f",
+            "combine over columns %.3f, without early ids %.3f, down + combine by rows %.3f",
             a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
-            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8]);
+            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);
@@ -677,6 +682,9 @@ static bool tbc_load(struct tbc_arch *a, const char *json)
     a->m = gpu_fixture_model(a->name, &a->g);
     return a->m != NULL;
 }
+
+/* Kernels of the last decode step of the last tbc_greedy16 (backend stats). */
+static uint64_t tbc_step_kernels;
 
 /* Logits of a prompt of 6 tokens and 10 greedy decode steps (graph) of the
  * cuda backend on model m, into out (16 x vocab). */
@@ -707,6 +715,8 @@ static int tbc_greedy16(const struct arch_model *m, float *out)
         rc = rc ? rc : backend_layers(b, h, 1);
         rc = rc ? rc : backend_logits(b, h, 1, out + (size_t)(6 + d) * V);
     }
+    const struct forward_stats *st = backend_stats(b);
+    tbc_step_kernels = st ? st->step_kernels : 0;
     free(h);
     backend_destroy(b);
     return rc;
@@ -768,6 +778,32 @@ static void tbc_shpair(void)
             MEASURE("fused DeltaNet input (%s, tiny qwen3next): logits byte-identical to the "
                     "product then conv + heads%s", quant_type_name(types[t]),
                     major >= 9 ? "; it ran (skipping it changes the decode steps)" : "");
+            /* the down product and the combine as one launch cut by rows
+             * (LAMINA_CUDA_TAIL=norm,topk,rows) against the default: the same bits;
+             * with the early reads off (LAMINA_CUDA_EARLY=0) it declines and the
+             * combine launches again: one kernel a layer more, the same bits */
+            setenv("LAMINA_CUDA_TAIL", "norm,topk,rows", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, down + combine by rows");
+            const uint64_t k_rows = tbc_step_kernels;
+            CHECK(a && b && !memcmp(a, b, sz), "%s: the down product and combine by rows differ "
+                  "from the default (max %.3g)", quant_type_name(types[t]),
+                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+            setenv("LAMINA_CUDA_EARLY", "0", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, rows asked, early reads off");
+            const uint64_t k_norows = tbc_step_kernels;
+            unsetenv("LAMINA_CUDA_EARLY");
+            unsetenv("LAMINA_CUDA_TAIL");
+            CHECK(a && b && !memcmp(a, b, sz), "%s: rows asked with the early reads off differ "
+                  "from the default (max %.3g)", quant_type_name(types[t]),
+                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+            CHECK(k_rows > 0 && k_rows + m->hp.n_layer == k_norows,
+                  "%s: %llu kernels a step with the down product and combine by rows, %llu "
+                  "without, %u layers: it did not run in every layer", quant_type_name(types[t]),
+                  (unsigned long long)k_rows, (unsigned long long)k_norows, m->hp.n_layer);
+            MEASURE("down + combine by rows (%s, tiny qwen3next, %u layers): logits "
+                    "byte-identical to the default; %llu kernels a decode step against %llu "
+                    "when it declines", quant_type_name(types[t]), m->hp.n_layer,
+                    (unsigned long long)k_rows, (unsigned long long)k_norows);
             /* LAMINA_CUDA_SKIP (timing experiments): the named decode kernels are not
              * launched, so the decode steps change and the prompt does not */
             setenv("LAMINA_CUDA_SKIP", "moe.down,moe.combine", 1);

@@ -18,6 +18,9 @@
  *     the shared expert absent, beside (its own output) or as pair k (row
  *     k of Y), gated or not, twice in a row on the same h: Y and h, and
  *     every column counter back at 0;
+ *   - down + combine by rows (cuda_moe_down_combine, Q4_0 and Q8_0) against
+ *     cuda_mvq_experts_glu then cuda_moe_combine, the shared expert as pair
+ *     k or absent, gated or not, twice in a row on the same h: Y and h;
  *   - cuda_matvec_norm (the norm inside the input product) against
  *     cuda_rmsnorm_wide then cuda_matvec, Q4_0 and Q8_0, with and without
  *     norm weights: y; -ENOTSUP where the kernels do not take it;
@@ -26,7 +29,9 @@
  * back to 0, checked after). Bad tails are refused (-EINVAL).
  * Then, timed: the three boundaries of a decode layer of the 80b-a3b shape
  * fused and unfused, each as a CUDA graph of 48 copies replayed (median of
- * 20 replays after warm-up): [measure] lines in us per layer boundary.
+ * 20 replays after warm-up), and the MoE after the router (gate/up, down,
+ * combine) with the down and combine as two launches or one: [measure]
+ * lines in us per layer.
  */
 #include <errno.h>
 #include <math.h>
@@ -57,16 +62,16 @@ static int failures;
         }                                                                                          \
     } while (0)
 
-/* Random Q4_0 rows x n (rows of quant_row_size bytes) on the device. */
-static void *dev_q4_0(uint64_t rows, uint64_t n, struct rng *r)
+/* Random rows x n of a quantized type (rows of quant_row_size bytes) on the device. */
+static void *dev_quant(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
 {
-    const size_t rb = quant_row_size(QUANT_TYPE_Q4_0, n);
+    const size_t rb = quant_row_size(type, n);
     uint8_t *h = xmalloc(rows * rb);
     float *f = xmalloc(n * sizeof(float));
     for (uint64_t i = 0; i < rows; i++) {
         for (uint64_t j = 0; j < n; j++)
             f[j] = rng_float(r) * (1.0f + (float)(j % 7));
-        if (quant_quantize_row(QUANT_TYPE_Q4_0, f, h + i * rb, n)) {
+        if (quant_quantize_row(type, f, h + i * rb, n)) {
             fprintf(stderr, "quantize failed\n");
             exit(1);
         }
@@ -77,6 +82,11 @@ static void *dev_q4_0(uint64_t rows, uint64_t n, struct rng *r)
     free(h);
     free(f);
     return d;
+}
+
+static void *dev_q4_0(uint64_t rows, uint64_t n, struct rng *r)
+{
+    return dev_quant(QUANT_TYPE_Q4_0, rows, n, r);
 }
 
 static void poison(void *d, size_t bytes)
@@ -220,19 +230,25 @@ static void test_topk(uint32_t E, uint32_t k, uint32_t n, unsigned int *ctr, str
 struct experts {
     uint32_t E, n, F;
     size_t rb;
-    void **d_w;         /* per expert: n x F Q4_0 */
+    void **d_w;         /* per expert: n x F of the type */
     const void **d_tab; /* device table of their addresses */
 };
 
-static struct experts make_experts(uint32_t E, uint32_t n, uint32_t F, struct rng *r)
+static struct experts make_experts_of(uint32_t type, uint32_t E, uint32_t n, uint32_t F,
+                                      struct rng *r)
 {
-    struct experts x = {E, n, F, quant_row_size(QUANT_TYPE_Q4_0, F), NULL, NULL};
+    struct experts x = {E, n, F, quant_row_size(type, F), NULL, NULL};
     x.d_w = xmalloc(E * sizeof(void *));
     for (uint32_t e = 0; e < E; e++)
-        x.d_w[e] = dev_q4_0(n, F, r);
+        x.d_w[e] = dev_quant(type, n, F, r);
     CU(cudaMalloc((void **)&x.d_tab, E * sizeof(void *)));
     CU(cudaMemcpy(x.d_tab, x.d_w, E * sizeof(void *), cudaMemcpyHostToDevice));
     return x;
+}
+
+static struct experts make_experts(uint32_t E, uint32_t n, uint32_t F, struct rng *r)
+{
+    return make_experts_of(QUANT_TYPE_Q4_0, E, n, F, r);
 }
 
 static void free_experts(struct experts *x)
@@ -243,10 +259,10 @@ static void free_experts(struct experts *x)
     cudaFree((void *)x->d_tab);
 }
 
-/* k distinct ids of E, uploaded. */
+/* k (<= 17) distinct ids of E, uploaded. */
 static int32_t *dev_ids(uint32_t E, uint32_t k, struct rng *r)
 {
-    int32_t h[16];
+    int32_t h[17];
     for (uint32_t i = 0; i < k; i++) {
         bool dup;
         do {
@@ -403,6 +419,74 @@ static void test_combine_cols(uint32_t n, uint32_t F, uint32_t k, int shared, bo
     free(hf);
 }
 
+/* ---- down + combine by rows ------------------------------------------------- */
+
+/* cuda_moe_down_combine against cuda_mvq_experts_glu then cuda_moe_combine
+ * (shared: the shared expert as pair k, row k of Y), twice in a row on the
+ * same h: Y and h byte for byte. */
+static void test_down_combine(uint32_t type, uint32_t n, uint32_t F, uint32_t k, bool shared,
+                              bool gated, struct rng *r)
+{
+    char what[160];
+    const uint32_t E = 24, P = k + shared;
+    struct experts X = make_experts_of(type, E, n, F, r);
+    int32_t *ids = dev_ids(E, P, r);
+    float *hgu = rand_floats((size_t)P * 2 * F, r), *hwt = rand_floats(k, r);
+    float *hh = rand_floats(n, r), *hg = rand_floats(n, r), *hf = rand_floats(n, r);
+    float *gu = dev_floats(hgu, (size_t)P * 2 * F), *wt = dev_floats(hwt, k);
+    float *gate = dev_floats(hg, n), *f = dev_floats(hf, n);
+    float *h[2], *Y[2];
+    for (int i = 0; i < 2; i++) {
+        h[i] = dev_floats(hh, n);
+        CU(cudaMalloc((void **)&Y[i], (size_t)P * n * sizeof(float)));
+        poison(Y[i], (size_t)P * n * sizeof(float));
+    }
+    int rc = 0;
+    for (int rep = 0; rep < 2 && !rc; rep++) {
+        rc = cuda_mvq_experts_glu(type, X.d_tab, X.rb, n, F, ids, P, gu, 2 * F, 1, true, Y[0], n,
+                                  0);
+        rc = rc ? rc : cuda_moe_combine(h[0], Y[0], wt, k, shared ? Y[0] + (size_t)k * n : NULL,
+                                        gated ? gate : NULL, f, n, 1, 0);
+    }
+    CHECK(rc == 0, "down combine n %u: unfused rc %d", n, rc);
+    /* h is read before the PDL wait: written two launches back at least, so a
+     * launch goes between the two runs (as the gate/up product does in a layer) */
+    float *between;
+    CU(cudaMalloc((void **)&between, (size_t)F * sizeof(float)));
+    for (int rep = 0; rep < 2 && !rc; rep++) {
+        rc = rep ? cuda_silu_mul(gu, F, 1, between, 0) : 0;
+        rc = rc ? rc : cuda_moe_down_combine(type, X.d_tab, E, X.rb, n, F, ids, P, k, gu, 2 * F,
+                                             wt, gated ? gate : NULL, f, h[1], Y[1], 0);
+    }
+    CHECK(rc == 0, "down combine n %u F %u k %u: fused rc %d", n, F, k, rc);
+    CU(cudaDeviceSynchronize());
+    const char *shape = shared ? (gated ? "gated shared pair" : "shared pair") : "no shared";
+    snprintf(what, sizeof(what), "down combine %s n %u F %u k %u %s: Y", quant_type_name(type),
+             n, F, k, shape);
+    bool ok = same(Y[0], Y[1], (size_t)P * n * sizeof(float), what);
+    snprintf(what, sizeof(what), "down combine %s n %u F %u k %u %s: h", quant_type_name(type),
+             n, F, k, shape);
+    ok &= same(h[0], h[1], n * sizeof(float), what);
+    printf("down + combine by rows %s n %u F %u k %u, %s, twice: %s\n", quant_type_name(type), n,
+           F, k, shape, ok ? "identical" : "DIFFERENT");
+    for (int i = 0; i < 2; i++) {
+        cudaFree(h[i]);
+        cudaFree(Y[i]);
+    }
+    cudaFree(between);
+    cudaFree(gu);
+    cudaFree(wt);
+    cudaFree(gate);
+    cudaFree(f);
+    cudaFree(ids);
+    free_experts(&X);
+    free(hgu);
+    free(hwt);
+    free(hh);
+    free(hg);
+    free(hf);
+}
+
 /* ---- the norm inside the input product ------------------------------------ */
 
 static void test_matvec_norm(uint32_t type, uint32_t rows, uint32_t n, bool weights,
@@ -484,6 +568,22 @@ static void test_refusals(unsigned int *ctr)
     t.kind = CUDA_TAIL_COMBINE_COLS;
     rc = cuda_matvec_tail(QUANT_TYPE_F32, d, 32 * sizeof(float), 32, 32, d, d, &t, 0);
     CHECK(rc == -EINVAL, "a column combine after a plain product: rc %d, want -EINVAL", rc);
+    /* down + combine by rows: pairs neither k nor k + 1, no h: -EINVAL; F32
+     * experts, more than 16 routed pairs: -ENOTSUP (the caller's two steps) */
+    const void **tab = (const void **)d;
+    int32_t *ids = (int32_t *)d;
+    rc = cuda_moe_down_combine(QUANT_TYPE_Q4_0, tab, 4, 18, 64, 32, ids, 6, 4, d, 64, d, NULL,
+                               NULL, d, NULL, 0);
+    CHECK(rc == -EINVAL, "down combine of 6 pairs for k 4: rc %d, want -EINVAL", rc);
+    rc = cuda_moe_down_combine(QUANT_TYPE_Q4_0, tab, 4, 18, 64, 32, ids, 4, 4, d, 64, d, NULL,
+                               NULL, NULL, NULL, 0);
+    CHECK(rc == -EINVAL, "down combine without h: rc %d, want -EINVAL", rc);
+    rc = cuda_moe_down_combine(QUANT_TYPE_F32, tab, 4, 128, 64, 32, ids, 4, 4, d, 64, d, NULL,
+                               NULL, d, NULL, 0);
+    CHECK(rc == -ENOTSUP, "down combine of F32 experts: rc %d, want -ENOTSUP", rc);
+    rc = cuda_moe_down_combine(QUANT_TYPE_Q4_0, tab, 4, 18, 64, 32, ids, 17, 17, d, 64, d, NULL,
+                               NULL, d, NULL, 0);
+    CHECK(rc == -ENOTSUP, "down combine of 17 routed pairs: rc %d, want -ENOTSUP", rc);
     /* the norm inside the product: only the int8 kernels take it */
     CHECK(!cuda_matvec_norm_ok(QUANT_TYPE_F32, 64, 32), "matvec_norm takes F32");
     rc = cuda_matvec_norm(QUANT_TYPE_F32, d, 32 * sizeof(float), 64, 32, d, NULL, 1e-6f, d, 0);
@@ -585,6 +685,82 @@ static void bench_layer(void *arg, cudaStream_t s)
     }
 }
 
+/* The MoE of one 80b-a3b decode layer after the router: the gate/up
+ * product of 11 pairs (10 routed + the shared expert as pair 10), then the
+ * down product and the combine as two launches or as one
+ * (cuda_moe_down_combine). Copy i of the graph takes its own 11 of 128
+ * experts, so that the weights come from memory, not L2. */
+struct dc_bench {
+    bool fused;
+    uint32_t copy;
+    struct experts GU, D;
+    int32_t *ids; /* 48 x 11 */
+    float *xa, *gu, *Y, *h, *w, *gate;
+};
+
+static void bench_dc_layer(void *arg, cudaStream_t s)
+{
+    struct dc_bench *b = arg;
+    const uint32_t n = 2048, F = 512, k = 10, P = 11, E = 128;
+    const int32_t *ids = b->ids + (size_t)(b->copy++ % 48) * P;
+    int rc = cuda_mvq_experts(QUANT_TYPE_Q4_0, b->GU.d_tab, b->GU.rb, 2 * F, n, ids, P, b->xa, n,
+                              P, b->gu, 2 * F, s);
+    if (!b->fused) {
+        rc |= cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, b->D.d_tab, b->D.rb, n, F, ids, E, P,
+                                        b->gu, 2 * F, true, b->Y, NULL, s);
+        rc |= cuda_moe_combine_early(b->h, b->Y, b->w, k, b->Y + (size_t)k * n, b->gate, b->xa,
+                                     n, 1, NULL, 0.0f, NULL, s);
+    } else {
+        rc |= cuda_moe_down_combine(QUANT_TYPE_Q4_0, b->D.d_tab, E, b->D.rb, n, F, ids, P, k,
+                                    b->gu, 2 * F, b->w, b->gate, b->xa, b->h, NULL, s);
+    }
+    if (rc) {
+        fprintf(stderr, "down combine bench launch failed\n");
+        exit(1);
+    }
+}
+
+static void bench_down_combine(struct rng *r)
+{
+    const uint32_t n = 2048, F = 512, E = 128, P = 11;
+    struct dc_bench b = {0};
+    b.GU = make_experts(E, 2 * F, n, r);
+    b.D = make_experts(E, n, F, r);
+    int32_t *hid = xmalloc(48 * P * sizeof(int32_t));
+    for (uint32_t c = 0; c < 48; c++)
+        for (uint32_t i = 0; i < P; i++)
+            hid[c * P + i] = (int32_t)((c * 37 + i * 11) % E);
+    CU(cudaMalloc((void **)&b.ids, 48 * P * sizeof(int32_t)));
+    CU(cudaMemcpy(b.ids, hid, 48 * P * sizeof(int32_t), cudaMemcpyHostToDevice));
+    float *hx = rand_floats(4 * n, r);
+    b.xa = dev_floats(hx, n);
+    b.gate = dev_floats(hx + n, n);
+    b.w = dev_floats(hx + 2 * n, 16);
+    CU(cudaMalloc((void **)&b.gu, P * 2 * F * sizeof(float)));
+    CU(cudaMalloc((void **)&b.Y, P * n * sizeof(float)));
+    float us[2];
+    for (int f = 0; f < 2; f++) {
+        b.fused = f == 1;
+        b.h = dev_floats(hx + 3 * n, n);
+        us[f] = time_graph(bench_dc_layer, &b, 48);
+        cudaFree(b.h);
+    }
+    printf("[measure] 80b-a3b MoE after the router (gate/up of 11 pairs, down, combine), graph "
+           "of 48 layers, median of 20: down then combine %.2f us/layer (3 kernels), down + "
+           "combine by rows %.2f us/layer (2 kernels)\n",
+           us[0], us[1]);
+    free_experts(&b.GU);
+    free_experts(&b.D);
+    cudaFree(b.ids);
+    cudaFree(b.xa);
+    cudaFree(b.gate);
+    cudaFree(b.w);
+    cudaFree(b.gu);
+    cudaFree(b.Y);
+    free(hid);
+    free(hx);
+}
+
 static void bench_boundaries(unsigned int *ctr, struct rng *r)
 {
     const uint32_t n = 2048, E = 512, F = 512;
@@ -666,6 +842,17 @@ int main(void)
     test_combine_cols(2048, 512, 10, 2, true, false, cols, &r);
     test_combine_cols(4096, 256, 16, 1, false, true, cols, &r);
     cudaFree(cols);
+    /* down + combine by rows: rows of 8 (PL 1), 16, 24 (PL 3) and 48 blocks
+     * (16 lanes a row), hidden sizes not a multiple of the block's rows */
+    test_down_combine(QUANT_TYPE_Q4_0, 2048, 512, 10, true, true, &r);
+    test_down_combine(QUANT_TYPE_Q8_0, 2048, 512, 10, true, true, &r);
+    test_down_combine(QUANT_TYPE_Q4_0, 2048, 512, 10, false, false, &r);
+    test_down_combine(QUANT_TYPE_Q4_0, 1000, 768, 8, true, false, &r);
+    test_down_combine(QUANT_TYPE_Q8_0, 1536, 768, 8, true, true, &r);
+    test_down_combine(QUANT_TYPE_Q4_0, 4096, 1536, 8, true, true, &r);
+    test_down_combine(QUANT_TYPE_Q8_0, 4096, 1536, 8, false, false, &r);
+    test_down_combine(QUANT_TYPE_Q4_0, 64, 256, 4, true, true, &r);
+    test_down_combine(QUANT_TYPE_Q4_0, 3072, 256, 15, true, true, &r);
     /* norm widths 32 (n 64), 256 (n 512), 1024 over two, three and four rounds */
     test_matvec_norm(QUANT_TYPE_Q4_0, 1024, 64, true, &r);
     test_matvec_norm(QUANT_TYPE_Q4_0, 3000, 512, true, &r);
@@ -675,6 +862,7 @@ int main(void)
     test_matvec_norm(QUANT_TYPE_Q4_0, 32768, 4096, true, &r);
     test_refusals(ctr);
     bench_boundaries(ctr, &r);
+    bench_down_combine(&r);
     cudaFree(ctr);
     if (failures) {
         fprintf(stderr, "test_tail_cuda: %d failures\n", failures);
