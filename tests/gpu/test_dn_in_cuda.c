@@ -6,13 +6,15 @@
  * on fresh random Q4_0 and Q8_0 weights, activations and states.
  *   - shapes: the 80b one (nk/nv 16/32, dk = dv = 128, rows of 2048: 32
  *     lanes a row), tiled key heads, dk != dv, four value heads a key head,
- *     rows of 1024 and 256 (16 and 8 lanes a row), conv taps 2 to 4;
+ *     rows of 1024 and 256 (16 and 8 lanes a row), conv taps 2 to 4, one
+ *     value head a key head with dv 16 (clusters of one block);
  *   - TDN_STEPS decode steps per case with both ways' conv and delta states
  *     carried, new activations each step, dec and y poisoned before every
  *     launch: the product rows (dec), y, the conv state and the delta state
  *     bit for bit equal after every step;
  *   - on a device of compute capability 9.0 or later the fused launch must
- *     take the 80b shape (returns 0, not -ENOTSUP); a row length the int8
+ *     take the 80b shape and the clusters of one block (returns 0, not
+ *     -ENOTSUP); a row length the int8
  *     kernels do not take (4096 over 5152 rows) returns -ENOTSUP with
  *     nothing written; LAMINA_CUDA_DN_SPLIT=0 (one block a head) returns
  *     -ENOTSUP; bad arguments -EINVAL;
@@ -342,9 +344,13 @@ int main(void)
         {4, 4, 64, 64, 1024, 2, QUANT_TYPE_Q8_0, false},     /* 16 lanes a row */
         {2, 4, 16, 16, 256, 4, QUANT_TYPE_Q4_0, false},      /* 8 lanes a row */
         {4, 8, 64, 128, 256, 4, QUANT_TYPE_Q8_0, true},
+        {4, 4, 16, 16, 256, 4, QUANT_TYPE_Q4_0, false},      /* clusters of one block */
     };
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-        tdn_run(&cases[i], 1000 + i, sm90 && i == 0, i == 0);
+    const size_t n_cases = sizeof(cases) / sizeof(cases[0]);
+    /* the fused launch must be taken on sm_90 at the 80b shape and at the
+     * clusters of one block (one value head a key head, dv 16: one block a head) */
+    for (size_t i = 0; i < n_cases; i++)
+        tdn_run(&cases[i], 1000 + i, sm90 && (i == 0 || i == n_cases - 1), i == 0);
     tdn_refusals();
     return test_main_result("test_dn_in_cuda");
 }
