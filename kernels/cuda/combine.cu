@@ -13,12 +13,20 @@
  *       + sigmoid(shexp_gate . f[s]) * so[s*n + j]      (when so; gate 1 without shexp_gate)
  *   h[s*n + j] += out
  * One block per token, cuda_norm_wide_threads(n) threads striding over the
- * columns. Products and sums are rounded separately (__fmul_rn / __fadd_rn,
+ * columns; the decode's early form (cuda_moe_combine_early) on sm_90 runs
+ * those threads as a thread block cluster of 2 to 8 blocks per token
+ * (moe_combine_cluster_kernel: the same bits, its loads over several SMs;
+ * 2 % more decode tokens a second on an H200, LAMINA_CUDA_COMBINE_CLUSTER=0
+ * takes it back). Products and sums are rounded separately (__fmul_rn / __fadd_rn,
  * no FMA) in the CPU's order, so without the shared-expert gate the result
  * is bit-identical to the CPU's; the gate's dot product is a fixed block
  * tree, so it differs from the CPU's serial sum by a few ulp.
  */
 #include "kernels/cuda/ops.h"
+
+#include <stdlib.h>
+
+#include <cooperative_groups.h>
 
 #include "kernels/cuda/ops_device.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -184,6 +192,131 @@ static __global__ void __launch_bounds__(1024)
     }
 }
 
+/* The early one-round combine (and next norm) of token blockIdx.x / C over
+ * a thread block cluster of C blocks of kClusterThreads (sm_90): block b's
+ * thread t plays thread v = b kClusterThreads + t of the W = C
+ * kClusterThreads threads of moe_combine_norm_kernel<NORM, true>, so its
+ * columns, loads and sums are that thread's, and the two block sums (the
+ * gate's dot, the norm's squares) are ops_block_sum's tree: each warp's
+ * butterfly, its sum written into slot (its warp index in W) of every
+ * block of the cluster, a cluster barrier, then every warp's butterfly over
+ * the W / 32 slots. The same bits, with the 96 KB of a 2048-column token's
+ * loads spread over C SMs instead of one. */
+constexpr uint32_t kClusterThreads = 128;
+
+template <bool NORM>
+static __global__ void __launch_bounds__(kClusterThreads)
+    moe_combine_cluster_kernel(float *h, const float *Y, const float *w, uint32_t k,
+                               const float *so, const float *gate, const float *f, uint32_t n,
+                               const float *nw, float eps, float *y)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    const uint32_t C = cl.num_blocks(), b = cl.block_rank();
+    const uint32_t W = C * kClusterThreads, v = b * kClusterThreads + threadIdx.x;
+    const uint32_t lane = threadIdx.x & 31, vw = v >> 5;
+    const size_t s = blockIdx.x / C;
+    __shared__ float s_w[kCombineK], s_gate[32], s_sq[32];
+    float nwv[kCombineCols];
+#pragma unroll
+    for (uint32_t c = 0; c < kCombineCols; c++) { /* weights: before the wait */
+        const uint32_t j = v + c * W;
+        nwv[c] = NORM && nw && j < n ? nw[j] : 1.0f;
+    }
+    if (threadIdx.x < k)
+        s_w[threadIdx.x] = __ldcg(w + s * k + threadIdx.x);
+    cl.sync(); /* every block of the cluster started (remote writes below); s_w */
+    float gs = 1.0f;
+    if (so && gate) { /* gate_of's sums, f early (through L2) */
+        float d = 0.0f;
+        for (uint32_t j = v; j < n; j += W)
+            d += gate[j] * __ldcg(f + s * n + j);
+        d = ops_warp_sum(d);
+        if (lane == 0)
+            for (uint32_t r = 0; r < C; r++)
+                cl.map_shared_rank(s_gate, r)[vw] = d;
+        cl.sync();
+        d = lane < W / 32 ? s_gate[lane] : 0.0f;
+        d = ops_warp_sum(d);
+        gs = 1.0f / (1.0f + expf(-d));
+    }
+    pdl_wait();
+    pdl_trigger();
+    float *hr = h + s * n;
+    float yv[kCombineCols][kCombineK], hv[kCombineCols], sv[kCombineCols];
+#pragma unroll
+    for (uint32_t c = 0; c < kCombineCols; c++) {
+        const uint32_t j = v + c * W;
+#pragma unroll
+        for (uint32_t i = 0; i < kCombineK; i++)
+            yv[c][i] = j < n && i < k ? Y[(s * k + i) * n + j] : 0.0f;
+        hv[c] = j < n ? hr[j] : 0.0f;
+        sv[c] = j < n && so ? so[s * n + j] : 0.0f;
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (uint32_t c = 0; c < kCombineCols; c++) {
+        const uint32_t j = v + c * W;
+        if (j >= n)
+            continue;
+        float out = 0.0f;
+#pragma unroll
+        for (uint32_t i = 0; i < kCombineK; i++)
+            if (i < k)
+                out = __fadd_rn(out, __fmul_rn(s_w[i], yv[c][i]));
+        if (so)
+            out = __fadd_rn(out, __fmul_rn(gs, sv[c]));
+        hv[c] = __fadd_rn(hv[c], out);
+        hr[j] = hv[c];
+        sum += hv[c] * hv[c];
+    }
+    if (!NORM)
+        return; /* no remote access after the last barrier */
+    sum = ops_warp_sum(sum);
+    if (lane == 0)
+        for (uint32_t r = 0; r < C; r++)
+            cl.map_shared_rank(s_sq, r)[vw] = sum;
+    cl.sync();
+    sum = lane < W / 32 ? s_sq[lane] : 0.0f;
+    sum = ops_warp_sum(sum);
+    const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma unroll
+    for (uint32_t c = 0; c < kCombineCols; c++) {
+        const uint32_t j = v + c * W;
+        if (j < n) {
+            const float x = hv[c] * scale;
+            y[s * n + j] = nw ? x * nwv[c] : x;
+        }
+    }
+#else
+    (void)h, (void)Y, (void)w, (void)k, (void)so, (void)gate, (void)f, (void)n, (void)nw,
+        (void)eps, (void)y;
+#endif
+}
+
+/* The blocks of moe_combine_cluster_kernel's cluster for n columns and k
+ * expert rows, or 0 where it does not serve: a device before sm_90,
+ * LAMINA_CUDA_COMBINE_CLUSTER=0, the loop path of the one-block kernel
+ * (more than kCombineCols columns a thread, more than kCombineK rows), a
+ * block width that is not a whole number (2 to 8) of cluster blocks. */
+static unsigned combine_cluster_size(uint32_t n, uint32_t k)
+{
+    const char *env = getenv("LAMINA_CUDA_COMBINE_CLUSTER");
+    if (env && env[0] == '0')
+        return 0;
+    const unsigned W = cuda_norm_wide_threads(n);
+    int dev = 0, major = 0;
+    if (n > kCombineCols * W || k > kCombineK || W % kClusterThreads ||
+        W / kClusterThreads < 2 || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        major < 9) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return W / kClusterThreads; /* W <= 1024: at most 8 */
+}
+
 extern "C" int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float *d_act,
                              cudaStream_t stream)
 {
@@ -217,14 +350,24 @@ static int combine_check(const char *what, bool need_y, const float *d_h, const 
     return 0;
 }
 
-/* One block per token, the combine kernel's width; d_y NULL: no norm. */
+/* One block per token, the combine kernel's width; d_y NULL: no norm. The
+ * early form over a cluster per token where combine_cluster_size allows. */
 template <bool EARLY>
 static void combine_launch(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                            const float *d_so, const float *d_shexp_gate, const float *d_f,
                            uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
                            cudaStream_t stream)
 {
-    if (d_y)
+    const unsigned C = EARLY ? combine_cluster_size(n, k) : 0;
+    if (C && d_y)
+        pdl_launch_cluster(moe_combine_cluster_kernel<true>, S * C, kClusterThreads, C, 0,
+                           stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps,
+                           d_y);
+    else if (C)
+        pdl_launch_cluster(moe_combine_cluster_kernel<false>, S * C, kClusterThreads, C, 0,
+                           stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
+                           (const float *)nullptr, 0.0f, (float *)nullptr);
+    else if (d_y)
         pdl_launch(moe_combine_norm_kernel<true, EARLY>, S, cuda_norm_wide_threads(n), 0, stream,
                    d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
     else

@@ -31,7 +31,9 @@
  *   - the same with the combine split over the down product's columns and
  *     each layer's norm inside its input product (LAMINA_CUDA_TAIL=
  *     norm,topk,cols), and with the down product and the combine as one
- *     launch cut by rows (norm,topk,rows): byte-identical;
+ *     launch cut by rows (norm,topk,rows), and with the decode combine in
+ *     one block instead of a cluster (LAMINA_CUDA_COMBINE_CLUSTER=0):
+ *     byte-identical;
  *   - the same without the down experts' L2 prefetch in the decode gate/up
  *     product (LAMINA_CUDA_PF=0), and with the down product reading the
  *     router's ids after its PDL wait (LAMINA_CUDA_EARLY=0): byte-identical;
@@ -640,9 +642,10 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_DN_SPLIT", "0", "without DeltaNet head split"},
                 {"LAMINA_CUDA_TAIL", "norm,topk,cols", "with the combine over columns"},
                 {"LAMINA_CUDA_EARLY", "0", "without early expert ids"},
-                {"LAMINA_CUDA_TAIL", "norm,topk,rows", "with down + combine by rows"}};
-    double ms_off[10];
-    for (int k = 0; k < 10; k++) {
+                {"LAMINA_CUDA_TAIL", "norm,topk,rows", "with down + combine by rows"},
+                {"LAMINA_CUDA_COMBINE_CLUSTER", "0", "with the combine in one block"}};
+    double ms_off[11];
+    for (int k = 0; k < 11; k++) {
         setenv(offs[k].env, offs[k].value, 1);
         ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
         unsetenv(offs[k].env);
@@ -652,9 +655,10 @@ static void tbc_arch_run(struct tbc_arch *a)
     MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
             "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
             "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f, "
-            "combine over columns %.3f, without early ids %.3f, down + combine by rows %.3f",
+            "combine over columns %.3f, without early ids %.3f, down + combine by rows %.3f, "
+            "combine in one block %.3f",
             a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
-            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9]);
+            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9], ms_off[10]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);

@@ -1105,6 +1105,8 @@ int main(int argc, char **argv)
         test_router(&r);
         test_silu_mul(&r);
         test_moe_combine(&r, 2048);
+        test_moe_combine(&r, 768); /* the early form over clusters of 3 and 2 (sm_90) */
+        test_moe_combine(&r, 512);
         test_moe_combine(&r, 64);
         test_moe_combine(&r, 5000);
         test_argmax(&r);
