@@ -13,7 +13,9 @@
  * vs repeated multiplication: both are f32 angles of magnitude ~pos); kv_store
  * bit-exact; attention 1e-4 absolute; router ids exact, weights 1e-6
  * relative; silu_mul 1e-6 relative; combine bit-exact without the shared
- * expert gate, 1e-5 with it; argmax and add exact.
+ * expert gate, 1e-5 with it, and its norm and early forms (the early one
+ * over a thread block cluster on sm_90, at n 2048, 768 and 512: clusters of
+ * 8, 3 and 2) bit-identical to the plain one; argmax and add exact.
  *
  * Needs a CUDA device: without one it says so and exits 1.
  */
