@@ -43,14 +43,20 @@ stage() {
     local what=${1:-all}
     local gpu_tests
     gpu_tests=$(ls tests/gpu/test_*.c | sed "s|^tests/gpu/\(.*\)\.c$|$B/tests/gpu/\1|")
+    # TESTS="test_a test_b" (as for run): only those tests in the pack, which must stay
+    # under the call's 64 MiB carry
+    if [ -n "${TESTS:-}" ]; then
+        gpu_tests=$(for t in $TESTS; do
+            [ -f "tests/gpu/$t.c" ] && echo "$B/tests/gpu/$t"; done)
+    fi
     [ "$what" = bin ] && gpu_tests=""
     # shellcheck disable=SC2086
     make -j"$(nproc)" BUILD=$B CUDA_ARCHS="-gencode=arch=compute_90,code=sm_90" \
         $B/lamina $B/lamina-worker $B/tools/bench_ipc $gpu_tests || exit 1
     rm -rf .devbin && mkdir -p .devbin/tests/gpu .devbin/tools .devbin/lib
     cp $B/lamina $B/lamina-worker .devbin/
-    cp $B/tests/gpu/test_* .devbin/tests/gpu/ 2>/dev/null
-    rm -f .devbin/tests/gpu/*.o .devbin/tests/gpu/*.d
+    # shellcheck disable=SC2086
+    [ -z "$gpu_tests" ] || cp $gpu_tests .devbin/tests/gpu/
     cp $B/tools/bench_ipc .devbin/tools/ 2>/dev/null
     # tools/cuda/graph_trace where CUPTI is here, with NVIDIA's libcupti (the machine's
     # toolkit may lack it)
@@ -249,6 +255,18 @@ ncu_step() {
     mkdir -p .models
     [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
         --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    if [ -n "${NCU_SECTIONS:-}" ]; then
+        # NCU_SECTIONS="WarpStateStats SchedulerStats ...": those sections' pages as text
+        # for the kernels NCU_KERNELS names (a regex; default every kernel)
+        local sec=() s
+        for s in $NCU_SECTIONS; do sec+=(--section "$s"); done
+        timeout 500 "$ncu" --graph-profiling node --clock-control none --cache-control none \
+            --launch-count "${NCU_COUNT:-12}" ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
+            "${sec[@]}" .devbin/lamina bench -m $m -p 0 -n "${NCU_N:-3}" -r 1 --inproc \
+            --backend cuda:0 --no-membw >"$OUT/ncu.txt" 2>"$OUT/ncu.err"
+        echo "ncu: rc $? $(wc -l <"$OUT/ncu.txt") lines"; tail -3 "$OUT/ncu.err"
+        return
+    fi
     timeout 500 "$ncu" --graph-profiling node --clock-control none --csv --page raw \
         --launch-count "${NCU_COUNT:-1400}" --metrics \
         gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__waves_per_multiprocessor \

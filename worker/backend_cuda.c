@@ -258,6 +258,9 @@ struct backend_cuda {
     bool early;                       /* decode: the down product reads the router's ids and
                                        * its weights, the combine its gate's input, before
                                        * their PDL waits (LAMINA_CUDA_EARLY) */
+    bool x_early;                     /* decode: the gate/up product rounds its activations
+                                       * (written two launches back) before its PDL wait
+                                       * (LAMINA_CUDA_X_EARLY; with early) */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -1331,7 +1334,7 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
                                             g->type, L->tab_gate, g->row_bytes, 2 * F, n, pr->ids,
                                             P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
                                             ly->down_exps.mat_bytes, c->hp->n_expert + 1,
-                                            c->stream));
+                                            c->early && !c->skip && c->x_early, c->stream));
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }
@@ -2005,6 +2008,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->prefetch = !(pf && !strcmp(pf, "0"));
     const char *early = getenv("LAMINA_CUDA_EARLY");
     c->early = !(early && !strcmp(early, "0"));
+    const char *xe = getenv("LAMINA_CUDA_X_EARLY");
+    c->x_early = !(xe && !strcmp(xe, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     c->skip = getenv("LAMINA_CUDA_SKIP");

@@ -79,6 +79,8 @@ struct MvqArgs {
     bool early;                   /* experts: ids (and a COMBINE_COLS tail's f) written two
                                    * or more launches back: read before the wait (entries
                                    * of addr: n_table) */
+    bool x_early;                 /* x written two or more launches back: rounded into
+                                   * shared memory before the wait (through L2) */
     const float *nin_w;           /* norm in (plain products): x is a residual row h, */
     float nin_eps;                /* the product reads rmsnorm(h) * nin_w (NULL: 1) in */
     uint32_t nin_width;           /* cuda_rmsnorm_wide's tree of this width (0: off) */
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint32_t job = blockIdx.y;
     const uint8_t *w = a.w;
-    const float *x = a.x;
+    const float *x = a.x + static_cast<size_t>(job / a.x_div) * a.ldx;
     float *y = a.y + static_cast<size_t>(job) * a.ldy;
     const int grp = threadIdx.x / G, sub = threadIdx.x % G;
     /* tiles of (kThreads / G) * R rows: block x takes tiles x, x + grid.x,
@@ -133,6 +135,67 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                     load_block<TYPE>(w + static_cast<size_t>(row0 + r) * a.row_bytes, b, v[u][r],
                                      &sh[u][r]);
             }
+    };
+    /* the activation row into shared memory (x through L2: with x_early
+     * before the wait, beside the launch just before) */
+    auto prep_x = [&]() {
+        /* norm in: the scale of cuda_rmsnorm_wide over x (its virtual threads'
+         * sums of squares in its order and tree), two rounds' loads at a time */
+        float nscale = 1.0f;
+        if (a.nin_width) {
+            __shared__ float s_red[32];
+            const uint32_t width = a.nin_width, rounds = (a.n + width - 1) / width;
+            float part[kTailVirtual];
+    #pragma unroll
+            for (int m = 0; m < kTailVirtual; m++)
+                part[m] = 0.0f;
+            for (uint32_t t0 = 0; t0 < rounds; t0 += 2) {
+                float hv[2][kTailVirtual];
+    #pragma unroll
+                for (int t = 0; t < 2; t++)
+    #pragma unroll
+                    for (int m = 0; m < kTailVirtual; m++) {
+                        const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
+                        hv[t][m] = v < width && j < a.n ? __ldcg(x + j) : 0.0f;
+                    }
+    #pragma unroll
+                for (int m = 0; m < kTailVirtual; m++)
+    #pragma unroll
+                    for (int t = 0; t < 2; t++) {
+                        const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
+                        if (v < width && j < a.n)
+                            part[m] += hv[t][m] * hv[t][m];
+                    }
+            }
+            const float sum = tail_vsum<kTailVirtual>(part, width, s_red);
+            nscale = 1.0f / sqrtf(sum / static_cast<float>(a.n) + a.nin_eps);
+        }
+
+        /* round the activation row into shared memory: warp w takes blocks
+         * w, w + 8, ...; four blocks' loads in flight at a time */
+        constexpr int XB = 4;
+        for (uint32_t b0 = warp; b0 < a.nb; b0 += XB * kWarps) {
+            float xv[XB];
+    #pragma unroll
+            for (int i = 0; i < XB; i++) {
+                const uint32_t b = b0 + i * kWarps;
+                xv[i] = b < a.nb ? __ldcg(x + b * 32 + lane) : 0.0f;
+                if (a.nin_width && b < a.nb) { /* norm_rows_kernel's expressions */
+                    xv[i] = xv[i] * nscale;
+                    if (a.nin_w)
+                        xv[i] = xv[i] * a.nin_w[b * 32 + lane];
+                }
+                if (a.glu) /* cuda_silu_mul's formula: the rounding sees the same values */
+                    xv[i] = b < a.nb ? __fmul_rn(xv[i] / (1.0f + expf(-xv[i])),
+                                                 __ldcg(x + a.n + b * 32 + lane))
+                                     : 0.0f;
+            }
+    #pragma unroll
+            for (int i = 0; i < XB; i++) {
+                const uint32_t b = b0 + i * kWarps;
+                mvq::round_block(xv[i], b, b < a.nb, s_q, s_d, s_s);
+            }
+        }
     };
     /* PDL: a plain product's weights (its tiles in L2, the first pass in
      * registers) before the wait for the activations; an expert's address
@@ -166,6 +229,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     }
     if (a.nin_width && a.nin_w && blockIdx.x == 0 && threadIdx.x == 0)
         pdl_prefetch_l2(a.nin_w, a.n * sizeof(float));
+    if (a.x_early)
+        prep_x();
     pdl_wait();
     pdl_trigger();
     if (a.ids) {
@@ -178,7 +243,6 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                 tail_finish<true>(a.tail, gs, a.early);
             return;
         }
-        x += static_cast<size_t>(job / a.x_div) * a.ldx;
         if (!a.early)
             issue(sub);
         /* the next product reads this expert's other matrix: the pair's
@@ -192,63 +256,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         }
     }
 
-    /* norm in: the scale of cuda_rmsnorm_wide over x (its virtual threads'
-     * sums of squares in its order and tree), two rounds' loads at a time */
-    float nscale = 1.0f;
-    if (a.nin_width) {
-        __shared__ float s_red[32];
-        const uint32_t width = a.nin_width, rounds = (a.n + width - 1) / width;
-        float part[kTailVirtual];
-#pragma unroll
-        for (int m = 0; m < kTailVirtual; m++)
-            part[m] = 0.0f;
-        for (uint32_t t0 = 0; t0 < rounds; t0 += 2) {
-            float hv[2][kTailVirtual];
-#pragma unroll
-            for (int t = 0; t < 2; t++)
-#pragma unroll
-                for (int m = 0; m < kTailVirtual; m++) {
-                    const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
-                    hv[t][m] = v < width && j < a.n ? x[j] : 0.0f;
-                }
-#pragma unroll
-            for (int m = 0; m < kTailVirtual; m++)
-#pragma unroll
-                for (int t = 0; t < 2; t++) {
-                    const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
-                    if (v < width && j < a.n)
-                        part[m] += hv[t][m] * hv[t][m];
-                }
-        }
-        const float sum = tail_vsum<kTailVirtual>(part, width, s_red);
-        nscale = 1.0f / sqrtf(sum / static_cast<float>(a.n) + a.nin_eps);
-    }
-
-    /* round the activation row into shared memory: warp w takes blocks
-     * w, w + 8, ...; four blocks' loads in flight at a time */
-    constexpr int XB = 4;
-    for (uint32_t b0 = warp; b0 < a.nb; b0 += XB * kWarps) {
-        float xv[XB];
-#pragma unroll
-        for (int i = 0; i < XB; i++) {
-            const uint32_t b = b0 + i * kWarps;
-            xv[i] = b < a.nb ? x[b * 32 + lane] : 0.0f;
-            if (a.nin_width && b < a.nb) { /* norm_rows_kernel's expressions */
-                xv[i] = xv[i] * nscale;
-                if (a.nin_w)
-                    xv[i] = xv[i] * a.nin_w[b * 32 + lane];
-            }
-            if (a.glu) /* cuda_silu_mul's formula: the rounding sees the same values */
-                xv[i] = b < a.nb ? __fmul_rn(xv[i] / (1.0f + expf(-xv[i])),
-                                             x[a.n + b * 32 + lane])
-                                 : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < XB; i++) {
-            const uint32_t b = b0 + i * kWarps;
-            mvq::round_block(xv[i], b, b < a.nb, s_q, s_d, s_s);
-        }
-    }
+    if (!a.x_early)
+        prep_x();
     __syncthreads();
 
     for (; tile < n_tiles; tile += gridDim.x) {
@@ -562,7 +571,7 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
                                          size_t ldx, uint32_t x_div, float *d_Y, size_t ldy,
                                          const void *const *d_next_addr, size_t next_bytes,
-                                         uint32_t n_table, cudaStream_t stream)
+                                         uint32_t n_table, bool x_early, cudaStream_t stream)
 {
     MvqArgs a;
     if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, x_div, false,
@@ -571,5 +580,6 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
     a.pf_addr = d_next_addr;
     a.pf_bytes = d_next_addr ? next_bytes : 0;
     a.n_table = n_table;
+    a.x_early = x_early;
     return dispatch(type, a, n_pairs, stream);
 }

@@ -60,7 +60,9 @@
  *     leaving the fused launch out changes the decode steps (it ran); the
  *     down product and combine by rows (LAMINA_CUDA_TAIL=norm,topk,rows):
  *     byte-identical, and one kernel a layer fewer than when it declines
- *     (LAMINA_CUDA_EARLY=0: it ran in every layer);
+ *     (LAMINA_CUDA_EARLY=0: it ran in every layer); the gate/up product's
+ *     activations rounded after its PDL wait (LAMINA_CUDA_X_EARLY=0) instead
+ *     of before: byte-identical;
  *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
@@ -808,6 +810,14 @@ static void tbc_shpair(void)
                     "byte-identical to the default; %llu kernels a decode step against %llu "
                     "when it declines", quant_type_name(types[t]), m->hp.n_layer,
                     (unsigned long long)k_rows, (unsigned long long)k_norows);
+            /* the gate/up product rounding its activations after its PDL wait instead
+             * of before (LAMINA_CUDA_X_EARLY=0): the same bits */
+            setenv("LAMINA_CUDA_X_EARLY", "0", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, activations rounded late");
+            unsetenv("LAMINA_CUDA_X_EARLY");
+            CHECK(a && b && !memcmp(a, b, sz), "%s: the gate/up activations rounded after the "
+                  "wait differ from the default (max %.3g)", quant_type_name(types[t]),
+                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
             /* LAMINA_CUDA_SKIP (timing experiments): the named decode kernels are not
              * launched, so the decode steps change and the prompt does not */
             setenv("LAMINA_CUDA_SKIP", "moe.down,moe.combine", 1);
