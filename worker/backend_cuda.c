@@ -261,6 +261,10 @@ struct backend_cuda {
     bool x_early;                     /* decode: the gate/up product rounds its activations
                                        * (written two launches back) before its PDL wait
                                        * (LAMINA_CUDA_X_EARLY; with early) */
+    bool xq_on;                       /* decode: the combine also writes the next layer's input
+                                       * rounded for the int8 products (LAMINA_CUDA_XQ) */
+    bool xq_ready;                    /* xq holds the input of the layer being enqueued */
+    int8_t *xq;                       /* one row rounded as cuda_mvq_xq reads it */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -671,6 +675,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->so = cb_take(c, &off, B * n);
     const size_t qkv1 = q_out + 2 * kvd, dn1 = cd + vd + 2 * nv;
     c->dec = cb_take(c, &off, qkv1 > dn1 ? qkv1 : dn1);
+    c->xq = cb_take(c, &off, (n + 8 * (n / 32) + 15) / 16 * 4 + 1); /* (bytes) / 4 */
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
@@ -1132,6 +1137,21 @@ static int cb_mm(struct backend_cuda *c, const char *label, const struct cb_mat 
                                       Y, ldy, c->stream));
 }
 
+/* The decode input product of a layer (one row of c->xa): from the rows the
+ * previous layer's combine rounded (c->xq) where they are there and the
+ * int8 product takes it, else cb_mm: the same bits either way. */
+static int cb_mm_in(struct backend_cuda *c, const char *label, const struct cb_mat *w, float *Y)
+{
+    if (c->xq_ready) {
+        const int rc = CB_K(c, label, cuda_mvq_xq(w->type, w->d, w->row_bytes, w->n_out,
+                                                  w->n_in, c->xq, Y, c->stream));
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+    }
+    return cb_mm(c, label, w, c->xa, w->n_in, 1, Y, 0);
+}
+
 /* A decode product (one row) followed by a tail in its last block
  * (kernels/cuda/tail.h); t NULL: cb_mm. */
 static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb_mat *w,
@@ -1188,7 +1208,7 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
     if (S == 1 && L->wqkv1.n_out) {
         q = c->dec, kx = c->dec + q_out, vx = c->dec + q_out + kvd;
         rc = raw ? cb_mm_norm(c, "attn.qkv", &L->wqkv1, L->attn_norm, c->dec)
-                 : cb_mm(c, "attn.qkv", &L->wqkv1, c->xa, n, 1, c->dec, 0);
+                 : cb_mm_in(c, "attn.qkv", &L->wqkv1, c->dec);
     } else {
         rc = cb_mm(c, "attn.q", &L->wq, c->xa, n, S, q, q_out);
         rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
@@ -1242,7 +1262,7 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
     if (S == 1 && L->dn1.n_out) {
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
         rc = raw ? cb_mm_norm(c, "dn.in", &L->dn1, L->attn_norm, c->dec)
-                 : cb_mm(c, "dn.in", &L->dn1, c->xa, n, 1, c->dec, 0);
+                 : cb_mm_in(c, "dn.in", &L->dn1, c->dec);
     } else {
         rc = cb_mm(c, "dn.qkv", &L->qkv, c->xa, n, S, qkv, cd);
         rc = rc ? rc : cb_mm(c, "dn.z", &L->z, c->xa, n, S, z, vd);
@@ -1593,11 +1613,18 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     if (rc || combined)
         return rc;
     /* decode: xa (the gate's input) is the router's input, launches back */
-    if (S == 1 && local && c->early && !c->skip)
-        return CB_K(c, "moe.combine", cuda_moe_combine_early(
-                                          c->h, c->Y, c->w, (uint32_t)k, L->sh ? so : NULL,
-                                          L->shexp_gate, c->xa, (uint32_t)n, S, next_norm,
-                                          hp->eps, next_norm ? c->xa : NULL, c->stream));
+    if (S == 1 && local && c->early && !c->skip) {
+        /* and the next layer's input rounded for its int8 product */
+        int8_t *xq = c->xq_on && next_norm && cuda_moe_combine_xq_ok((uint32_t)n, (uint32_t)k)
+                         ? c->xq
+                         : NULL;
+        rc = CB_K(c, "moe.combine", cuda_moe_combine_early(
+                                        c->h, c->Y, c->w, (uint32_t)k, L->sh ? so : NULL,
+                                        L->shexp_gate, c->xa, (uint32_t)n, S, next_norm, hp->eps,
+                                        next_norm ? c->xa : NULL, xq, c->stream));
+        c->xq_ready = rc == 0 && xq;
+        return rc;
+    }
     if (next_norm)
         return CB_K(c, "moe.combine", cuda_moe_combine_norm(
                                           c->h, c->Y, c->w, (uint32_t)k, L->sh ? so : NULL,
@@ -1614,6 +1641,7 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     const struct arch_hparams *hp = c->hp;
     const uint32_t n = hp->n_embd;
     c->decoding = S == 1;
+    c->xq_ready = false; /* the first layer's input comes from the norm launch */
     /* decode with cols or rows: the combines leave h alone and each layer's
      * input product normalises it (or a norm launch before it) */
     const bool cols = S == 1 && (c->tails & (CB_TAIL_COLS | CB_TAIL_ROWS)) &&
@@ -1633,6 +1661,7 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
         if (!rc)
             rc = L->ly->recurrent ? cb_deltanet(c, L, S, tail, raw)
                                   : cb_attention(c, L, S, pos0, tail, raw);
+        c->xq_ready = false; /* the layer's input product took it, or not */
         if (!tail)
             rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm,
                                                                 n, S, hp->eps, c->stream));
@@ -2010,6 +2039,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->early = !(early && !strcmp(early, "0"));
     const char *xe = getenv("LAMINA_CUDA_X_EARLY");
     c->x_early = !(xe && !strcmp(xe, "0"));
+    const char *xqe = getenv("LAMINA_CUDA_XQ");
+    c->xq_on = !(xqe && !strcmp(xqe, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     c->skip = getenv("LAMINA_CUDA_SKIP");

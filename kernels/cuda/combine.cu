@@ -28,6 +28,7 @@
 
 #include <cooperative_groups.h>
 
+#include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/ops_device.cuh"
 #include "kernels/cuda/pdl.cuh"
 
@@ -208,7 +209,7 @@ template <bool NORM>
 static __global__ void __launch_bounds__(kClusterThreads)
     moe_combine_cluster_kernel(float *h, const float *Y, const float *w, uint32_t k,
                                const float *so, const float *gate, const float *f, uint32_t n,
-                               const float *nw, float eps, float *y)
+                               const float *nw, float eps, float *y, int8_t *xq)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
@@ -281,17 +282,24 @@ static __global__ void __launch_bounds__(kClusterThreads)
     sum = lane < W / 32 ? s_sq[lane] : 0.0f;
     sum = ops_warp_sum(sum);
     const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+    /* xq: y rounded as the int8 products round it; a warp's columns are one
+     * block of 32 (W and n multiples of 32), so every lane of it calls */
+    int8_t *xl = xq ? xq + s * mvq::xq_row_bytes(n) : nullptr;
+    float *xd = xq ? reinterpret_cast<float *>(xl + n) : nullptr;
 #pragma unroll
     for (uint32_t c = 0; c < kCombineCols; c++) {
         const uint32_t j = v + c * W;
         if (j < n) {
             const float x = hv[c] * scale;
-            y[s * n + j] = nw ? x * nwv[c] : x;
+            const float out = nw ? x * nwv[c] : x;
+            y[s * n + j] = out;
+            if (xq)
+                mvq::round_block(out, j / 32, true, xl, xd, xd + n / 32);
         }
     }
 #else
     (void)h, (void)Y, (void)w, (void)k, (void)so, (void)gate, (void)f, (void)n, (void)nw,
-        (void)eps, (void)y;
+        (void)eps, (void)y, (void)xq;
 #endif
 }
 
@@ -356,17 +364,17 @@ template <bool EARLY>
 static void combine_launch(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                            const float *d_so, const float *d_shexp_gate, const float *d_f,
                            uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
-                           cudaStream_t stream)
+                           cudaStream_t stream, int8_t *d_xq = nullptr)
 {
     const unsigned C = EARLY ? combine_cluster_size(n, k) : 0;
     if (C && d_y)
         pdl_launch_cluster(moe_combine_cluster_kernel<true>, S * C, kClusterThreads, C, 0,
                            stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps,
-                           d_y);
+                           d_y, d_xq);
     else if (C)
         pdl_launch_cluster(moe_combine_cluster_kernel<false>, S * C, kClusterThreads, C, 0,
                            stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
-                           (const float *)nullptr, 0.0f, (float *)nullptr);
+                           (const float *)nullptr, 0.0f, (float *)nullptr, (int8_t *)nullptr);
     else if (d_y)
         pdl_launch(moe_combine_norm_kernel<true, EARLY>, S, cuda_norm_wide_threads(n), 0, stream,
                    d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
@@ -404,17 +412,27 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
     return OPS_LAUNCH_CHECK("cuda_moe_combine_norm");
 }
 
+extern "C" bool cuda_moe_combine_xq_ok(uint32_t n, uint32_t k)
+{
+    return n % 32 == 0 && combine_cluster_size(n, k) > 0;
+}
+
 extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                                       const float *d_so, const float *d_shexp_gate,
                                       const float *d_f, uint32_t n, uint32_t S,
                                       const float *d_norm_w, float eps, float *d_y,
-                                      cudaStream_t stream)
+                                      int8_t *d_xq, cudaStream_t stream)
 {
     int rc = combine_check("cuda_moe_combine_early", false, d_h, d_y, d_Y, d_w, k, d_so,
                            d_shexp_gate, d_f, n, S);
+    if (!rc && d_xq && (!d_y || (uintptr_t)d_xq % 16 || !cuda_moe_combine_xq_ok(n, k))) {
+        log_error("cuda_moe_combine_early: xq %p asked without the norm, unaligned or where "
+                  "the cluster form does not serve (n %u, k %u)", (void *)d_xq, n, k);
+        rc = -EINVAL;
+    }
     if (rc || S == 0)
         return rc;
     combine_launch<true>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S, d_norm_w, eps, d_y,
-                         stream);
+                         stream, d_xq);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_early");
 }

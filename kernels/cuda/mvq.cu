@@ -81,6 +81,9 @@ struct MvqArgs {
                                    * of addr: n_table) */
     bool x_early;                 /* x written two or more launches back: rounded into
                                    * shared memory before the wait (through L2) */
+    const int8_t *xq;             /* plain products: x already rounded (mvq::xq_row_bytes
+                                   * layout, written by the launch before), copied into
+                                   * shared memory after the wait; x is not read */
     const float *nin_w;           /* norm in (plain products): x is a residual row h, */
     float nin_eps;                /* the product reads rmsnorm(h) * nin_w (NULL: 1) in */
     uint32_t nin_width;           /* cuda_rmsnorm_wide's tree of this width (0: off) */
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     }
     if (a.nin_width && a.nin_w && blockIdx.x == 0 && threadIdx.x == 0)
         pdl_prefetch_l2(a.nin_w, a.n * sizeof(float));
-    if (a.x_early)
+    if (a.x_early && !a.xq)
         prep_x();
     pdl_wait();
     pdl_trigger();
@@ -256,8 +259,14 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         }
     }
 
-    if (!a.x_early)
+    if (a.xq) { /* levels, scales, sums: the layout of s_q, s_d, s_s */
+        const uint2 *src = reinterpret_cast<const uint2 *>(a.xq);
+        uint2 *dst = reinterpret_cast<uint2 *>(s_dyn);
+        for (uint32_t i = threadIdx.x; i < a.nb * 5; i += kThreads)
+            dst[i] = __ldcg(src + i);
+    } else if (!a.x_early) {
         prep_x();
+    }
     __syncthreads();
 
     for (; tile < n_tiles; tile += gridDim.x) {
@@ -497,6 +506,18 @@ extern "C" int cuda_mvq_norm(uint32_t type, const void *d_w, size_t row_bytes, u
     a.nin_w = d_norm_w;
     a.nin_eps = eps;
     a.nin_width = cuda_norm_wide_threads(static_cast<uint32_t>(n));
+    return dispatch(type, a, 1, stream);
+}
+
+extern "C" int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                           uint64_t n, const int8_t *d_xq, float *d_y, cudaStream_t stream)
+{
+    MvqArgs a;
+    if (!d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16 || !cuda_mvq_pays(n, n_rows) ||
+        !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
+                    false, d_y, &a))
+        return -ENOTSUP;
+    a.xq = d_xq;
     return dispatch(type, a, 1, stream);
 }
 

@@ -122,6 +122,15 @@ static __device__ __forceinline__ void round_block(float xv, uint32_t b, bool st
     }
 }
 
+/* Bytes of one activation row of n (a multiple of 32) rounded for these
+ * products, as a producer writes it for them (cuda_moe_combine_early's xq)
+ * and as they keep it in shared memory: n levels (int8), then n/32 scales
+ * (f32), then n/32 scale x level sums (f32); rows 16-byte aligned. */
+__host__ __device__ constexpr size_t xq_row_bytes(size_t n)
+{
+    return (n + 8 * (n / 32) + 15) / 16 * 16;
+}
+
 } /* namespace mvq */
 
 #endif

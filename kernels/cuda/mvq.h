@@ -24,6 +24,14 @@ extern "C" {
 int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
              const float *d_x, float *d_y, cudaStream_t stream);
 
+/* cuda_mvq with the activation row already rounded (d_xq: the layout of
+ * mvq::xq_row_bytes, 16-byte aligned, written by a launch before this one in
+ * the stream, e.g. cuda_moe_combine_early's xq): the same bits as cuda_matvec
+ * on the row it was rounded from. -ENOTSUP where cuda_matvec would not take
+ * these kernels (cuda_mvq_pays, the type) or d_xq is unaligned. */
+int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+                const int8_t *d_xq, float *d_y, cudaStream_t stream);
+
 /* cuda_matvec_experts for one activation row per pair (see matvec.h). */
 int cuda_mvq_experts(uint32_t type, const void *const *d_addr, size_t row_bytes, uint64_t n_rows,
                      uint64_t n, const int32_t *d_ids, uint32_t n_pairs, const float *d_X,

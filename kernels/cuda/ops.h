@@ -124,11 +124,20 @@ int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *d_w, uint32
 /* cuda_moe_combine_norm (d_y not NULL) or cuda_moe_combine (d_y NULL), the
  * same bits, for an f written at least two launches before this one in the
  * stream: the shared-expert gate is computed before the PDL wait, beside
- * the launch just before (kernels/cuda/pdl.cuh). */
+ * the launch just before (kernels/cuda/pdl.cuh). d_xq (NULL: none; only
+ * with d_y, 16-byte aligned, where cuda_moe_combine_xq_ok): each token's y
+ * also rounded as the int8 decode products round their activations, in the
+ * layout cuda_mvq_xq reads (kernels/cuda/mvq.h), at d_xq + s * ((n + 8 n/32)
+ * rounded up to 16) bytes. */
 int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                            const float *d_so, const float *d_shexp_gate, const float *d_f,
                            uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
-                           cudaStream_t stream);
+                           int8_t *d_xq, cudaStream_t stream);
+
+/* Whether cuda_moe_combine_early can write xq for n columns and k experts on
+ * the current device: n a multiple of 32 and the cluster form serving (sm_90,
+ * LAMINA_CUDA_COMBINE_CLUSTER not "0", n and k within its one-round path). */
+bool cuda_moe_combine_xq_ok(uint32_t n, uint32_t k);
 
 /* Greedy sampling: d_out[s] = argmax of logits row s (ties: lowest id). */
 int cuda_argmax(const float *d_logits, uint32_t n_vocab, uint32_t S, int32_t *d_out,

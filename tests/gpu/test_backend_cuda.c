@@ -63,6 +63,9 @@
  *     (LAMINA_CUDA_EARLY=0: it ran in every layer); the gate/up product's
  *     activations rounded after its PDL wait (LAMINA_CUDA_X_EARLY=0) instead
  *     of before: byte-identical;
+ *   - an 80b-a3b-shaped Q4_0 qwen3next of four layers: the decode input
+ *     products reading the rows the combine rounded (xq) against rounding
+ *     xa themselves (LAMINA_CUDA_XQ=0): byte-identical;
  *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
@@ -87,6 +90,7 @@
 
 #include "common/log.h"
 #include "kernels/cpu/threadpool.h"
+#include "kernels/cuda/ops.h"
 #include "model/arch.h"
 #include "model/gguf.h"
 #include "model/quant.h"
@@ -839,6 +843,49 @@ static void tbc_shpair(void)
     }
 }
 
+/* The decode input products reading the rows the combine rounded (xq) on an
+ * 80b-a3b-shaped qwen3next of four layers (three DeltaNet, one attention;
+ * n_embd 2048, where the cluster combine and the int8 products serve on
+ * sm_90): the logits byte-identical with LAMINA_CUDA_XQ=0. */
+static void tbc_xq(void)
+{
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        major < 9) {
+        MEASURE("xq: compute capability %d (the cluster combine needs 9.0): not checked", major);
+        return;
+    }
+    CHECK(cuda_moe_combine_xq_ok(2048, 10), "xq: the combine does not take n 2048, k 10");
+    char path[128];
+    snprintf(path, sizeof(path), "/tmp/test_backend_cuda_xq_%d.gguf", (int)getpid());
+    struct synth_config sc = {.arch = "qwen3next", .shape = "80b-a3b", .layers = 4,
+                              .type = QUANT_TYPE_Q4_0, .seed = 9, .path = path, .threads = 8};
+    CHECK(synth_write(&sc) == 0, "synth 80b-a3b, 4 layers");
+    struct gguf_config gc = {.path = path};
+    struct gguf *g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = g};
+    struct arch_model *m = g ? arch_load(&ac) : NULL;
+    CHECK(m != NULL, "load the 80b-a3b model of 4 layers");
+    if (m) {
+        const size_t sz = 16 * (size_t)m->hp.n_vocab * sizeof(float);
+        float *a = malloc(sz), *b = malloc(sz);
+        CHECK(a && b && tbc_greedy16(m, a) == 0, "cuda run, xq");
+        setenv("LAMINA_CUDA_XQ", "0", 1);
+        CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, without xq");
+        unsetenv("LAMINA_CUDA_XQ");
+        CHECK(a && b && !memcmp(a, b, sz), "xq: the input products from the combine's rounded "
+              "rows differ from rounding xa (max %.3g)",
+              a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+        MEASURE("xq (Q4_0 80b-a3b shape, 4 layers, 6 prompt + 10 decode steps): logits "
+                "byte-identical to the input products rounding xa themselves");
+        free(a), free(b);
+    }
+    arch_free(m);
+    gguf_close(g);
+    unlink(path);
+}
+
 int main(void)
 {
     log_init("test", -1);
@@ -861,6 +908,7 @@ int main(void)
     }
     free(json);
     tbc_shpair();
+    tbc_xq();
     MEASURE("backend_argmax (greedy ids on the device): %d rows, %d differ from the first "
             "maximum of the logits", argmax_rows, argmax_bad);
     CHECK(argmax_rows > 0, "backend_argmax was never checked");

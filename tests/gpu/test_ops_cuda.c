@@ -15,7 +15,9 @@
  * relative; silu_mul 1e-6 relative; combine bit-exact without the shared
  * expert gate, 1e-5 with it, and its norm and early forms (the early one
  * over a thread block cluster on sm_90, at n 2048, 768 and 512: clusters of
- * 8, 3 and 2) bit-identical to the plain one; argmax and add exact.
+ * 8, 3 and 2) bit-identical to the plain one, and where the cluster form
+ * also writes the rows rounded for the int8 products (xq), y unchanged and
+ * xq equal to the rounding of y computed here; argmax and add exact.
  *
  * Needs a CUDA device: without one it says so and exits 1.
  */
@@ -848,18 +850,62 @@ static void test_moe_combine(struct rng *r, uint32_t n)
         CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
         CHECK(cuda_moe_combine_early(dh, dY, dw, k, variant ? dso : NULL,
                                      variant == 2 ? dgate : NULL, df3, n, S, NULL, 0.0f, NULL,
-                                     0) == 0, "moe_combine_early");
+                                     NULL, 0) == 0, "moe_combine_early");
         dev_download(he3, dh, hn * 4);
         CHECK(!memcmp(he3, g[0], hn * 4), "moe_combine_early %s: h differs from moe_combine",
               names[variant]);
         CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
         CHECK(cuda_moe_combine_early(dh, dY, dw, k, variant ? dso : NULL,
                                      variant == 2 ? dgate : NULL, df3, n, S, dnw, 1e-6f, df3,
-                                     0) == 0, "moe_combine_early with norm");
+                                     NULL, 0) == 0, "moe_combine_early with norm");
         dev_download(he3, dh, hn * 4);
         dev_download(hy3, df3, hn * 4);
         CHECK(!memcmp(he3, hh, hn * 4) && !memcmp(hy3, hy2, hn * 4),
               "moe_combine_early %s with norm differs from moe_combine_norm", names[variant]);
+        /* with the rounded rows (xq) too: y the same bits, xq the int8 rounding of y */
+        if (cuda_moe_combine_xq_ok(n, k)) {
+            const size_t xb = ((size_t)n + 8 * (n / 32) + 15) / 16 * 16;
+            uint8_t *dxq = NULL, *hxq = xmalloc(S * xb);
+            CU(cudaMalloc((void **)&dxq, S * xb));
+            CU(cudaMemset(dxq, 0xFF, S * xb));
+            CU(cudaMemcpy(dh, h, hn * 4, cudaMemcpyHostToDevice));
+            CU(cudaMemcpy(df3, f, hn * 4, cudaMemcpyHostToDevice));
+            CHECK(cuda_moe_combine_early(dh, dY, dw, k, variant ? dso : NULL,
+                                         variant == 2 ? dgate : NULL, df3, n, S, dnw, 1e-6f, df3,
+                                         (int8_t *)dxq, 0) == 0, "moe_combine_early with xq");
+            dev_download(he3, dh, hn * 4);
+            dev_download(hy3, df3, hn * 4);
+            CU(cudaMemcpy(hxq, dxq, S * xb, cudaMemcpyDeviceToHost));
+            CHECK(!memcmp(he3, hh, hn * 4) && !memcmp(hy3, hy2, hn * 4),
+                  "moe_combine_early %s with xq: h or y differs", names[variant]);
+            int bad = 0;
+            for (uint32_t t = 0; t < S; t++)
+                for (uint32_t b = 0; b < n / 32; b++) {
+                    const float *yb = hy3 + (size_t)t * n + b * 32;
+                    const uint8_t *row = hxq + t * xb;
+                    float amax = 0.0f, d, sc;
+                    for (int j = 0; j < 32; j++)
+                        amax = fmaxf(amax, fabsf(yb[j]));
+                    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+                    int qs = 0;
+                    for (int j = 0; j < 32; j++) {
+                        const int q = (int)nearbyintf(yb[j] * id);
+                        qs += q;
+                        bad += (int8_t)row[b * 32 + j] != q;
+                    }
+                    d = amax / 127.0f;
+                    sc = d * (float)qs;
+                    float gd, gs;
+                    memcpy(&gd, row + n + 4 * b, 4);
+                    memcpy(&gs, row + n + 4 * (n / 32) + 4 * b, 4);
+                    bad += memcmp(&gd, &d, 4) != 0;
+                    bad += memcmp(&gs, &sc, 4) != 0;
+                }
+            CHECK(bad == 0, "moe_combine_early %s: %d rounded levels or scales of xq differ "
+                  "from the rounding of y", names[variant], bad);
+            cudaFree(dxq);
+            free(hxq);
+        }
         cudaFree(df3);
         free(he3), free(hy3);
         cudaFree(dnw), cudaFree(dy), cudaFree(df2);

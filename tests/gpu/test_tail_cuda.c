@@ -709,7 +709,7 @@ static void bench_dc_layer(void *arg, cudaStream_t s)
         rc |= cuda_mvq_experts_glu_tail(QUANT_TYPE_Q4_0, b->D.d_tab, b->D.rb, n, F, ids, E, P,
                                         b->gu, 2 * F, true, b->Y, NULL, s);
         rc |= cuda_moe_combine_early(b->h, b->Y, b->w, k, b->Y + (size_t)k * n, b->gate, b->xa,
-                                     n, 1, NULL, 0.0f, NULL, s);
+                                     n, 1, NULL, 0.0f, NULL, NULL, s);
     } else {
         rc |= cuda_moe_down_combine(QUANT_TYPE_Q4_0, b->D.d_tab, E, b->D.rb, n, F, ids, P, k,
                                     b->gu, 2 * F, b->w, b->gate, b->xa, b->h, NULL, s);
