@@ -61,7 +61,13 @@
  * product when gate and up share a row format: they sit back to back per
  * expert), routed down with the SiLU gate inside (int8 path), and the MoE
  * combine fused with the next layer's attention norm (only the first layer
- * of the range normalises h itself). The shared expert (gate|up, down) runs
+ * of the range normalises h itself). The int8 decode products keep their
+ * activation rounding off the path after their PDL waits: the gate/up
+ * product rounds its input (written two launches back) before its wait
+ * (LAMINA_CUDA_X_EARLY=0: after), and on sm_90 the early combine also writes
+ * the next layer's input rounded (c->xq), which that layer's q|k|v or
+ * DeltaNet input product copies (cuda_mvq_xq; LAMINA_CUDA_XQ=0: each block
+ * rounds xa): the same bits either way. The shared expert (gate|up, down) runs
  * on a side stream, a parallel branch of the graph between a fork after
  * add+norm and a join before the combine. LAMINA_CUDA_GRAPHS=0 launches one
  * by one (diagnostics); LAMINA_CUDA_PROFILE=1 does too, with an event before

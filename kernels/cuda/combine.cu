@@ -17,7 +17,11 @@
  * those threads as a thread block cluster of 2 to 8 blocks per token
  * (moe_combine_cluster_kernel: the same bits, its loads over several SMs;
  * 2 % more decode tokens a second on an H200, LAMINA_CUDA_COMBINE_CLUSTER=0
- * takes it back). Products and sums are rounded separately (__fmul_rn / __fadd_rn,
+ * takes it back); with the next norm it can also write that norm's output
+ * rounded to int8 per block of 32 as the int8 decode products round their
+ * activations (xq, mvq.cuh's round_block on the values it stores in y; a
+ * warp's 32 columns are one block), so that the next layer's input product
+ * copies it instead of rounding y in each of its blocks. Products and sums are rounded separately (__fmul_rn / __fadd_rn,
  * no FMA) in the CPU's order, so without the shared-expert gate the result
  * is bit-identical to the CPU's; the gate's dot product is a fixed block
  * tree, so it differs from the CPU's serial sum by a few ulp.

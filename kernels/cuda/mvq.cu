@@ -24,7 +24,14 @@
  * 4-byte words around it (5 for Q4_0, 9 for Q8_0, never crossing a word
  * that holds none of its bytes) and shifts the bytes into place. The
  * weight loads of the first pass are issued before the activations are
- * rounded, so the two latencies overlap.
+ * rounded, so the two latencies overlap. The rounding is most of a
+ * block's work after its PDL wait, so it leaves that path where it can:
+ * activations written two or more launches back (x_early: the decode
+ * gate/up product's) are rounded before the wait, and activations a
+ * producer already rounded (xq, cuda_mvq_xq: the combine writes the next
+ * layer's input so) are copied into shared memory as they are (an H200,
+ * 80b-a3b decode: gate/up 13.3 -> 8.9 us, DeltaNet input 8.5 -> 4.8 us a
+ * layer; docs/perf.md).
  *
  * Jobs (grid y): one for a plain product; for experts one per (token, slot)
  * pair: the expert id and its weight address come from device memory, a
