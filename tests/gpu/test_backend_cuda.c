@@ -732,6 +732,22 @@ static int tbc_greedy16(const struct arch_model *m, float *out)
     return rc;
 }
 
+/* A synthetic qwen3next model (synth_write) at path, loaded: the model, its
+ * gguf in *g (both NULL on failure, which is CHECKed). */
+static struct arch_model *tbc_synth(const char *shape, uint32_t layers, uint32_t type,
+                                    uint64_t seed, const char *path, struct gguf **g)
+{
+    struct synth_config sc = {.arch = "qwen3next", .shape = shape, .layers = layers,
+                              .type = type, .seed = seed, .path = path, .threads = 8};
+    CHECK(synth_write(&sc) == 0, "synth %s %s", shape, quant_type_name(type));
+    struct gguf_config gc = {.path = path};
+    *g = gguf_open(&gc);
+    struct arch_config ac = {.gguf = *g};
+    struct arch_model *m = *g ? arch_load(&ac) : NULL;
+    CHECK(m != NULL, "load the synth model (%s %s)", shape, quant_type_name(type));
+    return m;
+}
+
 /* The shared expert as pair k of the routed decode products (the default)
  * against its own graph branch (LAMINA_CUDA_SHPAIR=0), on a small qwen3next
  * model of Q8_0 and of Q4_0 weights (the int8 decode kernels compute each
@@ -742,14 +758,8 @@ static void tbc_shpair(void)
     for (int t = 0; t < 2; t++) {
         char path[128];
         snprintf(path, sizeof(path), "/tmp/test_backend_cuda_%d.gguf", (int)getpid());
-        struct synth_config sc = {.arch = "qwen3next", .shape = "tiny", .type = types[t],
-                                  .seed = 5, .path = path, .threads = 2};
-        CHECK(synth_write(&sc) == 0, "synth %s", quant_type_name(types[t]));
-        struct gguf_config gc = {.path = path};
-        struct gguf *g = gguf_open(&gc);
-        struct arch_config ac = {.gguf = g};
-        struct arch_model *m = g ? arch_load(&ac) : NULL;
-        CHECK(m != NULL, "load the synth model");
+        struct gguf *g = NULL;
+        struct arch_model *m = tbc_synth("tiny", 0, types[t], 5, path, &g);
         if (m) {
             const size_t sz = 16 * (size_t)m->hp.n_vocab * sizeof(float);
             float *a = malloc(sz), *b = malloc(sz);
@@ -859,14 +869,8 @@ static void tbc_xq(void)
     CHECK(cuda_moe_combine_xq_ok(2048, 10), "xq: the combine does not take n 2048, k 10");
     char path[128];
     snprintf(path, sizeof(path), "/tmp/test_backend_cuda_xq_%d.gguf", (int)getpid());
-    struct synth_config sc = {.arch = "qwen3next", .shape = "80b-a3b", .layers = 4,
-                              .type = QUANT_TYPE_Q4_0, .seed = 9, .path = path, .threads = 8};
-    CHECK(synth_write(&sc) == 0, "synth 80b-a3b, 4 layers");
-    struct gguf_config gc = {.path = path};
-    struct gguf *g = gguf_open(&gc);
-    struct arch_config ac = {.gguf = g};
-    struct arch_model *m = g ? arch_load(&ac) : NULL;
-    CHECK(m != NULL, "load the 80b-a3b model of 4 layers");
+    struct gguf *g = NULL;
+    struct arch_model *m = tbc_synth("80b-a3b", 4, QUANT_TYPE_Q4_0, 9, path, &g);
     if (m) {
         const size_t sz = 16 * (size_t)m->hp.n_vocab * sizeof(float);
         float *a = malloc(sz), *b = malloc(sz);
