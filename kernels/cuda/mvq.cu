@@ -156,21 +156,21 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
             __shared__ float s_red[32];
             const uint32_t width = a.nin_width, rounds = (a.n + width - 1) / width;
             float part[kTailVirtual];
-    #pragma unroll
+#pragma unroll
             for (int m = 0; m < kTailVirtual; m++)
                 part[m] = 0.0f;
             for (uint32_t t0 = 0; t0 < rounds; t0 += 2) {
                 float hv[2][kTailVirtual];
-    #pragma unroll
+#pragma unroll
                 for (int t = 0; t < 2; t++)
-    #pragma unroll
+#pragma unroll
                     for (int m = 0; m < kTailVirtual; m++) {
                         const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
                         hv[t][m] = v < width && j < a.n ? __ldcg(x + j) : 0.0f;
                     }
-    #pragma unroll
+#pragma unroll
                 for (int m = 0; m < kTailVirtual; m++)
-    #pragma unroll
+#pragma unroll
                     for (int t = 0; t < 2; t++) {
                         const uint32_t v = threadIdx.x + m * kThreads, j = v + (t0 + t) * width;
                         if (v < width && j < a.n)
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         constexpr int XB = 4;
         for (uint32_t b0 = warp; b0 < a.nb; b0 += XB * kWarps) {
             float xv[XB];
-    #pragma unroll
+#pragma unroll
             for (int i = 0; i < XB; i++) {
                 const uint32_t b = b0 + i * kWarps;
                 xv[i] = b < a.nb ? __ldcg(x + b * 32 + lane) : 0.0f;
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                                                  __ldcg(x + a.n + b * 32 + lane))
                                      : 0.0f;
             }
-    #pragma unroll
+#pragma unroll
             for (int i = 0; i < XB; i++) {
                 const uint32_t b = b0 + i * kWarps;
                 mvq::round_block(xv[i], b, b < a.nb, s_q, s_d, s_s);
