@@ -21,10 +21,11 @@
  * rounded to int8 per block of 32 as the int8 decode products round their
  * activations (xq, mvq.cuh's round_block on the values it stores in y; a
  * warp's 32 columns are one block), so that the next layer's input product
- * copies it instead of rounding y in each of its blocks. Products and sums are rounded separately (__fmul_rn / __fadd_rn,
- * no FMA) in the CPU's order, so without the shared-expert gate the result
- * is bit-identical to the CPU's; the gate's dot product is a fixed block
- * tree, so it differs from the CPU's serial sum by a few ulp.
+ * copies it instead of rounding y in each of its blocks. Products and sums
+ * are rounded separately (__fmul_rn / __fadd_rn, no FMA) in the CPU's order,
+ * so without the shared-expert gate the result is bit-identical to the
+ * CPU's; the gate's dot product is a fixed block tree, so it differs from
+ * the CPU's serial sum by a few ulp.
  */
 #include "kernels/cuda/ops.h"
 
