@@ -681,7 +681,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->so = cb_take(c, &off, B * n);
     const size_t qkv1 = q_out + 2 * kvd, dn1 = cd + vd + 2 * nv;
     c->dec = cb_take(c, &off, qkv1 > dn1 ? qkv1 : dn1);
-    c->xq = cb_take(c, &off, (n + 8 * (n / 32) + 15) / 16 * 4 + 1); /* (bytes) / 4 */
+    c->xq = cb_take(c, &off, cuda_mvq_xq_bytes(n) / sizeof(float) + 1);
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);

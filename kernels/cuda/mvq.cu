@@ -528,6 +528,11 @@ extern "C" int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uin
     return dispatch(type, a, 1, stream);
 }
 
+extern "C" size_t cuda_mvq_xq_bytes(uint64_t n)
+{
+    return mvq::xq_row_bytes(n);
+}
+
 extern "C" int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
                         uint64_t n, const float *d_x, float *d_y, cudaStream_t stream)
 {

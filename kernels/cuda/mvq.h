@@ -32,6 +32,9 @@ int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, 
 int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
                 const int8_t *d_xq, float *d_y, cudaStream_t stream);
 
+/* Bytes of one such rounded row of n activations (n a multiple of 32). */
+size_t cuda_mvq_xq_bytes(uint64_t n);
+
 /* cuda_matvec_experts for one activation row per pair (see matvec.h). */
 int cuda_mvq_experts(uint32_t type, const void *const *d_addr, size_t row_bytes, uint64_t n_rows,
                      uint64_t n, const int32_t *d_ids, uint32_t n_pairs, const float *d_X,

@@ -36,6 +36,7 @@
 #include "common/log.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/mvq.h"
 #include "kernels/cuda/ops.h"
 #include "model/quant.h"
 #include "tests/check.h"
@@ -864,7 +865,7 @@ static void test_moe_combine(struct rng *r, uint32_t n)
               "moe_combine_early %s with norm differs from moe_combine_norm", names[variant]);
         /* with the rounded rows (xq) too: y the same bits, xq the int8 rounding of y */
         if (cuda_moe_combine_xq_ok(n, k)) {
-            const size_t xb = ((size_t)n + 8 * (n / 32) + 15) / 16 * 16;
+            const size_t xb = cuda_mvq_xq_bytes(n);
             uint8_t *dxq = NULL, *hxq = xmalloc(S * xb);
             CU(cudaMalloc((void **)&dxq, S * xb));
             CU(cudaMemset(dxq, 0xFF, S * xb));
