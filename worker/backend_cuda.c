@@ -67,7 +67,11 @@
  * (LAMINA_CUDA_X_EARLY=0: after), and on sm_90 the early combine also writes
  * the next layer's input rounded (c->xq), which that layer's q|k|v or
  * DeltaNet input product copies (cuda_mvq_xq; LAMINA_CUDA_XQ=0: each block
- * rounds xa): the same bits either way. The shared expert (gate|up, down) runs
+ * rounds xa): the same bits either way. Conv + heads also write y rounded
+ * (c->yq, cuda_deltanet_conv_heads_yq), and the DeltaNet output product
+ * (with its add+norm tail) copies it on the int8 kernels (cuda_mvq_xq_tail)
+ * where its row of nv * dv would otherwise have gone to the f32 kernels
+ * (cuda_mvq_pays); LAMINA_CUDA_YQ=0 takes it back. The shared expert (gate|up, down) runs
  * on a side stream, a parallel branch of the graph between a fork after
  * add+norm and a join before the combine. LAMINA_CUDA_GRAPHS=0 launches one
  * by one (diagnostics); LAMINA_CUDA_PROFILE=1 does too, with an event before
@@ -271,6 +275,9 @@ struct backend_cuda {
                                        * rounded for the int8 products (LAMINA_CUDA_XQ) */
     bool xq_ready;                    /* xq holds the input of the layer being enqueued */
     int8_t *xq;                       /* one row rounded as cuda_mvq_xq reads it */
+    bool yq_on;                       /* decode: conv + heads also write y rounded for the
+                                       * DeltaNet output product (LAMINA_CUDA_YQ) */
+    int8_t *yq;                       /* that row (nv * dv), as cuda_mvq_xq_tail reads it */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -682,6 +689,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     const size_t qkv1 = q_out + 2 * kvd, dn1 = cd + vd + 2 * nv;
     c->dec = cb_take(c, &off, qkv1 > dn1 ? qkv1 : dn1);
     c->xq = cb_take(c, &off, cuda_mvq_xq_bytes(n) / sizeof(float) + 1);
+    c->yq = vd ? cb_take(c, &off, cuda_mvq_xq_bytes(vd) / sizeof(float) + 1) : NULL;
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
@@ -1169,6 +1177,21 @@ static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb
                                            t, c->stream));
 }
 
+/* A decode product over the row X that its producer also rounded into xq
+ * (cuda_deltanet_conv_heads_yq), with tail t or none: the int8 kernels
+ * copy xq whatever the row's length (cuda_mvq_xq_tail), else cb_mm_tail
+ * over X. */
+static int cb_mm_yq(struct backend_cuda *c, const char *label, const struct cb_mat *w,
+                    const int8_t *xq, const float *X, float *Y, const struct cuda_tail *t)
+{
+    const int rc = CB_K(c, label, cuda_mvq_xq_tail(w->type, w->d, w->row_bytes, w->n_out,
+                                                   w->n_in, xq, Y, t, c->stream));
+    if (rc != -ENOTSUP)
+        return rc;
+    cb_unlaunch(c);
+    return cb_mm_tail(c, label, w, X, Y, t);
+}
+
 /* A layer's decode input product over rmsnorm(c->h) * norm_w, the norm in
  * the product (cb_in_norm said it takes it). */
 static int cb_mm_norm(struct backend_cuda *c, const char *label, const struct cb_mat *w,
@@ -1276,12 +1299,31 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
         rc = rc ? rc : cb_mm(c, "dn.alpha", &L->alpha, c->xa, n, S, alpha, nv);
     }
     if (S == 1 && c->fuse) { /* conv and heads in one launch */
-        rc = rc ? rc : CB_K(c, "dn.conv_heads", cuda_deltanet_conv_heads(
-                                                    L->conv_st, L->conv, hp->ssm_conv, qkv,
-                                                    L->ssm_st, beta, alpha, L->ssm_a, L->dt_bias,
-                                                    z, L->ssm_norm, c->y, hp->ssm_nk, hp->ssm_nv,
-                                                    hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled,
-                                                    hp->eps, c->stream));
+        /* y also rounded for the output product where it takes it (cb_mm_yq) */
+        bool yq = !rc && c->yq_on && c->yq &&
+                  cuda_mvq_xq_ok(L->out.type, L->out.n_out, L->out.n_in);
+        if (yq) {
+            rc = CB_K(c, "dn.conv_heads", cuda_deltanet_conv_heads_yq(
+                                              L->conv_st, L->conv, hp->ssm_conv, qkv, L->ssm_st,
+                                              beta, alpha, L->ssm_a, L->dt_bias, z, L->ssm_norm,
+                                              c->y, c->yq, hp->ssm_nk, hp->ssm_nv, hp->ssm_dk,
+                                              hp->ssm_dv, hp->ssm_tiled, hp->eps, c->stream));
+            yq = rc != -ENOTSUP;
+            if (!yq) {
+                cb_unlaunch(c); /* not launched: the plain conv + heads below */
+                rc = 0;
+            }
+        }
+        if (!yq)
+            rc = rc ? rc : CB_K(c, "dn.conv_heads", cuda_deltanet_conv_heads(
+                                                        L->conv_st, L->conv, hp->ssm_conv, qkv,
+                                                        L->ssm_st, beta, alpha, L->ssm_a,
+                                                        L->dt_bias, z, L->ssm_norm, c->y,
+                                                        hp->ssm_nk, hp->ssm_nv, hp->ssm_dk,
+                                                        hp->ssm_dv, hp->ssm_tiled, hp->eps,
+                                                        c->stream));
+        if (yq)
+            return rc ? rc : cb_mm_yq(c, "dn.out", &L->out, c->yq, c->y, c->mix, tail);
         if (tail)
             return rc ? rc : cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
         return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
@@ -2047,6 +2089,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->x_early = !(xe && !strcmp(xe, "0"));
     const char *xqe = getenv("LAMINA_CUDA_XQ");
     c->xq_on = !(xqe && !strcmp(xqe, "0"));
+    const char *yqe = getenv("LAMINA_CUDA_YQ");
+    c->yq_on = !(yqe && !strcmp(yqe, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     c->skip = getenv("LAMINA_CUDA_SKIP");

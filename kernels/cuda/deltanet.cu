@@ -226,6 +226,7 @@ struct dn_heads_args {
     uint32_t nk, nv, dv, S;
     bool tiled;
     float eps;
+    int8_t *yq; /* decode (S = 1): y also rounded for the int8 products (dn_out_q), or NULL */
 };
 
 /* The inputs of one token that the threads read from global memory: fetched
@@ -346,13 +347,42 @@ __device__ __forceinline__ float dn_warp_sq(float o)
 }
 
 /* y[s][h*dv + j] = o_j / sqrt(total / dv + eps) * norm_w[j] * silu(z_j),
- * written by lane sub 0 of the row; total: the head's sum of o^2. */
-__device__ __forceinline__ void dn_out(const struct dn_heads_args &p, uint32_t h, uint32_t s,
-                                       uint32_t j, float o, float total, float z, float wj)
+ * written by lane sub 0 of the row, which gets it back (the others 0);
+ * total: the head's sum of o^2. */
+__device__ __forceinline__ float dn_out(const struct dn_heads_args &p, uint32_t h, uint32_t s,
+                                        uint32_t j, float o, float total, float z, float wj)
 {
-    if (threadIdx.x % 4 == 0) {
-        const float scale = 1.0f / sqrtf(total / (float)p.dv + p.eps);
-        p.y[(size_t)s * p.nv * p.dv + (size_t)h * p.dv + j] = o * scale * wj * dn_silu(z);
+    if (threadIdx.x % 4 != 0)
+        return 0.0f;
+    const float scale = 1.0f / sqrtf(total / (float)p.dv + p.eps);
+    const float yj = o * scale * wj * dn_silu(z);
+    p.y[(size_t)s * p.nv * p.dv + (size_t)h * p.dv + j] = yj;
+    return yj;
+}
+
+/* Rows of y a block may hold for dn_out_q. */
+#define DN_YQ_ROWS 128
+
+/* The block's rows of y (one token) also into p.yq, rounded as mvq.cu's
+ * products round an activation row of nv * dv (mvq::round_block per block
+ * of 32, the mvq::xq_row_bytes layout: levels, scales, sums), so that the
+ * output product copies them (cuda_mvq_xq_tail) instead of rounding y in
+ * each of its blocks. The block holds `rows` rows of head h from j0 (both
+ * multiples of 32, rows <= DN_YQ_ROWS); yj: dn_out's value (lane sub 0 of
+ * row j0 + threadIdx.x / 4). Every thread of the block calls it. */
+__device__ __forceinline__ void dn_out_q(const struct dn_heads_args &p, uint32_t h, uint32_t j0,
+                                         uint32_t rows, float yj)
+{
+    __shared__ float s_y[DN_YQ_ROWS];
+    if (threadIdx.x % 4 == 0)
+        s_y[threadIdx.x / 4] = yj;
+    __syncthreads();
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp * 32 < rows) {
+        const size_t n = (size_t)p.nv * p.dv;
+        float *d = reinterpret_cast<float *>(p.yq + n);
+        mvq::round_block(s_y[warp * 32 + lane], (uint32_t)(((size_t)h * p.dv + j0) / 32) + warp,
+                         true, p.yq, d, d + n / 32);
     }
 }
 
@@ -373,7 +403,9 @@ __device__ __forceinline__ void dn_step(const struct dn_heads_args &p, uint32_t 
     float total = 0.0f;
     for (uint32_t w = 0; w < n_warps; w++)
         total += red[w];
-    dn_out(p, h, s, t / 4, o, total, cur.z, wj);
+    const float yj = dn_out(p, h, s, t / 4, o, total, cur.z, wj);
+    if (p.yq) /* one token, the head's dv rows in this block */
+        dn_out_q(p, h, 0, p.dv, yj);
 }
 
 template <int DK>
@@ -748,7 +780,9 @@ __global__ void __launch_bounds__(256)
     const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
     cg::this_cluster().barrier_wait();
     const float total = dn_cluster_sum(dn_warp_sq(o), red, p.dv / 8);
-    dn_out(p, h, 0, j, o, total, cur.z, wj);
+    const float yj = dn_out(p, h, 0, j, o, total, cur.z, wj);
+    if (p.yq)
+        dn_out_q(p, h, cg::this_cluster().block_rank() * (blockDim.x / 4), blockDim.x / 4, yj);
     if (warp <= 1 && dn_conv_is_last(2 * g + warp, ticket, readers))
         dn_conv_store_qk<DK>(p, c, g, nqk);
 #pragma unroll
@@ -1337,28 +1371,32 @@ static void dn_conv_heads_launch(const struct dn_heads_args &p, const struct dn_
         pdl_launch(dn_conv_heads_kernel<DK>, dim3(p.nv), dim3(4 * p.dv), 0, stream, p, c);
 }
 
-extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
-                                        const float *d_x, float *d_state, const float *d_b,
-                                        const float *d_alpha, const float *d_a, const float *d_dt,
-                                        const float *d_z, const float *d_norm_w, float *d_y,
-                                        uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
-                                        bool tiled, float eps, cudaStream_t stream)
+/* cuda_deltanet_conv_heads, and with d_yq the rounded y too (-ENOTSUP,
+ * nothing launched, where the blocks do not hold whole blocks of 32 rows). */
+static int dn_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K, const float *d_x,
+                         float *d_state, const float *d_b, const float *d_alpha, const float *d_a,
+                         const float *d_dt, const float *d_z, const float *d_norm_w, float *d_y,
+                         int8_t *d_yq, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                         bool tiled, float eps, cudaStream_t stream, const char *what)
 {
     if (!dn_heads_args_ok(d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y, nk, nv, dk,
                           dv, 1) ||
         K == 0 || K > DN_MAX_K || (K > 1 && !d_conv_state) || !d_conv_w || nk > DN_MAX_NK) {
-        log_error("cuda_deltanet_conv_heads: bad arguments (K %u, max %d; dk %u: 16, 32, 64 or "
-                  "128; dv %u: a multiple of 16 up to 128; nk %u (max %d), nv %u: nv a multiple "
-                  "of nk; state 16-byte aligned)",
-                  K, DN_MAX_K, dk, dv, nk, DN_MAX_NK, nv);
+        log_error("%s: bad arguments (K %u, max %d; dk %u: 16, 32, 64 or 128; dv %u: a multiple "
+                  "of 16 up to 128; nk %u (max %d), nv %u: nv a multiple of nk; state 16-byte "
+                  "aligned)",
+                  what, K, DN_MAX_K, dk, dv, nk, DN_MAX_NK, nv);
         return -EINVAL;
     }
     uint32_t nb = 1;
-    const int rc = dn_split_blocks(nv, dv, "cuda_deltanet_conv_heads", &nb);
+    const int rc = dn_split_blocks(nv, dv, what, &nb);
     if (rc)
         return rc;
-    const struct dn_heads_args p = {d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w,
-                                    d_y,     nk,  nv,  dv,      1,   tiled, eps};
+    if (d_yq && ((uintptr_t)d_yq % 16 || (dv / nb) % 32 || dv / nb > DN_YQ_ROWS))
+        return -ENOTSUP;
+    struct dn_heads_args p = {d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w,
+                              d_y,     nk,  nv,  dv,      1,   tiled, eps};
+    p.yq = d_yq;
     const struct dn_conv_args c = {d_conv_state, d_conv_w, d_x, K};
     switch (dk) {
     case 16:
@@ -1374,7 +1412,36 @@ extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv
         dn_conv_heads_launch<128>(p, c, nb, stream);
         break;
     }
-    return dn_check_launch("cuda_deltanet_conv_heads");
+    return dn_check_launch(what);
+}
+
+extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
+                                        const float *d_x, float *d_state, const float *d_b,
+                                        const float *d_alpha, const float *d_a, const float *d_dt,
+                                        const float *d_z, const float *d_norm_w, float *d_y,
+                                        uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                                        bool tiled, float eps, cudaStream_t stream)
+{
+    return dn_conv_heads(d_conv_state, d_conv_w, K, d_x, d_state, d_b, d_alpha, d_a, d_dt, d_z,
+                         d_norm_w, d_y, NULL, nk, nv, dk, dv, tiled, eps, stream,
+                         "cuda_deltanet_conv_heads");
+}
+
+extern "C" int cuda_deltanet_conv_heads_yq(float *d_conv_state, const float *d_conv_w,
+                                           uint32_t K, const float *d_x, float *d_state,
+                                           const float *d_b, const float *d_alpha,
+                                           const float *d_a, const float *d_dt, const float *d_z,
+                                           const float *d_norm_w, float *d_y, int8_t *d_yq,
+                                           uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                                           bool tiled, float eps, cudaStream_t stream)
+{
+    if (!d_yq) {
+        log_error("cuda_deltanet_conv_heads_yq: no yq buffer");
+        return -EINVAL;
+    }
+    return dn_conv_heads(d_conv_state, d_conv_w, K, d_x, d_state, d_b, d_alpha, d_a, d_dt, d_z,
+                         d_norm_w, d_y, d_yq, nk, nv, dk, dv, tiled, eps, stream,
+                         "cuda_deltanet_conv_heads_yq");
 }
 
 /*

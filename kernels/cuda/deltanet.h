@@ -57,6 +57,22 @@ int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_
                              uint32_t nv, uint32_t dk, uint32_t dv, bool tiled, float eps,
                              cudaStream_t stream);
 
+/* cuda_deltanet_conv_heads that also writes y rounded for the int8 decode
+ * products into d_yq (mvq.h: cuda_mvq_xq_bytes(nv * dv) bytes, 16-byte
+ * aligned; levels, scales and sums of each block of 32 as cuda_mvq would
+ * round y), which the output product then copies (cuda_mvq_xq_tail) instead
+ * of rounding y in each of its blocks; y, the states and the yq's source
+ * values are those of cuda_deltanet_conv_heads. -ENOTSUP (nothing launched)
+ * where the launch's blocks would not hold whole blocks of 32 rows of a
+ * head (dv not a multiple of 32, or the split of the device leaves fewer
+ * or more than 32k <= 128 rows a block) or d_yq is unaligned. */
+int cuda_deltanet_conv_heads_yq(float *d_conv_state, const float *d_conv_w, uint32_t K,
+                                const float *d_x, float *d_state, const float *d_b,
+                                const float *d_alpha, const float *d_a, const float *d_dt,
+                                const float *d_z, const float *d_norm_w, float *d_y,
+                                int8_t *d_yq, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                                bool tiled, float eps, cudaStream_t stream);
+
 /* The layer's stacked decode input product (rows q | k | v | z | beta |
  * alpha of the weights w, type Q4_0 or Q8_0, rows of n elements, over the
  * normalised activation row x, as cuda_matvec computes it with the int8

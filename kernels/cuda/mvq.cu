@@ -516,16 +516,38 @@ extern "C" int cuda_mvq_norm(uint32_t type, const void *d_w, size_t row_bytes, u
     return dispatch(type, a, 1, stream);
 }
 
-extern "C" int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
-                           uint64_t n, const int8_t *d_xq, float *d_y, cudaStream_t stream)
+extern "C" bool cuda_mvq_xq_ok(uint32_t type, uint64_t n_rows, uint64_t n)
+{
+    return usable(type, n_rows, n, nullptr, n, n_rows, false);
+}
+
+extern "C" int cuda_mvq_xq_tail(uint32_t type, const void *d_w, size_t row_bytes,
+                                uint64_t n_rows, uint64_t n, const int8_t *d_xq, float *d_y,
+                                const struct cuda_tail *t, cudaStream_t stream)
 {
     MvqArgs a;
-    if (!d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16 || !cuda_mvq_pays(n, n_rows) ||
+    if (!d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16 ||
         !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
                     false, d_y, &a))
         return -ENOTSUP;
+    if (t && t->kind != CUDA_TAIL_NONE &&
+        (t->kind == CUDA_TAIL_COMBINE || t->kind == CUDA_TAIL_COMBINE_COLS ||
+         !cuda_tail_ok(t, n_rows))) {
+        log_error("cuda mvq xq: a tail of kind %d does not follow a product of %llu rows",
+                  static_cast<int>(t->kind), static_cast<unsigned long long>(n_rows));
+        return -EINVAL;
+    }
     a.xq = d_xq;
+    a.tail = tail_args(t, d_y, n_rows);
     return dispatch(type, a, 1, stream);
+}
+
+extern "C" int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                           uint64_t n, const int8_t *d_xq, float *d_y, cudaStream_t stream)
+{
+    if (!cuda_mvq_pays(n, n_rows))
+        return -ENOTSUP;
+    return cuda_mvq_xq_tail(type, d_w, row_bytes, n_rows, n, d_xq, d_y, NULL, stream);
 }
 
 extern "C" size_t cuda_mvq_xq_bytes(uint64_t n)

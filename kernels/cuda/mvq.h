@@ -19,6 +19,8 @@
 extern "C" {
 #endif
 
+struct cuda_tail;
+
 /* d_y[r] = W[r] . d_x; -ENOTSUP when this kernel does not take the case,
  * -EIO for a failed launch (logged). */
 int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
@@ -31,6 +33,17 @@ int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, 
  * these kernels (cuda_mvq_pays, the type) or d_xq is unaligned. */
 int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
                 const int8_t *d_xq, float *d_y, cudaStream_t stream);
+
+/* cuda_mvq_xq for any row length these kernels take (cuda_mvq_xq_ok),
+ * whether or not cuda_matvec would take them for the row (cuda_mvq_pays),
+ * followed by a tail (tail.h; not a combine: -EINVAL): the same bits as
+ * cuda_mvq_tail over the row the producer rounded (cuda_deltanet_conv_heads_yq
+ * writes the DeltaNet output product's input so). -ENOTSUP where the type or
+ * n rules these kernels out or d_xq is unaligned. */
+int cuda_mvq_xq_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                     uint64_t n, const int8_t *d_xq, float *d_y, const struct cuda_tail *t,
+                     cudaStream_t stream);
+bool cuda_mvq_xq_ok(uint32_t type, uint64_t n_rows, uint64_t n);
 
 /* Bytes of one such rounded row of n activations (n a multiple of 32). */
 size_t cuda_mvq_xq_bytes(uint64_t n);
@@ -80,7 +93,6 @@ int cuda_mvq_norm(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_r
                   cudaStream_t stream);
 
 /* cuda_mvq followed by a tail (tail.h; checked by the caller). */
-struct cuda_tail;
 int cuda_mvq_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
                   const float *d_x, float *d_y, const struct cuda_tail *t, cudaStream_t stream);
 

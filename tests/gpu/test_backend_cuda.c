@@ -65,7 +65,12 @@
  *     of before: byte-identical;
  *   - an 80b-a3b-shaped Q4_0 qwen3next of four layers: the decode input
  *     products reading the rows the combine rounded (xq) against rounding
- *     xa themselves (LAMINA_CUDA_XQ=0): byte-identical;
+ *     xa themselves (LAMINA_CUDA_XQ=0): byte-identical; the DeltaNet output
+ *     product over the y that conv + heads rounded (int8 kernels) against
+ *     the f32 kernels over y (LAMINA_CUDA_YQ=0): the prompt's logits the
+ *     same, the decode steps' changed (it ran), and no further from the
+ *     cpu backend's (max |diff| within twice that of the f32 kernels' +
+ *     1e-3 of the largest logit, over the rows whose arg-max agree);
  *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
@@ -696,14 +701,14 @@ static bool tbc_load(struct tbc_arch *a, const char *json)
 /* Kernels of the last decode step of the last tbc_greedy16 (backend stats). */
 static uint64_t tbc_step_kernels;
 
-/* Logits of a prompt of 6 tokens and 10 greedy decode steps (graph) of the
- * cuda backend on model m, into out (16 x vocab). */
-static int tbc_greedy16(const struct arch_model *m, float *out)
+/* Logits of a prompt of 6 tokens and 10 greedy decode steps (graph on
+ * cuda) of the backend `kind` on model m, into out (16 x vocab). */
+static int tbc_greedy16_on(const char *kind, const struct arch_model *m, float *out)
 {
     const uint32_t n = m->hp.n_embd, V = m->hp.n_vocab;
     struct backend_config bc = {.model = m, .layer_begin = 0, .layer_end = m->hp.n_layer,
                                 .n_threads = 2, .n_ctx = 64, .max_batch = 8};
-    struct backend *b = backend_create("cuda", &bc);
+    struct backend *b = backend_create(kind, &bc);
     if (!b)
         return -1;
     float *h = malloc(6 * (size_t)n * sizeof(float));
@@ -730,6 +735,23 @@ static int tbc_greedy16(const struct arch_model *m, float *out)
     free(h);
     backend_destroy(b);
     return rc;
+}
+
+static int tbc_greedy16(const struct arch_model *m, float *out)
+{
+    return tbc_greedy16_on("cuda", m, out);
+}
+
+/* Rows of two 16 x V logit sets compared against a reference: up to and
+ * including the first row where either's arg-max leaves the reference's
+ * (the tokens fed after it may differ). */
+static int tbc_rows_agreeing(const float *ref, const float *a, const float *b, uint32_t V)
+{
+    for (int r = 0; r < 16; r++)
+        if (tbc_argmax(a + (size_t)r * V, V) != tbc_argmax(ref + (size_t)r * V, V) ||
+            tbc_argmax(b + (size_t)r * V, V) != tbc_argmax(ref + (size_t)r * V, V))
+            return r + 1;
+    return 16;
 }
 
 /* A synthetic qwen3next model (synth_write) at path, loaded: the model, its
@@ -883,6 +905,35 @@ static void tbc_xq(void)
               a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
         MEASURE("xq (Q4_0 80b-a3b shape, 4 layers, 6 prompt + 10 decode steps): logits "
                 "byte-identical to the input products rounding xa themselves");
+        /* yq: the DeltaNet output product over the rounded y of conv + heads
+         * (int8 kernels) where it had taken the f32 kernels (rows of 4096,
+         * LAMINA_CUDA_YQ=0): other bits in the decode steps, no further from
+         * the cpu backend than those */
+        const uint32_t V = m->hp.n_vocab;
+        float *c = malloc(sz), *cpu = malloc(sz);
+        setenv("LAMINA_CUDA_YQ", "0", 1);
+        CHECK(c && tbc_greedy16(m, c) == 0, "cuda run, without yq");
+        unsetenv("LAMINA_CUDA_YQ");
+        CHECK(cpu && tbc_greedy16_on("cpu", m, cpu) == 0, "cpu run");
+        if (a && c && cpu) {
+            CHECK(!memcmp(a, c, 6 * (size_t)V * sizeof(float)) &&
+                  memcmp(a + 6 * (size_t)V, c + 6 * (size_t)V, 10 * (size_t)V * sizeof(float)),
+                  "yq: LAMINA_CUDA_YQ=0 should change the decode steps only (the product's "
+                  "kernels), and it must change them");
+            const int rows = tbc_rows_agreeing(cpu, a, c, V);
+            double mag = 0.0;
+            for (size_t i = 0; i < (size_t)rows * V; i++)
+                mag = fmax(mag, fabs(cpu[i]));
+            const double d_yq = tbc_maxdiff(a, cpu, (size_t)rows * V);
+            const double d_off = tbc_maxdiff(c, cpu, (size_t)rows * V);
+            CHECK(rows > 8, "yq: the greedy tokens left the cpu's after %d rows", rows);
+            CHECK(d_yq <= 2.0 * d_off + 1e-3 * mag, "yq: max |cuda - cpu| %.3g against %.3g "
+                  "with LAMINA_CUDA_YQ=0 (max |logit| %.3g)", d_yq, d_off, mag);
+            MEASURE("yq (Q4_0 80b-a3b shape, 4 layers, %d rows with the cpu's arg-max): max "
+                    "|cuda - cpu| %.3g, %.3g with LAMINA_CUDA_YQ=0 (max |logit| %.3g)", rows,
+                    d_yq, d_off, mag);
+        }
+        free(c), free(cpu);
         free(a), free(b);
     }
     arch_free(m);

@@ -28,7 +28,11 @@
  *     blocks (LAMINA_CUDA_DN_SPLIT 1: the launcher's choice; 2, 4, 8 forced),
  *     all ten bit for bit equal to conv then heads with one block per head;
  *     also dk != dv (64/128, 128/64, 128/96, 32/48; K = 3), grouped and
- *     tiled. The 80b shape also with CUDA graphs of 36 chained launches each
+ *     tiled. The fused ways also write y rounded for the int8 products
+ *     (cuda_deltanet_conv_heads_yq) wherever the launcher takes it (dv a
+ *     multiple of 32, whole blocks of 32 rows a block; one block per head
+ *     must): y and states still equal, the rounded row equal to the host's
+ *     rounding of y (tests/gpu/xq_check.h). The 80b shape also with CUDA graphs of 36 chained launches each
  *     way, one block per head and split, and eager (median of 5 x 50 steps)
  *     every way.
  *   - cuda_deltanet_heads for TDC_SPLIT_S tokens per call, split (auto, 2,
@@ -57,7 +61,9 @@
 #include "kernels/cpu/deltanet.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/deltanet.h"
+#include "kernels/cuda/mvq.h"
 #include "tests/check.h"
+#include "tests/gpu/xq_check.h"
 
 #define TDC_TOL_STEP 1e-4  /* max |gpu - cpu token by token|, outputs and state */
 #define TDC_TOL_CHUNK 1e-3 /* max |gpu - cpu chunked prefill| */
@@ -548,15 +554,29 @@ struct tdc_fused {
     struct tdc_bufs *t;
     uint32_t K;
     float *d_x, *d_w, *d_cs[TDC_WAYS], *d_st[TDC_WAYS], *d_y[TDC_WAYS];
+    int8_t *d_yq[TDC_WAYS]; /* fused ways, where vd % 32 == 0: y rounded (conv_heads_yq) */
+    bool yq[TDC_WAYS];      /* the way's last step wrote d_yq */
+    uint32_t yq_checked;    /* steps x ways whose yq was checked */
 };
 
 /* One decode step one way on stream s, under the split setting the caller
- * set: conv then heads (even ways) or the fused launch (odd ways). */
-static int tdc_fused_step(const struct tdc_fused *f, int way, cudaStream_t s)
+ * set: conv then heads (even ways) or the fused launch (odd ways; with the
+ * rounded y where the way has a yq buffer and the launcher takes it). */
+static int tdc_fused_step(struct tdc_fused *f, int way, cudaStream_t s)
 {
     const struct tdc_case *c = f->c;
     const struct tdc_bufs *t = f->t;
     const uint32_t C = (uint32_t)t->ud;
+    f->yq[way] = false;
+    if (way % 2 && f->d_yq[way]) {
+        const int rc = cuda_deltanet_conv_heads_yq(
+            f->d_cs[way], f->d_w, f->K, f->d_x, f->d_st[way], t->d_b, t->d_alpha, t->d_a, t->d_dt,
+            t->d_z, t->d_nw, f->d_y[way], f->d_yq[way], c->nk, c->nv, c->dk, c->dv, c->tiled,
+            1e-6f, s);
+        f->yq[way] = rc == 0;
+        if (rc != -ENOTSUP)
+            return rc;
+    }
     if (way % 2)
         return cuda_deltanet_conv_heads(f->d_cs[way], f->d_w, f->K, f->d_x, f->d_st[way], t->d_b,
                                         t->d_alpha, t->d_a, t->d_dt, t->d_z, t->d_nw, f->d_y[way],
@@ -589,7 +609,7 @@ static void tdc_sort(float *x, int n)
 /* Median us of a graph of `layers` decode steps one way (each step on its
  * own state, as the layers of a model), after warm-up; captured under the
  * split setting the caller set. */
-static double tdc_fused_graph_us(const struct tdc_fused *f, int way, uint32_t layers)
+static double tdc_fused_graph_us(struct tdc_fused *f, int way, uint32_t layers)
 {
     cudaStream_t s;
     cudaGraph_t g = NULL;
@@ -629,7 +649,7 @@ static double tdc_fused_graph_us(const struct tdc_fused *f, int way, uint32_t la
 /* Us per decode step one way, eager on stream 0 under the split setting the
  * caller set: 5 warm-up steps, then the median of 5 runs of 50 steps between
  * two events; -1 on a failure. */
-static double tdc_fused_eager_us(const struct tdc_fused *f, int way)
+static double tdc_fused_eager_us(struct tdc_fused *f, int way)
 {
     cudaEvent_t e0, e1;
     float ms[5];
@@ -659,7 +679,7 @@ static double tdc_fused_eager_us(const struct tdc_fused *f, int way)
 
 /* The timings of tdc_fused_run at the 80b shape: graphs of 36 layers' steps
  * (one block per head and split), and eager steps every way. */
-static void tdc_fused_timing(const struct tdc_fused *f)
+static void tdc_fused_timing(struct tdc_fused *f)
 {
     const struct tdc_case *c = f->c;
     double g[4], e[TDC_WAYS];
@@ -700,6 +720,8 @@ static bool tdc_fused_compare(struct tdc_fused *f, int step, size_t csn, float *
     for (int w = 0; w < TDC_WAYS; w++) {
         tdc_split(tdc_splits[w / 2]);
         *ok = *ok && tdc_ok(cudaMemset(f->d_y[w], w ? 0xfe : 0xff, vd * 4), "poison");
+        if (f->d_yq[w])
+            *ok = *ok && tdc_ok(cudaMemset(f->d_yq[w], 0xfe, cuda_mvq_xq_bytes(vd)), "poison");
         rc[w] = *ok ? tdc_fused_step(f, w, 0) : -1;
         CHECK(rc[w] == 0, "dk %u nk/nv %u/%u K %u way %d: launch returned %d", c->dk, c->nk,
               c->nv, f->K, w, rc[w]);
@@ -717,6 +739,25 @@ static bool tdc_fused_compare(struct tdc_fused *f, int step, size_t csn, float *
               tdc_splits[w / 2], y ? "" : "y ", s1 ? "" : "conv-state ", s2 ? "" : "state");
         all &= y && s1 && s2;
     }
+    /* the rounded y: the host's rounding of way 0's y (one block per head
+     * takes it wherever dv is a multiple of 32) */
+    CHECK(!*ok || c->dv % 32 || f->yq[1], "dk %u dv %u nk/nv %u/%u: the fused launch with one "
+          "block per head declined the rounded y", c->dk, c->dv, c->nk, c->nv);
+    const size_t xb = vd % 32 ? 0 : cuda_mvq_xq_bytes(vd);
+    uint8_t *hq = xb ? malloc(xb) : NULL;
+    for (int w = 1; w < TDC_WAYS && *ok && hq; w += 2) {
+        if (!f->yq[w])
+            continue;
+        *ok = tdc_ok(cudaMemcpy(ha, f->d_y[0], vd * 4, cudaMemcpyDeviceToHost), "dl") &&
+              tdc_ok(cudaMemcpy(hq, f->d_yq[w], xb, cudaMemcpyDeviceToHost), "dl");
+        const int bad = *ok ? xq_mismatches(ha, hq, (uint32_t)vd) : -1;
+        CHECK(bad == 0, "dk %u dv %u nk/nv %u/%u step %d: fused split %s: %d levels, scales or "
+              "sums of the rounded y differ from the host's rounding of y", c->dk, c->dv, c->nk,
+              c->nv, step, tdc_splits[w / 2], bad);
+        all &= bad == 0;
+        f->yq_checked++;
+    }
+    free(hq);
     return all;
 }
 
@@ -740,6 +781,9 @@ static void tdc_fused_run(const struct tdc_case *c, uint32_t K, uint64_t seed, b
         ok = tdc_ok(cudaMalloc((void **)&f.d_cs[i], csn * 4 + 4), "malloc") &&
              tdc_ok(cudaMalloc((void **)&f.d_st[i], t.st_n * 4), "malloc") &&
              tdc_ok(cudaMalloc((void **)&f.d_y[i], t.vd * 4), "malloc");
+    for (int i = 1; i < TDC_WAYS && ok && t.vd % 32 == 0; i += 2)
+        ok = tdc_ok(cudaMalloc((void **)&f.d_yq[i], cuda_mvq_xq_bytes(t.vd)), "malloc") &&
+             tdc_ok(cudaMemset(f.d_yq[i], 0xff, cuda_mvq_xq_bytes(t.vd)), "poison");
     ok = ok && tdc_start(c, &t, &r);
     if (ok) {
         tdc_fill(&r, w, C * K, -1.0f, 1.0f);
@@ -757,15 +801,16 @@ static void tdc_fused_run(const struct tdc_case *c, uint32_t K, uint64_t seed, b
     CHECK(ok, "dk %u dv %u nk/nv %u/%u K %u: fused comparison did not run", c->dk, c->dv, c->nk,
           c->nv, K);
     MEASURE("conv+heads dk=%u dv=%u nk/nv=%u/%u %s K=%u: %d of %d steps bit for bit equal, "
-            "fused and conv then heads, one block per head and split (auto, 2, 4, 8)", c->dk,
-            c->dv, c->nk, c->nv, c->tiled ? "tiled" : "grouped", K, steps, TDC_CALLS);
+            "fused and conv then heads, one block per head and split (auto, 2, 4, 8); rounded "
+            "y checked in %u fused launches", c->dk, c->dv, c->nk, c->nv,
+            c->tiled ? "tiled" : "grouped", K, steps, TDC_CALLS, f.yq_checked);
     if (ok && timed)
         tdc_fused_timing(&f);
     unsetenv("LAMINA_CUDA_DN_SPLIT");
     free(w), free(cs), free(ha), free(hb);
     cudaFree(f.d_x), cudaFree(f.d_w);
     for (int i = 0; i < TDC_WAYS; i++)
-        cudaFree(f.d_cs[i]), cudaFree(f.d_st[i]), cudaFree(f.d_y[i]);
+        cudaFree(f.d_cs[i]), cudaFree(f.d_st[i]), cudaFree(f.d_y[i]), cudaFree(f.d_yq[i]);
     tdc_free(&t);
 }
 

@@ -40,6 +40,7 @@
 #include "kernels/cuda/ops.h"
 #include "model/quant.h"
 #include "tests/check.h"
+#include "tests/gpu/xq_check.h"
 
 /* A failed CUDA call in the test harness itself ends the test. */
 #define CU(call)                                                                                   \
@@ -881,27 +882,7 @@ static void test_moe_combine(struct rng *r, uint32_t n)
                   "moe_combine_early %s with xq: h or y differs", names[variant]);
             int bad = 0;
             for (uint32_t t = 0; t < S; t++)
-                for (uint32_t b = 0; b < n / 32; b++) {
-                    const float *yb = hy3 + (size_t)t * n + b * 32;
-                    const uint8_t *row = hxq + t * xb;
-                    float amax = 0.0f, d, sc;
-                    for (int j = 0; j < 32; j++)
-                        amax = fmaxf(amax, fabsf(yb[j]));
-                    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-                    int qs = 0;
-                    for (int j = 0; j < 32; j++) {
-                        const int q = (int)nearbyintf(yb[j] * id);
-                        qs += q;
-                        bad += (int8_t)row[b * 32 + j] != q;
-                    }
-                    d = amax / 127.0f;
-                    sc = d * (float)qs;
-                    float gd, gs;
-                    memcpy(&gd, row + n + 4 * b, 4);
-                    memcpy(&gs, row + n + 4 * (n / 32) + 4 * b, 4);
-                    bad += memcmp(&gd, &d, 4) != 0;
-                    bad += memcmp(&gs, &sc, 4) != 0;
-                }
+                bad += xq_mismatches(hy3 + (size_t)t * n, hxq + t * xb, n);
             CHECK(bad == 0, "moe_combine_early %s: %d rounded levels or scales of xq differ "
                   "from the rounding of y", names[variant], bad);
             cudaFree(dxq);

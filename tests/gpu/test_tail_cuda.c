@@ -21,6 +21,10 @@
  *   - down + combine by rows (cuda_moe_down_combine, Q4_0 and Q8_0) against
  *     cuda_mvq_experts_glu then cuda_moe_combine, the shared expert as pair
  *     k or absent, gated or not, twice in a row on the same h: Y and h;
+ *   - cuda_mvq_xq_tail (the product over a row its producer rounded) over x
+ *     rounded on the host against cuda_mvq_tail over x, Q4_0 and Q8_0, rows
+ *     of 1024 to 8192, with the ADD_NORM tail and without: y, h and the
+ *     normalised row; an unaligned row and a combine tail refused;
  *   - cuda_matvec_norm (the norm inside the input product) against
  *     cuda_rmsnorm_wide then cuda_matvec, Q4_0 and Q8_0, with and without
  *     norm weights: y; -ENOTSUP where the kernels do not take it;
@@ -49,6 +53,7 @@
 #include "kernels/cuda/tail.h"
 #include "model/quant.h"
 #include "tests/gpu/gpu_check.h"
+#include "tests/gpu/xq_check.h"
 
 static int failures;
 
@@ -176,6 +181,78 @@ static void test_add_norm(uint32_t n, uint32_t n_in, unsigned int *ctr, struct r
     free(hx);
     free(hh);
     free(hw);
+}
+
+/* ---- the product over a row its producer rounded (cuda_mvq_xq_tail) -------- */
+
+/* cuda_mvq_xq_tail over x rounded here (tests/gpu/xq_check.h) against
+ * cuda_mvq_tail over x, with an ADD_NORM tail or none: y, h and the
+ * normalised row byte for byte, twice (the counter back at 0). */
+static void test_xq_tail(uint32_t type, uint32_t n, uint32_t n_in, bool tail, unsigned int *ctr,
+                         struct rng *r)
+{
+    char what[112];
+    void *W = dev_quant(type, n, n_in, r);
+    const size_t rb = quant_row_size(type, n_in), xb = cuda_mvq_xq_bytes(n_in);
+    float *hx = rand_floats(n_in, r), *hh = rand_floats(n, r), *hw = rand_floats(n, r);
+    for (uint32_t j = 0; j < n_in; j += 97)
+        hx[j] *= 40.0f; /* a few large values: blocks of unequal scales */
+    uint8_t *hq = xmalloc(xb);
+    xq_round(hx, hq, n_in);
+    float *x = dev_floats(hx, n_in), *nw = dev_floats(hw, n);
+    int8_t *xq;
+    CU(cudaMalloc((void **)&xq, xb));
+    CU(cudaMemcpy(xq, hq, xb, cudaMemcpyHostToDevice));
+    float *h[2], *y[2], *out[2];
+    struct cuda_tail t[2];
+    for (int i = 0; i < 2; i++) {
+        h[i] = dev_floats(hh, n);
+        y[i] = dev_floats(hh, n);
+        out[i] = dev_floats(hh, n);
+        poison(y[i], n * sizeof(float));
+        poison(out[i], n * sizeof(float));
+        t[i] = (struct cuda_tail){.kind = CUDA_TAIL_ADD_NORM, .counter = ctr, .n = n,
+                                  .eps = 1e-6f, .h = h[i], .norm_w = nw, .out = out[i]};
+    }
+    int rc0 = 0, rc1 = 0;
+    for (int rep = 0; rep < 2; rep++) {
+        rc0 = rc0 ? rc0 : cuda_mvq_tail(type, W, rb, n, n_in, x, y[0], tail ? &t[0] : NULL, 0);
+        rc1 = rc1 ? rc1 : cuda_mvq_xq_tail(type, W, rb, n, n_in, xq, y[1], tail ? &t[1] : NULL, 0);
+    }
+    CU(cudaDeviceSynchronize());
+    CHECK(rc0 == 0 && rc1 == 0, "xq_tail %s %u x %u: rc %d (over x) %d (over xq)",
+          quant_type_name(type), n, n_in, rc0, rc1);
+    snprintf(what, sizeof(what), "xq_tail %s %u x %u%s: y", quant_type_name(type), n, n_in,
+             tail ? " + add_norm" : "");
+    bool ok = same(y[0], y[1], n * sizeof(float), what);
+    if (tail) {
+        snprintf(what, sizeof(what), "xq_tail %s %u x %u: h", quant_type_name(type), n, n_in);
+        ok &= same(h[0], h[1], n * sizeof(float), what);
+        snprintf(what, sizeof(what), "xq_tail %s %u x %u: norm", quant_type_name(type), n, n_in);
+        ok &= same(out[0], out[1], n * sizeof(float), what);
+    }
+    CHECK(counter_value(ctr) == 0, "xq_tail: counter %u after the launches", counter_value(ctr));
+    printf("xq_tail %s %u x %u%s: %s\n", quant_type_name(type), n, n_in,
+           tail ? " + add_norm" : "", ok && rc0 == 0 && rc1 == 0 ? "identical" : "DIFFERENT");
+    /* refused: an unaligned row (-ENOTSUP), a combine tail (-EINVAL) */
+    rc1 = cuda_mvq_xq_tail(type, W, rb, n, n_in, xq + 8, y[1], NULL, 0);
+    CHECK(rc1 == -ENOTSUP, "xq_tail: an unaligned row gave %d", rc1);
+    const struct cuda_tail bad = {.kind = CUDA_TAIL_COMBINE, .counter = ctr, .n = n};
+    rc1 = cuda_mvq_xq_tail(type, W, rb, n, n_in, xq, y[1], &bad, 0);
+    CHECK(rc1 == -EINVAL, "xq_tail: a combine tail gave %d", rc1);
+    for (int i = 0; i < 2; i++) {
+        cudaFree(h[i]);
+        cudaFree(y[i]);
+        cudaFree(out[i]);
+    }
+    cudaFree(W);
+    cudaFree(x);
+    cudaFree(xq);
+    cudaFree(nw);
+    free(hx);
+    free(hh);
+    free(hw);
+    free(hq);
 }
 
 /* ---- TOPK ------------------------------------------------------------------ */
@@ -820,6 +897,13 @@ int main(void)
         test_add_norm(ns[i], 1024, ctr, &r);
         test_add_norm(ns[i], 4096, ctr, &r);
     }
+    /* the DeltaNet output product of the 80b shape and others (row lengths
+     * the f32 kernels would otherwise take, and shorter) */
+    test_xq_tail(QUANT_TYPE_Q4_0, 2048, 4096, true, ctr, &r);
+    test_xq_tail(QUANT_TYPE_Q8_0, 2048, 4096, true, ctr, &r);
+    test_xq_tail(QUANT_TYPE_Q4_0, 3072, 8192, true, ctr, &r);
+    test_xq_tail(QUANT_TYPE_Q4_0, 512, 1024, true, ctr, &r);
+    test_xq_tail(QUANT_TYPE_Q8_0, 1000, 4096, false, ctr, &r);
     test_topk(8, 2, 64, ctr, &r);
     test_topk(64, 8, 1024, ctr, &r);
     test_topk(128, 8, 2048, ctr, &r);
