@@ -32,9 +32,9 @@
  *     (cuda_deltanet_conv_heads_yq) wherever the launcher takes it (dv a
  *     multiple of 32, whole blocks of 32 rows a block; one block per head
  *     must): y and states still equal, the rounded row equal to the host's
- *     rounding of y (tests/gpu/xq_check.h). The 80b shape also with CUDA graphs of 36 chained launches each
- *     way, one block per head and split, and eager (median of 5 x 50 steps)
- *     every way.
+ *     rounding of y (tests/gpu/xq_check.h). The 80b shape also with CUDA
+ *     graphs of 36 chained launches each way, one block per head and split,
+ *     and eager (median of 5 x 50 steps) every way.
  *   - cuda_deltanet_heads for TDC_SPLIT_S tokens per call, split (auto, 2,
  *     4, 8) against one block per head: outputs and state bit for bit over
  *     TDC_CALLS calls, seven shapes (dk 16..128, dv 16..128, grouped and
