@@ -64,7 +64,7 @@
  * of the range normalises h itself). The int8 decode products keep their
  * activation rounding off the path after their PDL waits: the gate/up
  * product rounds its input (written two launches back) before its wait
- * (LAMINA_CUDA_X_EARLY=0: after), and on sm_90 the early combine also writes
+ * (LAMINA_CUDA_X_EARLY=0: after), and the early combine also writes
  * the next layer's input rounded (c->xq), which that layer's q|k|v or
  * DeltaNet input product copies (cuda_mvq_xq; LAMINA_CUDA_XQ=0: each block
  * rounds xa): the same bits either way. Conv + heads also write y rounded

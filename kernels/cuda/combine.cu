@@ -17,11 +17,13 @@
  * those threads as a thread block cluster of 2 to 8 blocks per token
  * (moe_combine_cluster_kernel: the same bits, its loads over several SMs;
  * 2 % more decode tokens a second on an H200, LAMINA_CUDA_COMBINE_CLUSTER=0
- * takes it back); with the next norm it can also write that norm's output
- * rounded to int8 per block of 32 as the int8 decode products round their
- * activations (xq, mvq.cuh's round_block on the values it stores in y; a
- * warp's 32 columns are one block), so that the next layer's input product
- * copies it instead of rounding y in each of its blocks. Products and sums
+ * takes it back); with the next norm either form can also write that
+ * norm's output rounded to int8 per block of 32 as the int8 decode products
+ * round their activations (xq, mvq.cuh's round_block on the values it
+ * stores in y; a warp's 32 columns are one block), so that the next layer's
+ * input product copies it instead of rounding y in each of its blocks (an
+ * H200's 80b-a3b decode, one block a token: 7.2 us a layer with xq, 5.8
+ * without, the input product then 4.9 against 8.5). Products and sums
  * are rounded separately (__fmul_rn / __fadd_rn, no FMA) in the CPU's order,
  * so without the shared-expert gate the result is bit-identical to the
  * CPU's; the gate's dot product is a fixed block tree, so it differs from
@@ -76,7 +78,7 @@ template <bool NORM, bool EARLY>
 static __global__ void __launch_bounds__(1024)
     moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
                             const float *gate, const float *f, uint32_t n, const float *nw,
-                            float eps, float *y)
+                            float eps, float *y, int8_t *xq)
 {
     __shared__ float s_tmp[32];
     if (threadIdx.x == 0 && blockIdx.x == 0) { /* weights: in L2 before the wait */
@@ -150,12 +152,18 @@ static __global__ void __launch_bounds__(1024)
             return;
         sum = ops_block_sum(sum, s_tmp);
         const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+        /* xq as the cluster form writes it (a warp's columns are one block) */
+        int8_t *xl = xq ? xq + s * mvq::xq_row_bytes(n) : nullptr;
+        float *xd = xq ? reinterpret_cast<float *>(xl + n) : nullptr;
 #pragma unroll
         for (uint32_t c = 0; c < kCombineCols; c++) {
             const uint32_t j = threadIdx.x + c * blockDim.x;
             if (j < n) {
                 const float v = hv[c] * scale;
-                y[s * n + j] = nw ? v * nwv[c] : v;
+                const float out = nw ? v * nwv[c] : v;
+                y[s * n + j] = out;
+                if (xq)
+                    mvq::round_block(out, j / 32, true, xl, xd, xd + n / 32);
             }
         }
         return;
@@ -310,9 +318,10 @@ static __global__ void __launch_bounds__(kClusterThreads)
 
 /* The blocks of moe_combine_cluster_kernel's cluster for n columns and k
  * expert rows, or 0 where it does not serve: a device before sm_90,
- * LAMINA_CUDA_COMBINE_CLUSTER=0, the loop path of the one-block kernel
- * (more than kCombineCols columns a thread, more than kCombineK rows), a
- * block width that is not a whole number (2 to 8) of cluster blocks. */
+ * LAMINA_CUDA_COMBINE_CLUSTER=0 (read at each launch), the loop path of the
+ * one-block kernel (more than kCombineCols columns a thread, more than
+ * kCombineK rows), a block width that is not a whole number (2 to 8) of
+ * cluster blocks. */
 static unsigned combine_cluster_size(uint32_t n, uint32_t k)
 {
     const char *env = getenv("LAMINA_CUDA_COMBINE_CLUSTER");
@@ -382,11 +391,11 @@ static void combine_launch(float *d_h, const float *d_Y, const float *d_w, uint3
                            (const float *)nullptr, 0.0f, (float *)nullptr, (int8_t *)nullptr);
     else if (d_y)
         pdl_launch(moe_combine_norm_kernel<true, EARLY>, S, cuda_norm_wide_threads(n), 0, stream,
-                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y);
+                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y, d_xq);
     else
         pdl_launch(moe_combine_norm_kernel<false, EARLY>, S, cuda_norm_wide_threads(n), 0,
                    stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr,
-                   0.0f, (float *)nullptr);
+                   0.0f, (float *)nullptr, (int8_t *)nullptr);
 }
 
 extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
@@ -419,7 +428,8 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
 
 extern "C" bool cuda_moe_combine_xq_ok(uint32_t n, uint32_t k)
 {
-    return n % 32 == 0 && combine_cluster_size(n, k) > 0;
+    /* the one-round path of either form (the cluster's serves where that does) */
+    return n % 32 == 0 && n <= kCombineCols * cuda_norm_wide_threads(n) && k <= kCombineK;
 }
 
 extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
@@ -432,7 +442,7 @@ extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float 
                            d_shexp_gate, d_f, n, S);
     if (!rc && d_xq && (!d_y || (uintptr_t)d_xq % 16 || !cuda_moe_combine_xq_ok(n, k))) {
         log_error("cuda_moe_combine_early: xq %p asked without the norm, unaligned or where "
-                  "the cluster form does not serve (n %u, k %u)", (void *)d_xq, n, k);
+                  "the one-round combine does not serve (n %u, k %u)", (void *)d_xq, n, k);
         rc = -EINVAL;
     }
     if (rc || S == 0)

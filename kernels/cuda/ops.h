@@ -134,9 +134,11 @@ int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint3
                            uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
                            int8_t *d_xq, cudaStream_t stream);
 
-/* Whether cuda_moe_combine_early can write xq for n columns and k experts on
- * the current device: n a multiple of 32 and the cluster form serving (sm_90,
- * LAMINA_CUDA_COMBINE_CLUSTER not "0", n and k within its one-round path). */
+/* Whether cuda_moe_combine_early can write xq for n columns and k experts:
+ * n a multiple of 32 and within the kernels' one-round path (at most two
+ * columns a thread of cuda_norm_wide_threads(n), k <= 16). Either form (a
+ * cluster a token on sm_90, or one block: before sm_90 or with
+ * LAMINA_CUDA_COMBINE_CLUSTER=0) writes it. */
 bool cuda_moe_combine_xq_ok(uint32_t n, uint32_t k);
 
 /* Greedy sampling: d_out[s] = argmax of logits row s (ties: lowest id). */

@@ -864,8 +864,13 @@ static void test_moe_combine(struct rng *r, uint32_t n)
         dev_download(hy3, df3, hn * 4);
         CHECK(!memcmp(he3, hh, hn * 4) && !memcmp(hy3, hy2, hn * 4),
               "moe_combine_early %s with norm differs from moe_combine_norm", names[variant]);
-        /* with the rounded rows (xq) too: y the same bits, xq the int8 rounding of y */
-        if (cuda_moe_combine_xq_ok(n, k)) {
+        /* with the rounded rows (xq) too: y the same bits, xq the int8 rounding of y;
+         * one block a token, then the cluster form (sm_90, where it serves) */
+        for (int form = 0; form < 2 && cuda_moe_combine_xq_ok(n, k); form++) {
+            if (form)
+                unsetenv("LAMINA_CUDA_COMBINE_CLUSTER");
+            else
+                setenv("LAMINA_CUDA_COMBINE_CLUSTER", "0", 1);
             const size_t xb = cuda_mvq_xq_bytes(n);
             uint8_t *dxq = NULL, *hxq = xmalloc(S * xb);
             CU(cudaMalloc((void **)&dxq, S * xb));
@@ -879,14 +884,17 @@ static void test_moe_combine(struct rng *r, uint32_t n)
             dev_download(hy3, df3, hn * 4);
             CU(cudaMemcpy(hxq, dxq, S * xb, cudaMemcpyDeviceToHost));
             CHECK(!memcmp(he3, hh, hn * 4) && !memcmp(hy3, hy2, hn * 4),
-                  "moe_combine_early %s with xq: h or y differs", names[variant]);
+                  "moe_combine_early %s with xq (%s): h or y differs", names[variant],
+                  form ? "cluster" : "one block");
             int bad = 0;
             for (uint32_t t = 0; t < S; t++)
                 bad += xq_mismatches(hy3 + (size_t)t * n, hxq + t * xb, n);
-            CHECK(bad == 0, "moe_combine_early %s: %d rounded levels or scales of xq differ "
-                  "from the rounding of y", names[variant], bad);
+            CHECK(bad == 0, "moe_combine_early %s (%s): %d rounded levels or scales of xq "
+                  "differ from the rounding of y", names[variant], form ? "cluster" : "one block",
+                  bad);
             cudaFree(dxq);
             free(hxq);
+            unsetenv("LAMINA_CUDA_COMBINE_CLUSTER");
         }
         cudaFree(df3);
         free(he3), free(hy3);
