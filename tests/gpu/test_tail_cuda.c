@@ -124,6 +124,33 @@ static unsigned int counter_value(const unsigned int *d)
 
 /* ---- ADD_NORM -------------------------------------------------------------- */
 
+/* The reference's [0] and the fused launch's [1] residual row h, product
+ * output y and norm output, each from the host row hh of n (y and the norm
+ * output poisoned). */
+struct norm_pair {
+    float *h[2], *y[2], *out[2];
+};
+
+static void norm_pair_make(struct norm_pair *p, const float *hh, uint32_t n)
+{
+    for (int i = 0; i < 2; i++) {
+        p->h[i] = dev_floats(hh, n);
+        p->y[i] = dev_floats(hh, n);
+        p->out[i] = dev_floats(hh, n);
+        poison(p->y[i], n * sizeof(float));
+        poison(p->out[i], n * sizeof(float));
+    }
+}
+
+static void norm_pair_free(struct norm_pair *p)
+{
+    for (int i = 0; i < 2; i++) {
+        cudaFree(p->h[i]);
+        cudaFree(p->y[i]);
+        cudaFree(p->out[i]);
+    }
+}
+
 static void test_add_norm(uint32_t n, uint32_t n_in, unsigned int *ctr, struct rng *r)
 {
     char what[96];
@@ -131,14 +158,9 @@ static void test_add_norm(uint32_t n, uint32_t n_in, unsigned int *ctr, struct r
     const size_t rb = quant_row_size(QUANT_TYPE_Q4_0, n_in);
     float *hx = rand_floats(n_in, r), *hh = rand_floats(n, r), *hw = rand_floats(n, r);
     float *x = dev_floats(hx, n_in), *nw = dev_floats(hw, n);
-    float *h[2], *y[2], *out[2];
-    for (int i = 0; i < 2; i++) {
-        h[i] = dev_floats(hh, n);
-        y[i] = dev_floats(hh, n);
-        out[i] = dev_floats(hh, n);
-        poison(y[i], n * sizeof(float));
-        poison(out[i], n * sizeof(float));
-    }
+    struct norm_pair p;
+    norm_pair_make(&p, hh, n);
+    float *const *h = p.h, *const *y = p.y, *const *out = p.out;
     const float eps = 1e-6f;
     int rc = cuda_matvec(QUANT_TYPE_Q4_0, W, rb, n, n_in, x, y[0], 0);
     rc = rc ? rc : cuda_add_rmsnorm(h[0], y[0], out[0], nw, n, 1, eps, 0);
@@ -170,11 +192,7 @@ static void test_add_norm(uint32_t n, uint32_t n_in, unsigned int *ctr, struct r
           counter_value(ctr));
     printf("add_norm n %u n_in %u (%s): %s\n", n, n_in, n_in <= 2048 ? "int8 kernel" : "f32 kernel",
            ok ? "identical" : "DIFFERENT");
-    for (int i = 0; i < 2; i++) {
-        cudaFree(h[i]);
-        cudaFree(y[i]);
-        cudaFree(out[i]);
-    }
+    norm_pair_free(&p);
     cudaFree(W);
     cudaFree(x);
     cudaFree(nw);
@@ -203,17 +221,13 @@ static void test_xq_tail(uint32_t type, uint32_t n, uint32_t n_in, bool tail, un
     int8_t *xq;
     CU(cudaMalloc((void **)&xq, xb));
     CU(cudaMemcpy(xq, hq, xb, cudaMemcpyHostToDevice));
-    float *h[2], *y[2], *out[2];
+    struct norm_pair p;
+    norm_pair_make(&p, hh, n);
+    float *const *h = p.h, *const *y = p.y, *const *out = p.out;
     struct cuda_tail t[2];
-    for (int i = 0; i < 2; i++) {
-        h[i] = dev_floats(hh, n);
-        y[i] = dev_floats(hh, n);
-        out[i] = dev_floats(hh, n);
-        poison(y[i], n * sizeof(float));
-        poison(out[i], n * sizeof(float));
+    for (int i = 0; i < 2; i++)
         t[i] = (struct cuda_tail){.kind = CUDA_TAIL_ADD_NORM, .counter = ctr, .n = n,
                                   .eps = 1e-6f, .h = h[i], .norm_w = nw, .out = out[i]};
-    }
     int rc0 = 0, rc1 = 0;
     for (int rep = 0; rep < 2; rep++) {
         rc0 = rc0 ? rc0 : cuda_mvq_tail(type, W, rb, n, n_in, x, y[0], tail ? &t[0] : NULL, 0);
@@ -240,11 +254,7 @@ static void test_xq_tail(uint32_t type, uint32_t n, uint32_t n_in, bool tail, un
     const struct cuda_tail bad = {.kind = CUDA_TAIL_COMBINE, .counter = ctr, .n = n};
     rc1 = cuda_mvq_xq_tail(type, W, rb, n, n_in, xq, y[1], &bad, 0);
     CHECK(rc1 == -EINVAL, "xq_tail: a combine tail gave %d", rc1);
-    for (int i = 0; i < 2; i++) {
-        cudaFree(h[i]);
-        cudaFree(y[i]);
-        cudaFree(out[i]);
-    }
+    norm_pair_free(&p);
     cudaFree(W);
     cudaFree(x);
     cudaFree(xq);
