@@ -71,7 +71,8 @@
  * (c->yq, cuda_deltanet_conv_heads_yq), and the DeltaNet output product
  * (with its add+norm tail) copies it on the int8 kernels (cuda_mvq_xq_tail)
  * where its row of nv * dv would otherwise have gone to the f32 kernels
- * (cuda_mvq_pays); LAMINA_CUDA_YQ=0 takes it back. The shared expert (gate|up, down) runs
+ * (cuda_mvq_pays); the attention's combine does the same for the attention
+ * output product (cuda_attention_decode_at_xq); LAMINA_CUDA_YQ=0 takes both back. The shared expert (gate|up, down) runs
  * on a side stream, a parallel branch of the graph between a fork after
  * add+norm and a join before the combine. LAMINA_CUDA_GRAPHS=0 launches one
  * by one (diagnostics); LAMINA_CUDA_PROFILE=1 does too, with an event before
@@ -275,9 +276,11 @@ struct backend_cuda {
                                        * rounded for the int8 products (LAMINA_CUDA_XQ) */
     bool xq_ready;                    /* xq holds the input of the layer being enqueued */
     int8_t *xq;                       /* one row rounded as cuda_mvq_xq reads it */
-    bool yq_on;                       /* decode: conv + heads also write y rounded for the
-                                       * DeltaNet output product (LAMINA_CUDA_YQ) */
-    int8_t *yq;                       /* that row (nv * dv), as cuda_mvq_xq_tail reads it */
+    bool yq_on;                       /* decode: conv + heads, and the attention's combine,
+                                       * also write their output rounded for the output
+                                       * product (LAMINA_CUDA_YQ) */
+    int8_t *yq;                       /* that row (nv * dv or n_head * hd), as
+                                       * cuda_mvq_xq_tail reads it */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -689,7 +692,9 @@ static void cb_carve_scratch(struct backend_cuda *c)
     const size_t qkv1 = q_out + 2 * kvd, dn1 = cd + vd + 2 * nv;
     c->dec = cb_take(c, &off, qkv1 > dn1 ? qkv1 : dn1);
     c->xq = cb_take(c, &off, cuda_mvq_xq_bytes(n) / sizeof(float) + 1);
-    c->yq = vd ? cb_take(c, &off, cuda_mvq_xq_bytes(vd) / sizeof(float) + 1) : NULL;
+    /* the DeltaNet output product's row (nv * dv) or the attention's (n_head * hd) */
+    const size_t yqn = ((vd > hp->n_head * hd ? vd : hp->n_head * hd) + 31) / 32 * 32;
+    c->yq = cb_take(c, &off, cuda_mvq_xq_bytes(yqn) / sizeof(float) + 1);
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
@@ -1248,20 +1253,54 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
                                                       L->q_norm, L->k_norm, hp->eps, hp->n_rot,
                                                       hp->rope_base, L->kc, L->vc,
                                                       c->cfg.kv_f16, S, pos0, d_pos, c->stream));
-    if (S == 1)
-        rc = rc ? rc : CB_K(c, "attn.core", cuda_attention_decode_at(
-                                               q, g * hd, L->kc, L->vc, c->cfg.kv_f16, nh, nkv,
-                                               hd, c->d_pos, c->n_ctx, hp->attn_scale,
-                                               hp->attn_gated, c->att, c->attn_ws,
-                                               c->attn_ws_bytes, c->stream));
-    else
+    if (S == 1) {
+        /* the output also rounded for the output product where it takes it (cb_mm_yq) */
+        int8_t *aq = c->yq_on && cuda_mvq_xq_ok(L->wo.type, L->wo.n_out, L->wo.n_in) ? c->yq
+                                                                                     : NULL;
+        for (;;) {
+            rc = rc ? rc : CB_K(c, "attn.core", cuda_attention_decode_at_xq(
+                                                   q, g * hd, L->kc, L->vc, c->cfg.kv_f16, nh,
+                                                   nkv, hd, c->d_pos, c->n_ctx, hp->attn_scale,
+                                                   hp->attn_gated, c->att, aq, c->attn_ws,
+                                                   c->attn_ws_bytes, c->stream));
+            if (rc != -ENOTSUP || !aq)
+                break;
+            cb_unlaunch(c); /* not launched: the plain attention */
+            aq = NULL, rc = 0;
+        }
+        if (aq)
+            return rc ? rc : cb_mm_yq(c, "attn.out", &L->wo, aq, c->att, c->mix, tail);
+    } else {
         rc = rc ? rc : CB_K(c, "attn.core", cuda_attention(q, q_out, g * hd, L->kc, L->vc,
                                                           c->cfg.kv_f16, nh, nkv, hd, S, pos0,
                                                           hp->attn_scale, hp->attn_gated,
                                                           c->att, c->stream));
+    }
     if (tail)
         return rc ? rc : cb_mm_tail(c, "attn.out", &L->wo, c->att, c->mix, tail);
     return rc ? rc : cb_mm(c, "attn.out", &L->wo, c->att, (size_t)nh * hd, S, c->mix, n);
+}
+
+/* Layer L's decode conv + heads in one launch over the step's qkv, beta,
+ * alpha and z, y also rounded into *yq where *yq is not NULL and the launch
+ * takes it; where it does not, the plain launch and *yq = NULL. */
+static int cb_conv_heads(struct backend_cuda *c, const struct cb_layer *L, const float *qkv,
+                         const float *beta, const float *alpha, const float *z, int8_t **yq)
+{
+    const struct arch_hparams *hp = c->hp;
+    for (;;) {
+        const int rc = CB_K(c, "dn.conv_heads", cuda_deltanet_conv_heads_yq(
+                                                    L->conv_st, L->conv, hp->ssm_conv, qkv,
+                                                    L->ssm_st, beta, alpha, L->ssm_a,
+                                                    L->dt_bias, z, L->ssm_norm, c->y, *yq,
+                                                    hp->ssm_nk, hp->ssm_nv, hp->ssm_dk,
+                                                    hp->ssm_dv, hp->ssm_tiled, hp->eps,
+                                                    c->stream));
+        if (rc != -ENOTSUP || !*yq)
+            return rc;
+        cb_unlaunch(c); /* not launched: the plain conv + heads */
+        *yq = NULL;
+    }
 }
 
 static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
@@ -1300,28 +1339,10 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
     }
     if (S == 1 && c->fuse) { /* conv and heads in one launch */
         /* y also rounded for the output product where it takes it (cb_mm_yq) */
-        bool yq = !rc && c->yq_on && c->yq &&
-                  cuda_mvq_xq_ok(L->out.type, L->out.n_out, L->out.n_in);
-        if (yq) {
-            rc = CB_K(c, "dn.conv_heads", cuda_deltanet_conv_heads_yq(
-                                              L->conv_st, L->conv, hp->ssm_conv, qkv, L->ssm_st,
-                                              beta, alpha, L->ssm_a, L->dt_bias, z, L->ssm_norm,
-                                              c->y, c->yq, hp->ssm_nk, hp->ssm_nv, hp->ssm_dk,
-                                              hp->ssm_dv, hp->ssm_tiled, hp->eps, c->stream));
-            yq = rc != -ENOTSUP;
-            if (!yq) {
-                cb_unlaunch(c); /* not launched: the plain conv + heads below */
-                rc = 0;
-            }
-        }
-        if (!yq)
-            rc = rc ? rc : CB_K(c, "dn.conv_heads", cuda_deltanet_conv_heads(
-                                                        L->conv_st, L->conv, hp->ssm_conv, qkv,
-                                                        L->ssm_st, beta, alpha, L->ssm_a,
-                                                        L->dt_bias, z, L->ssm_norm, c->y,
-                                                        hp->ssm_nk, hp->ssm_nv, hp->ssm_dk,
-                                                        hp->ssm_dv, hp->ssm_tiled, hp->eps,
-                                                        c->stream));
+        int8_t *yq = c->yq_on && cuda_mvq_xq_ok(L->out.type, L->out.n_out, L->out.n_in)
+                         ? c->yq
+                         : NULL;
+        rc = rc ? rc : cb_conv_heads(c, L, qkv, beta, alpha, z, &yq);
         if (yq)
             return rc ? rc : cb_mm_yq(c, "dn.out", &L->out, c->yq, c->y, c->mix, tail);
         if (tail)

@@ -40,7 +40,9 @@
  * shared memory; with one split that is the output, else each block writes
  * its triple per row to a workspace and attn_combine_kernel merges the
  * splits in ascending order. Splits follow from the shape alone (the same
- * on every GPU): chunks of >= 64 positions, at most 512 blocks.
+ * on every GPU): chunks of >= 32 positions (one step of each warp of a
+ * block at 8 rows of f16: short contexts spread over more blocks), at most
+ * 512 blocks.
  *
  * Prefill (n_tok > 1): grid (token tile, kv head x head group, split). The
  * block's 8 warps own 64 rows (BQ = 64/NG tokens x NG heads); the block loads
@@ -60,6 +62,7 @@
 
 #include <cuda_fp16.h>
 
+#include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/ops_device.cuh"
 #include "kernels/cuda/pdl.cuh"
 
@@ -69,7 +72,7 @@ enum {
     ATTN_PREFILL_WARPS = 8,   /* warps per prefill block */
     ATTN_MAX_SPLITS = 512,    /* KV splits per row, at most */
     ATTN_MAX_BLOCKS = 512,    /* target grid size of the split decode */
-    ATTN_MIN_CHUNK = 64,      /* positions per decode split, at least */
+    ATTN_MIN_CHUNK = 32,      /* positions per decode split, at least */
     ATTN_TILE_BYTES = 32768,  /* prefill K + V tile in shared memory */
     ATTN_MAX_HD = 256,
 };
@@ -92,6 +95,9 @@ struct attn_args {
      * return an empty triple */
     const uint32_t *pos_ptr;
     uint32_t units;
+    /* decode: the output row (n_head * hd) also rounded for the int8 decode
+     * products (mvq::xq_row_bytes layout) by the combine kernel, or NULL */
+    int8_t *outq;
 };
 
 /* DPL consecutive elements of a K or V row (f16 or f32) as floats; zeros
@@ -313,10 +319,15 @@ static __device__ __forceinline__ float attn_row_sum(float l)
     return l;
 }
 
+static __device__ __forceinline__ float attn_gate_of(float g)
+{
+    return 1.0f / (1.0f + expf(-g));
+}
+
 static __device__ __forceinline__ float attn_gate(const struct attn_args &a, const float *qrow,
                                                   uint32_t d, float o)
 {
-    return a.gated ? o * (1.0f / (1.0f + expf(-qrow[a.hd + d]))) : o;
+    return a.gated ? o * attn_gate_of(qrow[a.hd + d]) : o;
 }
 
 static __device__ __forceinline__ uint32_t attn_dev_div_up(uint32_t a, uint32_t b)
@@ -632,23 +643,31 @@ static __global__ void __launch_bounds__(ATTN_PREFILL_WARPS * 32)
     }
 }
 
-/* Grid (row (t, h), 16-dim slice): merges the n_splits partial triples of
+/* Grid (row (t, h), 32-dim slice): merges the n_splits partial triples of
  * the row. 256 threads: thread (sl, q) sums splits sl, sl + 64, ... of dims
- * 4q .. 4q + 3 of the slice (float4 loads), then the 64 partial sums of each
- * dim are added in ascending sl and the gate applied. */
+ * 4q .. 4q + 3 and 16 + 4q .. 16 + 4q + 3 of the slice (float4 loads), then
+ * the 64 partial sums of each dim are added in ascending sl and the gate
+ * applied; with outq, the slice's first warp rounds its 32 outputs there
+ * (hd a multiple of 32, one token). */
 static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct attn_args a)
 {
     __shared__ float s_w[ATTN_MAX_SPLITS];
     __shared__ float s_tmp[32];
-    __shared__ float4 s_part[64][4];
-    pdl_wait();
-    pdl_trigger();
+    __shared__ float4 s_part[64][8];
+    /* before the wait: the position and the gate are inputs of the kernel
+     * that produced the partial triples, complete when this one starts */
     const uint32_t t = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head;
+    const uint32_t dd = blockIdx.y * 32 + threadIdx.x;
+    const float *qrow = a.q + (size_t)t * a.q_tok_stride + (size_t)h * a.q_head_stride;
     uint32_t n_splits = a.n_splits;
     if (a.pos_ptr) {
         uint32_t pos0, chunk;
         attn_decode_plan(a, &pos0, &chunk, &n_splits);
     }
+    const float gf = a.gated && threadIdx.x < 32 && dd < a.hd ? attn_gate_of(qrow[a.hd + dd])
+                                                               : 1.0f;
+    pdl_wait();
+    pdl_trigger();
     float mx = -INFINITY;
     for (uint32_t s = threadIdx.x; s < n_splits; s += blockDim.x)
         mx = fmaxf(mx, a.ws_ml[2 * attn_ws_row(a, s, t, h)]);
@@ -663,29 +682,41 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
     }
     const float L = ops_block_sum(lsum, s_tmp); /* its barriers publish s_w too */
     const uint32_t q = threadIdx.x % 4, sl = threadIdx.x / 4;
-    const uint32_t d = blockIdx.y * 16 + 4 * q;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (d < a.hd) {
+#pragma unroll
+    for (uint32_t half = 0; half < 2; half++) {
+        const uint32_t d = blockIdx.y * 32 + 16 * half + 4 * q;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (d < a.hd) {
 #pragma unroll 4
-        for (uint32_t s = sl; s < n_splits; s += 64) {
-            const float w = s_w[s];
-            const float4 x = *(const float4 *)&a.ws_acc[attn_ws_row(a, s, t, h) * a.hd + d];
-            acc.x += w * x.x;
-            acc.y += w * x.y;
-            acc.z += w * x.z;
-            acc.w += w * x.w;
+            for (uint32_t s = sl; s < n_splits; s += 64) {
+                const float w = s_w[s];
+                const float4 x = *(const float4 *)&a.ws_acc[attn_ws_row(a, s, t, h) * a.hd + d];
+                acc.x += w * x.x;
+                acc.y += w * x.y;
+                acc.z += w * x.z;
+                acc.w += w * x.w;
+            }
         }
+        s_part[sl][4 * half + q] = acc;
     }
-    s_part[sl][q] = acc;
     __syncthreads();
-    const uint32_t dd = blockIdx.y * 16 + threadIdx.x;
-    if (threadIdx.x >= 16 || dd >= a.hd)
+    if (threadIdx.x >= 32)
         return;
-    float A = 0.0f;
-    for (int i = 0; i < 64; i++)
-        A += ((const float *)&s_part[i][threadIdx.x / 4])[threadIdx.x % 4];
-    const float *qrow = a.q + (size_t)t * a.q_tok_stride + (size_t)h * a.q_head_stride;
-    a.out[((size_t)t * a.n_head + h) * a.hd + dd] = attn_gate(a, qrow, dd, A / L);
+    float o = 0.0f;
+    if (dd < a.hd) {
+        float A = 0.0f; /* the partials past n_splits are zeros: adding them changes nothing */
+        const uint32_t parts = n_splits < 64 ? n_splits : 64;
+        for (uint32_t i = 0; i < parts; i++)
+            A += ((const float *)&s_part[i][threadIdx.x / 4])[threadIdx.x % 4];
+        o = a.gated ? A / L * gf : A / L; /* attn_gate's product */
+        a.out[((size_t)t * a.n_head + h) * a.hd + dd] = o;
+    }
+    if (a.outq) { /* one token, hd % 32 == 0: the warp's 32 outputs are one block */
+        const size_t n = (size_t)a.n_head * a.hd;
+        float *sc = reinterpret_cast<float *>(a.outq + n);
+        mvq::round_block(o, (uint32_t)(((size_t)h * a.hd + blockIdx.y * 32) / 32), true, a.outq,
+                         sc, sc + n / 32);
+    }
 }
 
 /* ---- host side ---- */
@@ -859,7 +890,7 @@ static int attn_decode(const struct attn_args &a, bool f16, cudaStream_t stream)
                  : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
     rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
     if (!rc && a.n_splits > 1) {
-        pdl_launch(attn_combine_kernel, dim3(a.n_head, attn_div_up(a.hd, 16)), 256, 0, stream, a);
+        pdl_launch(attn_combine_kernel, dim3(a.n_head, attn_div_up(a.hd, 32)), 256, 0, stream, a);
         rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
     }
     return rc;
@@ -884,6 +915,18 @@ extern "C" int cuda_attention_decode_at(const float *d_q, size_t q_head_stride,
                                         bool gated, float *d_out, float *d_ws, size_t ws_bytes,
                                         cudaStream_t stream)
 {
+    return cuda_attention_decode_at_xq(d_q, q_head_stride, d_kcache, d_vcache, f16, n_head,
+                                       n_head_kv, hd, d_pos, max_kv, scale, gated, d_out, NULL,
+                                       d_ws, ws_bytes, stream);
+}
+
+extern "C" int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_stride,
+                                           const void *d_kcache, const void *d_vcache, bool f16,
+                                           uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
+                                           const uint32_t *d_pos, uint32_t max_kv, float scale,
+                                           bool gated, float *d_out, int8_t *d_outq,
+                                           float *d_ws, size_t ws_bytes, cudaStream_t stream)
+{
     int rc = attn_check(d_q, q_head_stride, d_kcache, d_vcache, n_head, n_head_kv, hd, 1,
                         max_kv ? max_kv - 1 : 0, gated, d_out);
     const size_t need = cuda_attention_decode_ws_bytes(n_head, n_head_kv, hd, max_kv);
@@ -895,9 +938,12 @@ extern "C" int cuda_attention_decode_at(const float *d_q, size_t q_head_stride,
     }
     if (rc)
         return rc;
+    if (d_outq && (hd % 32 || (uintptr_t)d_outq % 16))
+        return -ENOTSUP;
     struct attn_args a = attn_setup(d_q, 0, q_head_stride, d_kcache, d_vcache, n_head,
                                     n_head_kv, hd, 1, 0, scale, gated, d_out);
     a.pos_ptr = d_pos;
+    a.outq = d_outq;
     attn_plan_splits(&a, max_kv, a.units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
     /* grid: the most splits any position up to max_kv plans, at least two so
      * that the combine always runs (one split through the combine gives the
@@ -942,7 +988,7 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
             attn_launch_prefill<false>(a, dpl, grid, smem, stream);
         rc = OPS_LAUNCH_CHECK("cuda_attention");
         if (!rc && a.n_splits > 1) {
-            attn_combine_kernel<<<dim3(n_tok * n_head, attn_div_up(hd, 16)), 256, 0, stream>>>(a);
+            attn_combine_kernel<<<dim3(n_tok * n_head, attn_div_up(hd, 32)), 256, 0, stream>>>(a);
             rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
         }
     }

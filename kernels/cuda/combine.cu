@@ -74,6 +74,14 @@ static __global__ void silu_mul_kernel(const float *gu, uint32_t F, uint32_t row
 constexpr uint32_t kCombineCols = 2; /* columns per thread of the one-round path */
 constexpr uint32_t kCombineK = 16;   /* expert rows of the one-round path */
 
+/* Whether the one-round path serves n columns and k expert rows over a
+ * block (or a cluster) of `threads` threads. */
+static __host__ __device__ __forceinline__ bool combine_one_round(uint32_t n, uint32_t k,
+                                                                  uint32_t threads)
+{
+    return n <= kCombineCols * threads && k <= kCombineK;
+}
+
 template <bool NORM, bool EARLY>
 static __global__ void __launch_bounds__(1024)
     moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
@@ -97,7 +105,7 @@ static __global__ void __launch_bounds__(1024)
         return 1.0f / (1.0f + expf(-d));
     };
     float *hr = h + s * n;
-    if (n <= kCombineCols * blockDim.x && k <= kCombineK) { /* every load in flight at once */
+    if (combine_one_round(n, k, blockDim.x)) { /* every load in flight at once */
         __shared__ float s_w[kCombineK];
         float nwv[kCombineCols];
 #pragma unroll
@@ -329,7 +337,7 @@ static unsigned combine_cluster_size(uint32_t n, uint32_t k)
         return 0;
     const unsigned W = cuda_norm_wide_threads(n);
     int dev = 0, major = 0;
-    if (n > kCombineCols * W || k > kCombineK || W % kClusterThreads ||
+    if (!combine_one_round(n, k, W) || W % kClusterThreads ||
         W / kClusterThreads < 2 || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
         major < 9) {
@@ -429,7 +437,7 @@ extern "C" int cuda_moe_combine_norm(float *d_h, const float *d_Y, const float *
 extern "C" bool cuda_moe_combine_xq_ok(uint32_t n, uint32_t k)
 {
     /* the one-round path of either form (the cluster's serves where that does) */
-    return n % 32 == 0 && n <= kCombineCols * cuda_norm_wide_threads(n) && k <= kCombineK;
+    return n % 32 == 0 && combine_one_round(n, k, cuda_norm_wide_threads(n));
 }
 
 extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint32_t k,

@@ -1435,10 +1435,6 @@ extern "C" int cuda_deltanet_conv_heads_yq(float *d_conv_state, const float *d_c
                                            uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
                                            bool tiled, float eps, cudaStream_t stream)
 {
-    if (!d_yq) {
-        log_error("cuda_deltanet_conv_heads_yq: no yq buffer");
-        return -EINVAL;
-    }
     return dn_conv_heads(d_conv_state, d_conv_w, K, d_x, d_state, d_b, d_alpha, d_a, d_dt, d_z,
                          d_norm_w, d_y, d_yq, nk, nv, dk, dv, tiled, eps, stream,
                          "cuda_deltanet_conv_heads_yq");

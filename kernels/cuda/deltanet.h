@@ -65,7 +65,8 @@ int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_
  * values are those of cuda_deltanet_conv_heads. -ENOTSUP (nothing launched)
  * where the launch's blocks would not hold whole blocks of 32 rows of a
  * head (dv not a multiple of 32, or the split of the device leaves fewer
- * or more than 32k <= 128 rows a block) or d_yq is unaligned. */
+ * or more than 32k <= 128 rows a block) or d_yq is unaligned. d_yq NULL:
+ * cuda_deltanet_conv_heads. */
 int cuda_deltanet_conv_heads_yq(float *d_conv_state, const float *d_conv_w, uint32_t K,
                                 const float *d_x, float *d_state, const float *d_b,
                                 const float *d_alpha, const float *d_a, const float *d_dt,

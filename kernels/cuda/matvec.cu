@@ -1081,6 +1081,18 @@ extern "C" bool cuda_tail_ok(const struct cuda_tail *t, uint64_t n_out)
     return ok;
 }
 
+extern "C" bool cuda_tail_plain_ok(const struct cuda_tail *t, uint64_t n_out, const char *what)
+{
+    if (!t || t->kind == CUDA_TAIL_NONE)
+        return true;
+    if (t->kind != CUDA_TAIL_COMBINE && t->kind != CUDA_TAIL_COMBINE_COLS &&
+        cuda_tail_ok(t, n_out))
+        return true;
+    log_error("%s: a tail of kind %d does not follow a product of %llu rows", what,
+              static_cast<int>(t->kind), static_cast<unsigned long long>(n_out));
+    return false;
+}
+
 extern "C" int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes,
                                 uint64_t n_rows, uint64_t n, const float *d_x, float *d_y,
                                 const struct cuda_tail *t, cudaStream_t stream)
@@ -1088,12 +1100,8 @@ extern "C" int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes
     if (!t || t->kind == CUDA_TAIL_NONE)
         return cuda_matvec(type, d_w, row_bytes, n_rows, n, d_x, d_y, stream);
     const char *what = "cuda matvec_tail";
-    if (t->kind == CUDA_TAIL_COMBINE || t->kind == CUDA_TAIL_COMBINE_COLS ||
-        !cuda_tail_ok(t, n_rows)) {
-        log_error("%s: a tail of kind %d does not follow a product of %llu rows", what,
-                  static_cast<int>(t->kind), (unsigned long long)n_rows);
+    if (!cuda_tail_plain_ok(t, n_rows, what))
         return -EINVAL;
-    }
     int rc = check_weights(what, type, reinterpret_cast<uintptr_t>(d_w), row_bytes, n);
     if (rc)
         return rc;

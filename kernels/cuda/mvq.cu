@@ -530,13 +530,8 @@ extern "C" int cuda_mvq_xq_tail(uint32_t type, const void *d_w, size_t row_bytes
         !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
                     false, d_y, &a))
         return -ENOTSUP;
-    if (t && t->kind != CUDA_TAIL_NONE &&
-        (t->kind == CUDA_TAIL_COMBINE || t->kind == CUDA_TAIL_COMBINE_COLS ||
-         !cuda_tail_ok(t, n_rows))) {
-        log_error("cuda mvq xq: a tail of kind %d does not follow a product of %llu rows",
-                  static_cast<int>(t->kind), static_cast<unsigned long long>(n_rows));
+    if (!cuda_tail_plain_ok(t, n_rows, "cuda mvq xq"))
         return -EINVAL;
-    }
     a.xq = d_xq;
     a.tail = tail_args(t, d_y, n_rows);
     return dispatch(type, a, 1, stream);

@@ -85,6 +85,21 @@ int cuda_attention_decode_at(const float *d_q, size_t q_head_stride, const void 
                              bool gated, float *d_out, float *d_ws, size_t ws_bytes,
                              cudaStream_t stream);
 
+/* cuda_attention_decode_at that also writes the output row (n_head * hd
+ * floats) rounded for the int8 decode products into d_outq (mvq.h:
+ * cuda_mvq_xq_bytes(n_head * hd) bytes, 16-byte aligned; levels, scales and
+ * sums of each block of 32 as cuda_mvq would round the row), which the
+ * output product then copies (cuda_mvq_xq_tail) instead of rounding it in
+ * each of its blocks; d_out is the same. d_outq NULL: cuda_attention_decode_at.
+ * -ENOTSUP (nothing launched) where hd is not a multiple of 32 or d_outq is
+ * unaligned. */
+int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_stride, const void *d_kcache,
+                                const void *d_vcache, bool f16, uint32_t n_head,
+                                uint32_t n_head_kv, uint32_t hd, const uint32_t *d_pos,
+                                uint32_t max_kv, float scale, bool gated, float *d_out,
+                                int8_t *d_outq, float *d_ws, size_t ws_bytes,
+                                cudaStream_t stream);
+
 /* Between the q/k/v products and the attention of S tokens, in one launch:
  * per-head RMSNorm of q and k (weights q_norm/k_norm of hd, each may be NULL:
  * no norm), NEOX rope of n_rot dims at positions pos (pos = *d_pos when d_pos

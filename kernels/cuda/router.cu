@@ -9,10 +9,11 @@
  * Shapes: logits S x E f32; ids S x k int32; w S x k f32; E <= 512, k <= min(E, 16).
  *
  * Ownership: one warp per token (4 tokens per block). Lane L holds experts
- * L, L + 32, ... (up to 16) in registers. Max and sum are warp butterflies
- * (the sum in double, as on the CPU); the top-k runs k rounds of a warp
- * arg-max that prefers the lower id on equal values, and the winner's owner
- * retires it. Probabilities are computed by the CPU's formula, so equal
+ * L, L + 32, ... (up to 16) in registers. Max and sum are trees over the
+ * lane's values, then warp butterflies (the sum in double, as on the CPU);
+ * the top-k runs k rounds of a warp arg-max that prefers the lower id on
+ * equal values, and the winner's owner retires it and finds its next best
+ * by a tree. Probabilities are computed by the CPU's formula, so equal
  * logits give equal probabilities and the same tie order as the CPU; expf
  * may differ from the CPU's by an ulp, so weights agree to ~1e-7 relative.
  */

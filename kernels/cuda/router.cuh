@@ -18,6 +18,29 @@ static __device__ __forceinline__ double router_warp_sum(double v)
     return v;
 }
 
+/* The largest of a lane's keys and its index, the lowest index among equal
+ * keys, by a tree of depth 4 (a pair's left half holds the lower indices, so
+ * the right is taken only when strictly larger): the serial scan's result
+ * in a quarter of its dependent steps. */
+static __device__ __forceinline__ void router_lane_best(const uint32_t (&key)[ROUTER_PER_LANE],
+                                                        uint32_t &best, uint32_t &idx)
+{
+    uint32_t k[ROUTER_PER_LANE], i[ROUTER_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; j++)
+        k[j] = key[j], i[j] = (uint32_t)j;
+#pragma unroll
+    for (int w = 1; w < ROUTER_PER_LANE; w *= 2)
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w)
+            if (k[j + w] > k[j]) {
+                k[j] = k[j + w];
+                i[j] = i[j + w];
+            }
+    best = k[0];
+    idx = i[0];
+}
+
 /* The top-k of one token's E logits x by one whole warp: ids[0..k-1] and
  * w[0..k-1]. x is read through L2 (__ldcg): the router kernel's logits and
  * those another block of a product just wrote (cuda tail) alike. */
@@ -25,24 +48,32 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
                                                         int32_t *ids, float *w)
 {
     const int lane = threadIdx.x & 31;
-    float p[ROUTER_PER_LANE];
-    float mx = -INFINITY;
+    /* the lane's max and sum as trees (depth 4, not a chain of 16) */
+    float p[ROUTER_PER_LANE], t[ROUTER_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++) {
         const uint32_t e = lane + 32 * i;
-        p[i] = e < E ? __ldcg(x + e) : -INFINITY;
-        mx = fmaxf(mx, p[i]);
+        p[i] = t[i] = e < E ? __ldcg(x + e) : -INFINITY;
     }
-    mx = ops_warp_max(mx);
-    double sum = 0.0;
+#pragma unroll
+    for (int w = 1; w < ROUTER_PER_LANE; w *= 2)
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w)
+            t[j] = fmaxf(t[j], t[j + w]);
+    const float mx = ops_warp_max(t[0]);
+    double ds[ROUTER_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++) {
-        if (lane + 32 * i < E) {
-            p[i] = expf(p[i] - mx);
-            sum += p[i];
-        }
+        const bool in = lane + 32 * i < E;
+        p[i] = in ? expf(p[i] - mx) : p[i];
+        ds[i] = in ? (double)p[i] : 0.0;
     }
-    const float inv = (float)(1.0 / router_warp_sum(sum));
+#pragma unroll
+    for (int w = 1; w < ROUTER_PER_LANE; w *= 2)
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w)
+            ds[j] += ds[j + w];
+    const float inv = (float)(1.0 / router_warp_sum(ds[0]));
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++)
         p[i] = lane + 32 * i < E ? p[i] * inv : -INFINITY;
@@ -59,13 +90,8 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++)
         key[i] = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
-    uint32_t lk = 0, li = 0;
-#pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; i++)
-        if (key[i] > lk) {
-            lk = key[i];
-            li = (uint32_t)i;
-        }
+    uint32_t lk, li;
+    router_lane_best(key, lk, li);
     for (uint32_t r = 0; r < k; r++) {
         const uint32_t best = __reduce_max_sync(OPS_FULL_MASK, lk);
         const uint32_t id = __reduce_min_sync(
@@ -79,13 +105,7 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
             for (int i = 0; i < ROUTER_PER_LANE; i++)
                 if ((uint32_t)i == li)
                     key[i] = 0u;
-            lk = 0, li = 0;
-#pragma unroll
-            for (int i = 0; i < ROUTER_PER_LANE; i++)
-                if (key[i] > lk) {
-                    lk = key[i];
-                    li = (uint32_t)i;
-                }
+            router_lane_best(key, lk, li);
         }
     }
 #else
@@ -118,9 +138,13 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
         }
     }
 #endif
-    float wsum = 0.0f;
-    for (uint32_t r = 0; r < k; r++)
-        wsum += __shfl_sync(OPS_FULL_MASK, my_w, r);
+    float wsum = 0.0f; /* in pick order; the shuffles independent of the adds */
+#pragma unroll
+    for (uint32_t r = 0; r < ROUTER_MAX_K; r++) {
+        const float v = __shfl_sync(OPS_FULL_MASK, my_w, r);
+        if (r < k)
+            wsum += v;
+    }
     const float denom = wsum > 6.103515625e-5f ? wsum : 6.103515625e-5f;
     if ((uint32_t)lane < k) {
         ids[lane] = my_id;

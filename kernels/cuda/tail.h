@@ -85,6 +85,11 @@ struct cuda_tail {
  * False (logged at debug level) for arguments the tail does not take. */
 bool cuda_tail_ok(const struct cuda_tail *t, uint64_t n_out);
 
+/* Whether t may follow a plain product of n_out rows (cuda_matvec_tail,
+ * cuda_mvq_xq_tail): t NULL or kind NONE, or a tail other than the combines
+ * that cuda_tail_ok takes; where not, logs it as an error of what. */
+bool cuda_tail_plain_ok(const struct cuda_tail *t, uint64_t n_out, const char *what);
+
 /* cuda_matvec (matvec.h) followed by the tail: y = W x, then the tail over
  * y. t NULL or kind NONE: cuda_matvec. */
 int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,

@@ -898,10 +898,11 @@ static void tbc_xq(void)
               a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
         MEASURE("xq (Q4_0 80b-a3b shape, 4 layers, 6 prompt + 10 decode steps): logits "
                 "byte-identical to the input products rounding xa themselves");
-        /* yq: the DeltaNet output product over the rounded y of conv + heads
-         * (int8 kernels) where it had taken the f32 kernels (rows of 4096,
-         * LAMINA_CUDA_YQ=0): other bits in the decode steps, no further from
-         * the cpu backend than those */
+        /* yq: the DeltaNet output product over the rounded y of conv + heads,
+         * and the attention output product (layer 3) over the combine's
+         * rounded output (int8 kernels) where they had taken the f32 kernels
+         * (rows of 4096, LAMINA_CUDA_YQ=0): other bits in the decode steps,
+         * no further from the cpu backend than those */
         const uint32_t V = m->hp.n_vocab;
         float *c = malloc(sz), *cpu = malloc(sz);
         setenv("LAMINA_CUDA_YQ", "0", 1);

@@ -542,6 +542,33 @@ static double attn_case_run(const struct attn_case *c, struct rng *r)
                   "attention decode_at (max_kv %u) differs from cuda_attention (heads %u/%u hd "
                   "%u pos0 %u f16 %d gated %d)", max_kvs[m], c->n_head, c->n_head_kv, c->hd,
                   c->pos0, c->f16, c->gated);
+            /* the output also rounded for the int8 products: the same output, and
+             * the host's rounding of it (hd a multiple of 32; else -ENOTSUP) */
+            const size_t xqb = cuda_mvq_xq_bytes((n_out + 31) / 32 * 32);
+            int8_t *d_xq = dev_alloc(xqb);
+            dev_poison(d.out, n_out * 4);
+            dev_poison(d_xq, xqb);
+            const int xrc = cuda_attention_decode_at_xq(
+                d.q, a.q_head_stride, d.k, d.v, c->f16, c->n_head, c->n_head_kv, c->hd, d_pos,
+                max_kvs[m], a.scale, c->gated, d.out, d_xq, ws, wsb, 0);
+            if (c->hd % 32) {
+                CHECK(xrc == -ENOTSUP, "attention decode_at_xq: hd %u should be refused (%d)",
+                      c->hd, xrc);
+            } else {
+                CHECK(xrc == 0, "attention decode_at_xq launch");
+                uint8_t *hq = xmalloc(xqb);
+                dev_download(h, d.out, n_out * 4);
+                dev_download(hq, d_xq, xqb);
+                CHECK(!memcmp(h, g[0], n_out * 4),
+                      "attention decode_at_xq's output differs (heads %u/%u hd %u pos0 %u)",
+                      c->n_head, c->n_head_kv, c->hd, c->pos0);
+                const int bad = xq_mismatches(g[0], hq, (uint32_t)n_out);
+                CHECK(bad == 0, "attention decode_at_xq: %d of the rounded row's bytes differ "
+                      "from the host's rounding (heads %u/%u hd %u pos0 %u f16 %d gated %d)",
+                      bad, c->n_head, c->n_head_kv, c->hd, c->pos0, c->f16, c->gated);
+                free(hq);
+            }
+            cudaFree(d_xq);
             cudaFree(ws);
         }
         cudaFree(d_pos);
