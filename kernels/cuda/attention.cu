@@ -98,6 +98,7 @@ struct attn_args {
     /* decode: the output row (n_head * hd) also rounded for the int8 decode
      * products (mvq::xq_row_bytes layout) by the combine kernel, or NULL */
     int8_t *outq;
+    uint32_t min_chunk; /* decode: positions per split, at least (attn_min_chunk) */
 };
 
 /* DPL consecutive elements of a K or V row (f16 or f32) as floats; zeros
@@ -337,7 +338,7 @@ static __device__ __forceinline__ uint32_t attn_dev_div_up(uint32_t a, uint32_t 
 
 /* pos0, chunk and split count of a decode step: from the arguments, or with
  * pos_ptr set from the position in device memory exactly as
- * attn_plan_splits(n_kv, units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16) plans. */
+ * attn_plan_splits(n_kv, units, min_chunk, ATTN_MAX_BLOCKS, 16) plans. */
 static __device__ __forceinline__ void attn_decode_plan(const struct attn_args &a,
                                                         uint32_t *pos0, uint32_t *chunk,
                                                         uint32_t *n_splits)
@@ -347,7 +348,7 @@ static __device__ __forceinline__ void attn_decode_plan(const struct attn_args &
         return;
     }
     *pos0 = *a.pos_ptr;
-    const uint32_t n_kv = *pos0 + 1, want = attn_dev_div_up(n_kv, ATTN_MIN_CHUNK);
+    const uint32_t n_kv = *pos0 + 1, want = attn_dev_div_up(n_kv, a.min_chunk);
     uint32_t cap = ATTN_MAX_BLOCKS / a.units;
     cap = cap < 1 ? 1 : cap > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : cap;
     const uint32_t n = want < cap ? want : cap;
@@ -849,6 +850,16 @@ static int attn_ws_alloc(struct attn_args *a, cudaStream_t stream)
     return 0;
 }
 
+/* Positions per decode split, at least: ATTN_MIN_CHUNK, or
+ * LAMINA_CUDA_ATTN_CHUNK (16 to 4096, a multiple of 16; read at each call,
+ * for measurements: other splits give other roundings). */
+static uint32_t attn_min_chunk()
+{
+    const char *env = getenv("LAMINA_CUDA_ATTN_CHUNK");
+    const long v = env ? strtol(env, nullptr, 10) : 0;
+    return v >= 16 && v <= 4096 && v % 16 == 0 ? static_cast<uint32_t>(v) : ATTN_MIN_CHUNK;
+}
+
 /* The arguments every path shares. */
 static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
                                    const void *d_kcache, const void *d_vcache, uint32_t n_head,
@@ -873,6 +884,7 @@ static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t
     a.scale_log2 = scale * 1.4426950408889634f;
     a.gated = gated;
     a.out = d_out;
+    a.min_chunk = attn_min_chunk();
     return a;
 }
 
@@ -903,7 +915,7 @@ extern "C" size_t cuda_attention_decode_ws_bytes(uint32_t n_head, uint32_t n_hea
         return 0;
     struct attn_args a = attn_setup(nullptr, 0, 0, nullptr, nullptr, n_head, n_head_kv, hd, 1,
                                     0, 1.0f, false, nullptr);
-    attn_plan_splits(&a, max_kv, a.units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
+    attn_plan_splits(&a, max_kv, a.units, a.min_chunk, ATTN_MAX_BLOCKS, 16);
     const size_t splits = a.n_splits < 2 ? 2 : a.n_splits; /* see cuda_attention_decode_at */
     return splits * n_head * (hd + 2) * sizeof(float);
 }
@@ -944,7 +956,7 @@ extern "C" int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_strid
                                     n_head_kv, hd, 1, 0, scale, gated, d_out);
     a.pos_ptr = d_pos;
     a.outq = d_outq;
-    attn_plan_splits(&a, max_kv, a.units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
+    attn_plan_splits(&a, max_kv, a.units, a.min_chunk, ATTN_MAX_BLOCKS, 16);
     /* grid: the most splits any position up to max_kv plans, at least two so
      * that the combine always runs (one split through the combine gives the
      * direct path's result bit for bit: weight 1, sums of zeros) */
@@ -969,7 +981,7 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
     const int dpl = attn_dpl(hd);
     const uint32_t esz = f16 ? 2 : 4;
     if (n_tok == 1) {
-        attn_plan_splits(&a, pos0 + 1, a.units, ATTN_MIN_CHUNK, ATTN_MAX_BLOCKS, 16);
+        attn_plan_splits(&a, pos0 + 1, a.units, a.min_chunk, ATTN_MAX_BLOCKS, 16);
         if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
             return rc;
         rc = attn_decode(a, f16, stream);
