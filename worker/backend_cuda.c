@@ -1268,6 +1268,8 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
             cb_unlaunch(c); /* not launched: the plain attention */
             aq = NULL, rc = 0;
         }
+        if (!rc && !cb_skip(c, "attn.core"))
+            c->launches++; /* the decode's second kernel: its split combine */
         if (aq)
             return rc ? rc : cb_mm_yq(c, "attn.out", &L->wo, aq, c->att, c->mix, tail);
     } else {
