@@ -68,6 +68,8 @@ constexpr size_t kPrefetch = 64 * 1024; /* weight bytes a block asks for in L2 b
 
 struct MvqArgs {
     const uint8_t *w;             /* plain product: the matrix */
+    uint32_t pf_bytes_row;        /* plain product: bytes a block asks for in L2 before its
+                                   * wait (kPrefetch; LAMINA_CUDA_ROW_PF_KB) */
     const void *const *addr;      /* experts: address per expert id */
     const int32_t *ids;           /* experts: id per pair, or NULL */
     size_t row_bytes;
@@ -101,7 +103,7 @@ struct MvqArgs {
 __device__ __forceinline__ void prefetch_rows(const MvqArgs &a, uint32_t rows_per_tile,
                                               uint32_t n_tiles)
 {
-    size_t left = kPrefetch;
+    size_t left = a.pf_bytes_row;
     for (uint32_t t = blockIdx.x; t < n_tiles && left; t += gridDim.x) {
         const uint32_t r0 = t * rows_per_tile;
         const uint32_t n = a.n_rows - r0 < rows_per_tile ? a.n_rows - r0 : rows_per_tile;
@@ -437,6 +439,15 @@ bool usable(uint32_t type, uint64_t n_rows, uint64_t n, const float *x, size_t l
 
 /* The arguments of a plain product of one activation row (ldx n, or 2n with
  * glu); false when these kernels do not take it. */
+/* Bytes of its rows a plain product's block asks for in L2 before its PDL
+ * wait: kPrefetch, or LAMINA_CUDA_ROW_PF_KB KiB (0 to 1024; measurements). */
+static uint32_t row_prefetch_bytes()
+{
+    const char *env = getenv("LAMINA_CUDA_ROW_PF_KB");
+    const long kb = env ? strtol(env, nullptr, 10) : -1;
+    return kb >= 0 && kb <= 1024 ? static_cast<uint32_t>(kb * 1024) : kPrefetch;
+}
+
 bool plain_args(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
                 const float *d_x, bool glu, float *d_y, MvqArgs *a)
 {
@@ -444,6 +455,7 @@ bool plain_args(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_row
         return false;
     *a = MvqArgs{};
     a->w = static_cast<const uint8_t *>(d_w);
+    a->pf_bytes_row = row_prefetch_bytes();
     a->row_bytes = row_bytes;
     a->n_rows = static_cast<uint32_t>(n_rows);
     a->n = static_cast<uint32_t>(n);
