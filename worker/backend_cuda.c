@@ -72,11 +72,12 @@
  * (with its add+norm tail) copies it on the int8 kernels (cuda_mvq_xq_tail)
  * where its row of nv * dv would otherwise have gone to the f32 kernels
  * (cuda_mvq_pays); the attention's combine does the same for the attention
- * output product (cuda_attention_decode_at_xq); LAMINA_CUDA_YQ=0 takes both back. The shared expert (gate|up, down) runs
- * on a side stream, a parallel branch of the graph between a fork after
- * add+norm and a join before the combine. LAMINA_CUDA_GRAPHS=0 launches one
- * by one (diagnostics); LAMINA_CUDA_PROFILE=1 does too, with an event before
- * every kernel, and fini() logs time per kernel kind for decode and prefill.
+ * output product (cuda_attention_decode_at_xq); LAMINA_CUDA_YQ=0 takes both
+ * back. The shared expert (gate|up, down) runs on a side stream, a
+ * parallel branch of the graph between a fork after add+norm and a join
+ * before the combine. LAMINA_CUDA_GRAPHS=0 launches one by one
+ * (diagnostics); LAMINA_CUDA_PROFILE=1 does too, with an event before every
+ * kernel, and fini() logs time per kernel kind for decode and prefill.
  *
  * Prefill (n > 1): products of Q4_0/Q8_0/Q4_K/Q5_K weights on int8 tensor
  * cores (cuda_mmq, cuda_mmq_experts grouping the pairs by expert on the

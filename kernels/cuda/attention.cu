@@ -347,7 +347,7 @@ static __device__ __forceinline__ void attn_decode_plan(const struct attn_args &
         *pos0 = a.pos0, *chunk = a.chunk, *n_splits = a.n_splits;
         return;
     }
-    *pos0 = *a.pos_ptr;
+    *pos0 = __ldcg(a.pos_ptr); /* through L2: the combine reads it before its wait */
     const uint32_t n_kv = *pos0 + 1, want = attn_dev_div_up(n_kv, a.min_chunk);
     uint32_t cap = ATTN_MAX_BLOCKS / a.units;
     cap = cap < 1 ? 1 : cap > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : cap;
@@ -655,8 +655,9 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
     __shared__ float s_w[ATTN_MAX_SPLITS];
     __shared__ float s_tmp[32];
     __shared__ float4 s_part[64][8];
-    /* before the wait: the position and the gate are inputs of the kernel
-     * that produced the partial triples, complete when this one starts */
+    /* before the wait (through L2, pdl.cuh): the position and the gate are
+     * inputs of the kernel that produced the partial triples, complete when
+     * this one starts */
     const uint32_t t = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head;
     const uint32_t dd = blockIdx.y * 32 + threadIdx.x;
     const float *qrow = a.q + (size_t)t * a.q_tok_stride + (size_t)h * a.q_head_stride;
@@ -665,8 +666,8 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
         uint32_t pos0, chunk;
         attn_decode_plan(a, &pos0, &chunk, &n_splits);
     }
-    const float gf = a.gated && threadIdx.x < 32 && dd < a.hd ? attn_gate_of(qrow[a.hd + dd])
-                                                               : 1.0f;
+    const float gf =
+        a.gated && threadIdx.x < 32 && dd < a.hd ? attn_gate_of(__ldcg(qrow + a.hd + dd)) : 1.0f;
     pdl_wait();
     pdl_trigger();
     float mx = -INFINITY;
