@@ -1286,9 +1286,12 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
 
 /* Layer L's decode conv + heads in one launch over the step's qkv, beta,
  * alpha and z, y also rounded into *yq where *yq is not NULL and the launch
- * takes it; where it does not, the plain launch and *yq = NULL. */
+ * takes it; where it does not, the plain launch and *yq = NULL. early: the
+ * step's input product was launched just before it, so the layer's states
+ * were written two or more launches back (cuda_deltanet_conv_heads_yq). */
 static int cb_conv_heads(struct backend_cuda *c, const struct cb_layer *L, const float *qkv,
-                         const float *beta, const float *alpha, const float *z, int8_t **yq)
+                         const float *beta, const float *alpha, const float *z, int8_t **yq,
+                         bool early)
 {
     const struct arch_hparams *hp = c->hp;
     for (;;) {
@@ -1298,7 +1301,7 @@ static int cb_conv_heads(struct backend_cuda *c, const struct cb_layer *L, const
                                                     L->dt_bias, z, L->ssm_norm, c->y, *yq,
                                                     hp->ssm_nk, hp->ssm_nv, hp->ssm_dk,
                                                     hp->ssm_dv, hp->ssm_tiled, hp->eps,
-                                                    c->stream));
+                                                    early, c->stream));
         if (rc != -ENOTSUP || !*yq)
             return rc;
         cb_unlaunch(c); /* not launched: the plain conv + heads */
@@ -1330,6 +1333,7 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
         }
         cb_unlaunch(c); /* not launched: the product, then conv and heads */
     }
+    const uint64_t before = c->launches;
     if (S == 1 && L->dn1.n_out) {
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
         rc = raw ? cb_mm_norm(c, "dn.in", &L->dn1, L->attn_norm, c->dec)
@@ -1345,7 +1349,7 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
         int8_t *yq = c->yq_on && cuda_mvq_xq_ok(L->out.type, L->out.n_out, L->out.n_in)
                          ? c->yq
                          : NULL;
-        rc = rc ? rc : cb_conv_heads(c, L, qkv, beta, alpha, z, &yq);
+        rc = rc ? rc : cb_conv_heads(c, L, qkv, beta, alpha, z, &yq, c->launches > before);
         if (yq)
             return rc ? rc : cb_mm_yq(c, "dn.out", &L->out, c->yq, c->y, c->mix, tail);
         if (tail)
@@ -1748,8 +1752,33 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     return 0;
 }
 
+/* The kernel nodes of a captured graph into *n (what a replay runs,
+ * whatever the launchers' own counts say). */
+static int cb_graph_kernel_nodes(cudaGraph_t graph, uint64_t *n)
+{
+    size_t nn = 0;
+    *n = 0;
+    int rc = CUDA_CHECK(cudaGraphGetNodes(graph, NULL, &nn));
+    if (rc || nn == 0)
+        return rc;
+    cudaGraphNode_t *nodes = malloc(nn * sizeof(*nodes));
+    if (!nodes)
+        return -ENOMEM;
+    rc = CUDA_CHECK(cudaGraphGetNodes(graph, nodes, &nn));
+    for (size_t i = 0; i < nn && !rc; i++) {
+        enum cudaGraphNodeType t;
+        rc = CUDA_CHECK(cudaGraphNodeGetType(nodes[i], &t));
+        *n += !rc && t == cudaGraphNodeTypeKernel;
+    }
+    free(nodes);
+    return rc;
+}
+
 /* Captures one decode step of the layers into c->gexec (NULL on failure;
- * the counters the capture bumped are then taken back). */
+ * the counters the capture bumped are then taken back). The graph's kernel
+ * nodes are its count of kernels (c->graph_kernels, what each replay adds to
+ * c->launches); where the launchers' counts (CB_K) say otherwise, a
+ * warning. */
 static int cb_capture(struct backend_cuda *c)
 {
     cudaGraph_t graph = NULL;
@@ -1763,11 +1792,18 @@ static int cb_capture(struct backend_cuda *c)
     c->capturing = false;
     const int rc_end = CUDA_CHECK(cudaStreamEndCapture(c->stream, &graph));
     rc = rc ? rc : rc_end;
+    uint64_t nodes = 0;
+    rc = rc ? rc : cb_graph_kernel_nodes(graph, &nodes);
     rc = rc ? rc : CUDA_CHECK(cudaGraphInstantiate(&c->gexec, graph, 0));
     if (graph)
         cudaGraphDestroy(graph);
     c->graph_capture_s = cb_now() - t0;
-    c->graph_kernels = c->launches - k0;
+    if (!rc && nodes != c->launches - k0)
+        log_warn("cuda layers %u-%u: the decode graph holds %llu kernels where the launchers "
+                 "counted %llu; counting the graph's", c->l0, c->l1 - 1,
+                 (unsigned long long)nodes, (unsigned long long)(c->launches - k0));
+    c->graph_kernels = nodes;
+    c->launches = k0 + nodes;
     c->graph_expert_rows = c->stats.expert_rows - rows0;
     if (rc) {
         c->gexec = NULL;

@@ -227,6 +227,8 @@ struct dn_heads_args {
     bool tiled;
     float eps;
     int8_t *yq; /* decode (S = 1): y also rounded for the int8 products (dn_out_q), or NULL */
+    bool early; /* conv + heads split decode: the states were written two or more launches
+                 * back (the caller's promise), so they are read before the PDL wait */
 };
 
 /* The inputs of one token that the threads read from global memory: fetched
@@ -235,6 +237,7 @@ template <int DK>
 struct dn_tok {
     float qk[DK >= 32 ? DK / 32 : 1]; /* warps 0 and 1: raw q or k values of this lane */
     float b, alpha;                   /* warp 0 lane 0: raw beta and alpha inputs */
+    float ah, dth;                    /* warp 0 lane 0: the head's a and dt bias */
     float v, z;                       /* every thread: v_j and z_j */
 };
 
@@ -256,13 +259,15 @@ __device__ __forceinline__ void dn_fetch(const struct dn_heads_args &p, uint32_t
     if (warp == 0 && lane == 0) {
         tk.b = p.b[(size_t)s * p.nv + h];
         tk.alpha = p.alpha[(size_t)s * p.nv + h];
+        tk.ah = p.a[h];
+        tk.dth = p.dt[h];
     }
 }
 
 /* Warp 0 writes q = l2norm(raw q) / sqrt(DK) to qs, warp 1 k = l2norm(raw k)
  * to ks; warp 0 lane 0 writes beta and the decay factor to sc. */
 template <int DK>
-__device__ __forceinline__ void dn_norm_qk(const struct dn_heads_args &p, uint32_t h,
+__device__ __forceinline__ void dn_norm_qk(const struct dn_heads_args &p,
                                            const struct dn_tok<DK> &tk, float *qs, float *ks,
                                            float *sc)
 {
@@ -283,7 +288,7 @@ __device__ __forceinline__ void dn_norm_qk(const struct dn_heads_args &p, uint32
             dst[lane + 32 * m] = warp == 0 ? tk.qk[m] * scale * qscale : tk.qk[m] * scale;
     if (warp == 0 && lane == 0) {
         sc[0] = dn_sigmoid(tk.b);
-        sc[1] = expf(p.a[h] * dn_softplus(tk.alpha + p.dt[h]));
+        sc[1] = expf(tk.ah * dn_softplus(tk.alpha + tk.dth));
     }
 }
 
@@ -325,15 +330,15 @@ __device__ __forceinline__ float dn_rule(const struct dn_tok<DK> &cur, float4 (&
     return o;
 }
 
-/* Token s of head h for the threads of a block of dn_heads_kernel (or of a
+/* A token of a head for the threads of a block of dn_heads_kernel (or of a
  * split block): q, k, beta and decay into shared memory, barrier A, the
  * delta rule (dn_rule); returns o_j. */
 template <int DK>
-__device__ __forceinline__ float dn_rows(const struct dn_heads_args &p, uint32_t h,
+__device__ __forceinline__ float dn_rows(const struct dn_heads_args &p,
                                          const struct dn_tok<DK> &cur, float4 (&st)[DK / 16],
                                          float4 *qs, float4 *ks, float *sc)
 {
-    dn_norm_qk<DK>(p, h, cur, reinterpret_cast<float *>(qs), reinterpret_cast<float *>(ks), sc);
+    dn_norm_qk<DK>(p, cur, reinterpret_cast<float *>(qs), reinterpret_cast<float *>(ks), sc);
     __syncthreads(); /* A */
     return dn_rule<DK>(cur, st, qs, ks, sc);
 }
@@ -395,7 +400,7 @@ __device__ __forceinline__ void dn_step(const struct dn_heads_args &p, uint32_t 
                                         float4 *qs, float4 *ks, float *sc, float *red, float wj)
 {
     const uint32_t t = threadIdx.x, n_warps = blockDim.x / 32;
-    const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+    const float o = dn_rows<DK>(p, cur, st, qs, ks, sc);
     const float ss = dn_warp_sq(o);
     if (t % 32 == 0)
         red[t / 32] = ss;
@@ -489,22 +494,41 @@ __device__ __forceinline__ void dn_prefetch(const struct dn_heads_args &p,
  * time per device (the backend runs DeltaNet layers on one stream). */
 __device__ unsigned int dn_conv_readers[DN_MAX_NK];
 
-/* One token of channel ch: u = silu(sum_t w[t] in_t), in_t the K-1 state
- * inputs then x[ch] (dn_conv_kernel's sum for S = 1: the same fused
+/* What a decode step's conv reads of one channel besides its input: the K-1
+ * state inputs (through L2: the early split kernel reads them before its
+ * PDL wait) and the K taps; zeros past K. */
+struct dn_conv_ch {
+    float in[DN_MAX_K - 1];
+    float w[DN_MAX_K];
+};
+
+__device__ __forceinline__ void dn_conv_fetch(const struct dn_conv_args &c, size_t ch,
+                                              struct dn_conv_ch &cc)
+{
+#pragma unroll
+    for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
+        cc.in[t] = t + 1 < c.K ? __ldcg(c.state + ch * (c.K - 1) + t) : 0.0f;
+#pragma unroll
+    for (uint32_t t = 0; t < DN_MAX_K; t++)
+        cc.w[t] = t < c.K ? c.w[ch * c.K + t] : 0.0f;
+}
+
+/* One token of a channel: u = silu(sum_t w[t] in_t), in_t the K-1 state
+ * inputs then x (dn_conv_kernel's sum for S = 1: the same fused
  * multiply-adds in the same order, its extra zero taps add exact zeros);
  * nst: the new state, in_1 .. in_{K-1}. */
-__device__ __forceinline__ float dn_conv_token(const struct dn_conv_args &c, size_t ch,
-                                               float (&nst)[DN_MAX_K - 1])
+__device__ __forceinline__ float dn_conv_sum(const struct dn_conv_ch &cc, float x, uint32_t K,
+                                             float (&nst)[DN_MAX_K - 1])
 {
     float in[DN_MAX_K];
 #pragma unroll
     for (uint32_t t = 0; t < DN_MAX_K; t++)
-        in[t] = t + 1 < c.K ? c.state[ch * (c.K - 1) + t] : t + 1 == c.K ? c.x[ch] : 0.0f;
+        in[t] = t + 1 < K ? cc.in[t] : t + 1 == K ? x : 0.0f;
     float acc = 0.0f;
 #pragma unroll
     for (uint32_t t = 0; t < DN_MAX_K; t++)
-        if (t < c.K)
-            acc = __fmaf_rn(c.w[ch * c.K + t], in[t], acc);
+        if (t < K)
+            acc = __fmaf_rn(cc.w[t], in[t], acc);
 #pragma unroll
     for (uint32_t t = 0; t + 1 < DN_MAX_K; t++)
         nst[t] = in[t + 1];
@@ -520,39 +544,99 @@ __device__ __forceinline__ void dn_conv_store(const struct dn_conv_args &c, size
             c.state[ch * (c.K - 1) + t] = nst[t];
 }
 
+/* What the threads of a block of head h, thread row j, read for the conv
+ * part of a decode step besides the step's inputs (dn_conv_in): lane 4j the
+ * v_j channel's state and taps, warps 0 and 1 those of the q and k channels
+ * of key head g, warp 0 lane 0 the head's a and dt bias. */
+template <int DK>
+struct dn_conv_pre {
+    struct dn_conv_ch v;
+    struct dn_conv_ch qk[DK >= 32 ? DK / 32 : 1];
+    float ah, dth;
+};
+
+template <int DK>
+__device__ __forceinline__ void dn_conv_fetch_pre(const struct dn_heads_args &p,
+                                                  const struct dn_conv_args &c, uint32_t h,
+                                                  uint32_t g, uint32_t j,
+                                                  struct dn_conv_pre<DK> &pre)
+{
+    const uint32_t t = threadIdx.x, warp = t / 32, lane = t % 32;
+    const size_t kd = (size_t)p.nk * DK;
+    if (t % 4 == 0)
+        dn_conv_fetch(c, 2 * kd + (size_t)h * p.dv + j, pre.v);
+    if (warp > 1)
+        return;
+    const size_t ch0 = (warp == 0 ? 0 : kd) + (size_t)g * DK;
+#pragma unroll
+    for (int m = 0; m < (DK >= 32 ? DK / 32 : 1); m++)
+        if (lane + 32 * m < DK)
+            dn_conv_fetch(c, ch0 + lane + 32 * m, pre.qk[m]);
+    if (warp == 0 && lane == 0) {
+        pre.ah = p.a[h];
+        pre.dth = p.dt[h];
+    }
+}
+
 /* The conv part of a decode step for the threads of a block of head h,
  * thread row j (dn_conv_heads_kernel and its split form): the conv outputs
  * the threads would have read from u into cur (warps 0 and 1 q and k of key
- * head g, lane 4j of row j its v_j, shared with lanes 4j + 1 .. 4j + 3 by
- * a shuffle), z_j and (warp 0 lane 0) the beta and alpha inputs. Lane 4j
- * rewrites the v_j conv state; warps 0 and 1 keep the new q and k conv state
- * in nqk for dn_conv_store_qk. After pdl_wait. */
-template <int DK>
+ * head g, lane 4j of row j its v_j, shared with lanes 4j + 1 .. 4j + 3 by a
+ * shuffle), z_j and (warp 0 lane 0) the beta, alpha, a and dt inputs. The
+ * step's inputs (x, z, beta, alpha) are loaded first; the channels' states
+ * and taps come from *pre with PRE (the caller read them: dn_conv_fetch_pre),
+ * else each is read just before its sum (fewer registers live). Lane 4j
+ * rewrites the v_j conv state; warps 0 and 1 keep the new q and k conv
+ * state in nqk for dn_conv_store_qk. After pdl_wait. */
+template <int DK, bool PRE>
 __device__ __forceinline__ void dn_conv_in(const struct dn_heads_args &p,
                                            const struct dn_conv_args &c, uint32_t h, uint32_t g,
-                                           uint32_t j, struct dn_tok<DK> &cur,
+                                           uint32_t j, const struct dn_conv_pre<DK> *pre,
+                                           struct dn_tok<DK> &cur,
                                            float (&nqk)[DK >= 32 ? DK / 32 : 1][DN_MAX_K - 1])
 {
     constexpr int NQ = DK >= 32 ? DK / 32 : 1;
     const uint32_t t = threadIdx.x, warp = t / 32, lane = t % 32;
     const size_t kd = (size_t)p.nk * DK, vch = 2 * kd + (size_t)h * p.dv + j;
-    float nst[DN_MAX_K - 1];
-    float v = 0.0f;
-    if (t % 4 == 0) {
-        v = dn_conv_token(c, vch, nst);
-        dn_conv_store(c, vch, nst);
-    }
-    cur.v = __shfl_sync(0xffffffffu, v, lane & ~3u);
-    cur.z = p.z[(size_t)h * p.dv + j];
-    if (warp > 1)
-        return;
     const size_t ch0 = (warp == 0 ? 0 : kd) + (size_t)g * DK;
+    const float xv = t % 4 == 0 ? c.x[vch] : 0.0f;
+    float xqk[NQ];
 #pragma unroll
     for (int m = 0; m < NQ; m++)
-        cur.qk[m] = lane + 32 * m < DK ? dn_conv_token(c, ch0 + lane + 32 * m, nqk[m]) : 0.0f;
+        xqk[m] = warp <= 1 && lane + 32 * m < DK ? c.x[ch0 + lane + 32 * m] : 0.0f;
+    cur.z = p.z[(size_t)h * p.dv + j];
     if (warp == 0 && lane == 0) {
         cur.b = p.b[h];
         cur.alpha = p.alpha[h];
+        cur.ah = PRE ? pre->ah : p.a[h];
+        cur.dth = PRE ? pre->dth : p.dt[h];
+    }
+    float v = 0.0f;
+    if (t % 4 == 0) {
+        struct dn_conv_ch cc;
+        if constexpr (PRE)
+            cc = pre->v;
+        else
+            dn_conv_fetch(c, vch, cc);
+        float nst[DN_MAX_K - 1];
+        v = dn_conv_sum(cc, xv, c.K, nst);
+        dn_conv_store(c, vch, nst);
+    }
+    cur.v = __shfl_sync(0xffffffffu, v, lane & ~3u);
+    if (warp > 1)
+        return;
+#pragma unroll
+    for (int m = 0; m < NQ; m++) {
+        if (lane + 32 * m >= DK) {
+            cur.qk[m] = 0.0f;
+            continue;
+        }
+        struct dn_conv_ch cc;
+        if constexpr (PRE)
+            cc = pre->qk[m];
+        else
+            dn_conv_fetch(c, ch0 + lane + 32 * m, cc);
+        cur.qk[m] = dn_conv_sum(cc, xqk[m], c.K, nqk[m]);
     }
 }
 
@@ -610,7 +694,7 @@ __global__ void __launch_bounds__(512)
     pdl_trigger();
     struct dn_tok<DK> cur;
     float nqk[NQ][DN_MAX_K - 1];
-    dn_conv_in<DK>(p, c, h, g, j, cur, nqk);
+    dn_conv_in<DK, false>(p, c, h, g, j, nullptr, cur, nqk);
     bool last = true;
     if (r > 1) { /* q and k inputs are read (and used) by warps 0 and 1 above */
         if (t < 64)
@@ -700,7 +784,7 @@ __global__ void __launch_bounds__(256) dn_heads_split_kernel(const struct dn_hea
         const struct dn_tok<DK> cur = next;
         if (s + 1 < p.S)
             dn_fetch<DK>(p, s + 1, g, h, j, next);
-        const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+        const float o = dn_rows<DK>(p, cur, st, qs, ks, sc);
         const float total = dn_cluster_sum(dn_warp_sq(o), red[s % 2], p.dv / 8);
         dn_out(p, h, s, j, o, total, cur.z, wj);
     }
@@ -748,7 +832,13 @@ __device__ __forceinline__ bool dn_conv_is_last(uint32_t i, unsigned ticket, uin
  * their key head's q and k conv state (nv / nk * nb each,
  * dn_conv_qk_readers) right after reading it, and the last warp 0 and the
  * last warp 1 rewrite that state at the end: no block barrier waits on the
- * count. The state rows are loaded before the conv. sm_90 and later; empty
+ * count. The state rows are loaded before the conv. With p.early (the
+ * caller's promise that the delta and conv states were written two or more
+ * launches back, kernels/cuda/pdl.cuh) the state rows, the conv states and
+ * taps, a and dt are read, and warps 0 and 1 count themselves, before the
+ * PDL wait (the counters are this kernel's alone, back at 0 when the
+ * launch before it completed), so that after the wait only the step's
+ * inputs (x, z, beta, alpha) are read, in one round. sm_90 and later; empty
  * elsewhere (never launched there). */
 template <int DK>
 __global__ void __launch_bounds__(256)
@@ -766,18 +856,35 @@ __global__ void __launch_bounds__(256)
     const uint32_t g = p.tiled ? h % p.nk : h / (p.nv / p.nk), readers = p.nv / p.nk * nb;
     float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
     const float wj = p.norm_w[j];
-    dn_prefetch<DK>(p, c, srow);
-    pdl_wait(); /* x, z, b, alpha and the states come from the kernels before */
-    pdl_trigger();
     float4 st[NC];
+    struct dn_conv_pre<DK> pre;
+    unsigned ticket = 0u;
+    if (p.early) { /* the states, written two or more launches back, through L2 */
 #pragma unroll
-    for (int m = 0; m < NC; m++)
-        st[m] = srow[sub + 4 * m];
+        for (int m = 0; m < NC; m++)
+            st[m] = __ldcg(srow + sub + 4 * m);
+        dn_conv_fetch_pre<DK>(p, c, h, g, j, pre);
+        if (warp <= 1)
+            ticket = dn_conv_ticket(2 * g + warp);
+    } else {
+        dn_prefetch<DK>(p, c, srow);
+    }
+    pdl_wait(); /* x, z, b, alpha (and without early the states) from the kernels before */
+    pdl_trigger();
+    if (!p.early) {
+#pragma unroll
+        for (int m = 0; m < NC; m++)
+            st[m] = srow[sub + 4 * m];
+    }
     struct dn_tok<DK> cur;
     float nqk[NQ][DN_MAX_K - 1];
-    dn_conv_in<DK>(p, c, h, g, j, cur, nqk);
-    const unsigned ticket = warp <= 1 ? dn_conv_ticket(2 * g + warp) : 0u;
-    const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+    if (p.early)
+        dn_conv_in<DK, true>(p, c, h, g, j, &pre, cur, nqk);
+    else
+        dn_conv_in<DK, false>(p, c, h, g, j, nullptr, cur, nqk);
+    if (!p.early && warp <= 1)
+        ticket = dn_conv_ticket(2 * g + warp);
+    const float o = dn_rows<DK>(p, cur, st, qs, ks, sc);
     cg::this_cluster().barrier_wait();
     const float total = dn_cluster_sum(dn_warp_sq(o), red, p.dv / 8);
     const float yj = dn_out(p, h, 0, j, o, total, cur.z, wj);
@@ -1267,6 +1374,15 @@ static int dn_device(const char *what, enum cudaDeviceAttr attr, int *major, int
     return 0;
 }
 
+/* Whether the split conv + heads may read the states before its PDL wait
+ * where its caller allows it: LAMINA_CUDA_DN_EARLY not "0" (read at each
+ * launch; a measurement's and a test's switch, the same bits either way). */
+static bool dn_early_on()
+{
+    const char *env = getenv("LAMINA_CUDA_DN_EARLY");
+    return !(env && env[0] == '0');
+}
+
 /* Blocks per value head of the decode kernels into *nb (DN_SPLIT in the file
  * comment), for the current device: 1 below compute capability 9.0, where
  * LAMINA_CUDA_DN_SPLIT is "0" or where dv cannot be split; "2", "4" or "8"
@@ -1377,7 +1493,8 @@ static int dn_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
                          float *d_state, const float *d_b, const float *d_alpha, const float *d_a,
                          const float *d_dt, const float *d_z, const float *d_norm_w, float *d_y,
                          int8_t *d_yq, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
-                         bool tiled, float eps, cudaStream_t stream, const char *what)
+                         bool tiled, float eps, bool early, cudaStream_t stream,
+                         const char *what)
 {
     if (!dn_heads_args_ok(d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w, d_y, nk, nv, dk,
                           dv, 1) ||
@@ -1397,6 +1514,7 @@ static int dn_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_t K,
     struct dn_heads_args p = {d_state, d_x, d_b, d_alpha, d_a, d_dt, d_z, d_norm_w,
                               d_y,     nk,  nv,  dv,      1,   tiled, eps};
     p.yq = d_yq;
+    p.early = early && nb > 1 && dn_early_on();
     const struct dn_conv_args c = {d_conv_state, d_conv_w, d_x, K};
     switch (dk) {
     case 16:
@@ -1423,7 +1541,7 @@ extern "C" int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv
                                         bool tiled, float eps, cudaStream_t stream)
 {
     return dn_conv_heads(d_conv_state, d_conv_w, K, d_x, d_state, d_b, d_alpha, d_a, d_dt, d_z,
-                         d_norm_w, d_y, NULL, nk, nv, dk, dv, tiled, eps, stream,
+                         d_norm_w, d_y, NULL, nk, nv, dk, dv, tiled, eps, false, stream,
                          "cuda_deltanet_conv_heads");
 }
 
@@ -1433,10 +1551,11 @@ extern "C" int cuda_deltanet_conv_heads_yq(float *d_conv_state, const float *d_c
                                            const float *d_a, const float *d_dt, const float *d_z,
                                            const float *d_norm_w, float *d_y, int8_t *d_yq,
                                            uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
-                                           bool tiled, float eps, cudaStream_t stream)
+                                           bool tiled, float eps, bool early,
+                                           cudaStream_t stream)
 {
     return dn_conv_heads(d_conv_state, d_conv_w, K, d_x, d_state, d_b, d_alpha, d_a, d_dt, d_z,
-                         d_norm_w, d_y, d_yq, nk, nv, dk, dv, tiled, eps, stream,
+                         d_norm_w, d_y, d_yq, nk, nv, dk, dv, tiled, eps, early, stream,
                          "cuda_deltanet_conv_heads_yq");
 }
 
@@ -1683,8 +1802,8 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     struct dn_tok<DK> cur = {};
     float nqk[NQ][DN_MAX_K - 1];
     if (act)
-        dn_conv_in<DK>(p, c, h, g, j, cur, nqk);
-    const float o = dn_rows<DK>(p, h, cur, st, qs, ks, sc);
+        dn_conv_in<DK, false>(p, c, h, g, j, nullptr, cur, nqk);
+    const float o = dn_rows<DK>(p, cur, st, qs, ks, sc);
     const float total = dn_cluster_sum_at(act ? dn_warp_sq(o) : 0.0f, red, p.dv / 8, i * a.hb,
                                           a.hb, bsub * (a.ht / 32) + warp, act);
     if (!act)

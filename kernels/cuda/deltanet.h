@@ -66,13 +66,18 @@ int cuda_deltanet_conv_heads(float *d_conv_state, const float *d_conv_w, uint32_
  * where the launch's blocks would not hold whole blocks of 32 rows of a
  * head (dv not a multiple of 32, or the split of the device leaves fewer
  * or more than 32k <= 128 rows a block) or d_yq is unaligned. d_yq NULL:
- * cuda_deltanet_conv_heads. */
+ * cuda_deltanet_conv_heads. early: the caller's promise that the conv and
+ * delta states were last written two or more launches before this one on
+ * the stream (kernels/cuda/pdl.cuh; a decode step's input product runs
+ * between), so that the launch may read them before its PDL wait (on sm_90,
+ * where it splits the heads; LAMINA_CUDA_DN_EARLY=0 declines): the same
+ * bits. */
 int cuda_deltanet_conv_heads_yq(float *d_conv_state, const float *d_conv_w, uint32_t K,
                                 const float *d_x, float *d_state, const float *d_b,
                                 const float *d_alpha, const float *d_a, const float *d_dt,
                                 const float *d_z, const float *d_norm_w, float *d_y,
                                 int8_t *d_yq, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
-                                bool tiled, float eps, cudaStream_t stream);
+                                bool tiled, float eps, bool early, cudaStream_t stream);
 
 /* The layer's stacked decode input product (rows q | k | v | z | beta |
  * alpha of the weights w, type Q4_0 or Q8_0, rows of n elements, over the

@@ -65,7 +65,11 @@
  *     of before: byte-identical;
  *   - an 80b-a3b-shaped Q4_0 qwen3next of four layers: the decode input
  *     products reading the rows the combine rounded (xq) against rounding
- *     xa themselves (LAMINA_CUDA_XQ=0): byte-identical; the DeltaNet output
+ *     xa themselves (LAMINA_CUDA_XQ=0): byte-identical; the split conv +
+ *     heads reading the DeltaNet states before its PDL wait against after it
+ *     (LAMINA_CUDA_DN_EARLY=0): byte-identical; the decode graph's kernel
+ *     nodes as many as the kernels a step launched one by one counts
+ *     (LAMINA_CUDA_GRAPHS=0, logits byte-identical); the DeltaNet output
  *     product over the y that conv + heads rounded (int8 kernels) against
  *     the f32 kernels over y (LAMINA_CUDA_YQ=0): the prompt's logits the
  *     same, the decode steps' changed (it ran), and no further from the
@@ -890,6 +894,19 @@ static void tbc_xq(void)
         const size_t sz = 16 * (size_t)m->hp.n_vocab * sizeof(float);
         float *a = malloc(sz), *b = malloc(sz);
         CHECK(a && b && tbc_greedy16(m, a) == 0, "cuda run, xq");
+        /* the graph's kernel nodes (what a replay runs) against the launches
+         * counted one by one, the attention's split combine included */
+        const uint64_t k_graph = tbc_step_kernels;
+        setenv("LAMINA_CUDA_GRAPHS", "0", 1);
+        CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, without graphs");
+        unsetenv("LAMINA_CUDA_GRAPHS");
+        CHECK(k_graph > 0 && k_graph == tbc_step_kernels, "xq model: the decode graph holds "
+              "%llu kernels, a step launched one by one counted %llu",
+              (unsigned long long)k_graph, (unsigned long long)tbc_step_kernels);
+        CHECK(a && b && !memcmp(a, b, sz), "xq model: without graphs other logits (max %.3g)",
+              a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+        MEASURE("xq model (4 layers): %llu kernels a decode step, the graph's nodes and the "
+                "launches one by one alike", (unsigned long long)k_graph);
         setenv("LAMINA_CUDA_XQ", "0", 1);
         CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, without xq");
         unsetenv("LAMINA_CUDA_XQ");
@@ -898,6 +915,14 @@ static void tbc_xq(void)
               a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
         MEASURE("xq (Q4_0 80b-a3b shape, 4 layers, 6 prompt + 10 decode steps): logits "
                 "byte-identical to the input products rounding xa themselves");
+        /* conv + heads split over clusters (32 heads of 128 here) reading the
+         * states before their PDL wait, against after it */
+        setenv("LAMINA_CUDA_DN_EARLY", "0", 1);
+        CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, DeltaNet states after the wait");
+        unsetenv("LAMINA_CUDA_DN_EARLY");
+        CHECK(a && b && !memcmp(a, b, sz), "dn early: the DeltaNet states read before the PDL "
+              "wait give other logits than read after it (max %.3g)",
+              a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
         /* yq: the DeltaNet output product over the rounded y of conv + heads,
          * and the attention output product (layer 3) over the combine's
          * rounded output (int8 kernels) where they had taken the f32 kernels

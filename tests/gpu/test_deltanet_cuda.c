@@ -32,7 +32,9 @@
  *     (cuda_deltanet_conv_heads_yq) wherever the launcher takes it (dv a
  *     multiple of 32, whole blocks of 32 rows a block; one block per head
  *     must): y and states still equal, the rounded row equal to the host's
- *     rounding of y (tests/gpu/xq_check.h). The 80b shape also with CUDA
+ *     rounding of y (tests/gpu/xq_check.h); those launches also read the
+ *     states before their PDL wait where they split the heads (early: the
+ *     poisoning between launches serialises them). The 80b shape also with CUDA
  *     graphs of 36 chained launches each way, one block per head and split,
  *     and eager (median of 5 x 50 steps) every way.
  *   - cuda_deltanet_heads for TDC_SPLIT_S tokens per call, split (auto, 2,
@@ -561,8 +563,10 @@ struct tdc_fused {
 
 /* One decode step one way on stream s, under the split setting the caller
  * set: conv then heads (even ways) or the fused launch (odd ways; with the
- * rounded y where the way has a yq buffer and the launcher takes it). */
-static int tdc_fused_step(struct tdc_fused *f, int way, cudaStream_t s)
+ * rounded y where the way has a yq buffer and the launcher takes it, and
+ * then with `early`: the caller's promise that the way's states were written
+ * two or more launches back). */
+static int tdc_fused_step(struct tdc_fused *f, int way, bool early, cudaStream_t s)
 {
     const struct tdc_case *c = f->c;
     const struct tdc_bufs *t = f->t;
@@ -572,7 +576,7 @@ static int tdc_fused_step(struct tdc_fused *f, int way, cudaStream_t s)
         const int rc = cuda_deltanet_conv_heads_yq(
             f->d_cs[way], f->d_w, f->K, f->d_x, f->d_st[way], t->d_b, t->d_alpha, t->d_a, t->d_dt,
             t->d_z, t->d_nw, f->d_y[way], f->d_yq[way], c->nk, c->nv, c->dk, c->dv, c->tiled,
-            1e-6f, s);
+            1e-6f, early, s);
         f->yq[way] = rc == 0;
         if (rc != -ENOTSUP)
             return rc;
@@ -622,7 +626,7 @@ static double tdc_fused_graph_us(struct tdc_fused *f, int way, uint32_t layers)
     cudaEventCreate(&e1);
     bool ok = tdc_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
     for (uint32_t l = 0; l < layers && ok; l++)
-        ok = tdc_fused_step(f, way, s) == 0;
+        ok = tdc_fused_step(f, way, false, s) == 0;
     ok = tdc_ok(cudaStreamEndCapture(s, &g), "end capture") && ok;
     ok = ok && tdc_ok(cudaGraphInstantiate(&ge, g, 0), "instantiate");
     for (int i = 0; i < 3 && ok; i++)
@@ -661,11 +665,11 @@ static double tdc_fused_eager_us(struct tdc_fused *f, int way)
     }
     bool ok = true;
     for (int i = 0; i < 5 && ok; i++)
-        ok = tdc_fused_step(f, way, 0) == 0;
+        ok = tdc_fused_step(f, way, false, 0) == 0;
     for (int run = 0; run < 5 && ok; run++) {
         ok = tdc_ok(cudaEventRecord(e0, 0), "record");
         for (int i = 0; i < 50 && ok; i++)
-            ok = tdc_fused_step(f, way, 0) == 0;
+            ok = tdc_fused_step(f, way, false, 0) == 0;
         ok = ok && tdc_ok(cudaEventRecord(e1, 0), "record") &&
              tdc_ok(cudaEventSynchronize(e1), "eager steps") &&
              tdc_ok(cudaEventElapsedTime(&ms[run], e0, e1), "elapsed");
@@ -722,7 +726,8 @@ static bool tdc_fused_compare(struct tdc_fused *f, int step, size_t csn, float *
         *ok = *ok && tdc_ok(cudaMemset(f->d_y[w], w ? 0xfe : 0xff, vd * 4), "poison");
         if (f->d_yq[w])
             *ok = *ok && tdc_ok(cudaMemset(f->d_yq[w], 0xfe, cuda_mvq_xq_bytes(vd)), "poison");
-        rc[w] = *ok ? tdc_fused_step(f, w, 0) : -1;
+        /* the poisoning serialises the launches: early where the way takes it */
+        rc[w] = *ok ? tdc_fused_step(f, w, true, 0) : -1;
         CHECK(rc[w] == 0, "dk %u nk/nv %u/%u K %u way %d: launch returned %d", c->dk, c->nk,
               c->nv, f->K, w, rc[w]);
         *ok = *ok && rc[w] == 0;
