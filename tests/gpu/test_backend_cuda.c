@@ -879,6 +879,22 @@ static void tbc_shpair(void)
     }
 }
 
+/* tbc_greedy16 of m with env set to value, into tmp, against ref (sz
+ * bytes): whether it ran and gave the same bytes (both CHECKed, naming
+ * what). */
+static bool tbc_greedy16_same(const struct arch_model *m, const char *env, const char *value,
+                              const float *ref, float *tmp, size_t sz, const char *what)
+{
+    setenv(env, value, 1);
+    const int rc = tbc_greedy16(m, tmp);
+    unsetenv(env);
+    CHECK(rc == 0, "cuda run %s", what);
+    const bool same = rc == 0 && !memcmp(ref, tmp, sz);
+    CHECK(rc != 0 || same, "%s: other logits than the default (max %.3g)", what,
+          rc ? 0.0 : tbc_maxdiff(ref, tmp, sz / sizeof(float)));
+    return same;
+}
+
 /* The decode input products reading the rows the combine rounded (xq) on an
  * 80b-a3b-shaped qwen3next of four layers (three DeltaNet, one attention;
  * n_embd 2048, where the combine's one-round path and the int8 products
@@ -897,32 +913,24 @@ static void tbc_xq(void)
         /* the graph's kernel nodes (what a replay runs) against the launches
          * counted one by one, the attention's split combine included */
         const uint64_t k_graph = tbc_step_kernels;
-        setenv("LAMINA_CUDA_GRAPHS", "0", 1);
-        CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, without graphs");
-        unsetenv("LAMINA_CUDA_GRAPHS");
-        CHECK(k_graph > 0 && k_graph == tbc_step_kernels, "xq model: the decode graph holds "
-              "%llu kernels, a step launched one by one counted %llu",
-              (unsigned long long)k_graph, (unsigned long long)tbc_step_kernels);
-        CHECK(a && b && !memcmp(a, b, sz), "xq model: without graphs other logits (max %.3g)",
-              a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
-        MEASURE("xq model (4 layers): %llu kernels a decode step, the graph's nodes and the "
-                "launches one by one alike", (unsigned long long)k_graph);
-        setenv("LAMINA_CUDA_XQ", "0", 1);
-        CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, without xq");
-        unsetenv("LAMINA_CUDA_XQ");
-        CHECK(a && b && !memcmp(a, b, sz), "xq: the input products from the combine's rounded "
-              "rows differ from rounding xa (max %.3g)",
-              a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
-        MEASURE("xq (Q4_0 80b-a3b shape, 4 layers, 6 prompt + 10 decode steps): logits "
-                "byte-identical to the input products rounding xa themselves");
+        if (a && b && tbc_greedy16_same(m, "LAMINA_CUDA_GRAPHS", "0", a, b, sz,
+                                        "xq model without graphs")) {
+            CHECK(k_graph > 0 && k_graph == tbc_step_kernels, "xq model: the decode graph holds "
+                  "%llu kernels, a step launched one by one counted %llu",
+                  (unsigned long long)k_graph, (unsigned long long)tbc_step_kernels);
+            MEASURE("xq model (4 layers): %llu kernels a decode step, the graph's nodes and the "
+                    "launches one by one alike", (unsigned long long)k_graph);
+        }
+        /* the input products rounding xa themselves instead of copying the
+         * combine's rounded rows */
+        if (a && b && tbc_greedy16_same(m, "LAMINA_CUDA_XQ", "0", a, b, sz, "without xq"))
+            MEASURE("xq (Q4_0 80b-a3b shape, 4 layers, 6 prompt + 10 decode steps): logits "
+                    "byte-identical to the input products rounding xa themselves");
         /* conv + heads split over clusters (32 heads of 128 here) reading the
-         * states before their PDL wait, against after it */
-        setenv("LAMINA_CUDA_DN_EARLY", "0", 1);
-        CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, DeltaNet states after the wait");
-        unsetenv("LAMINA_CUDA_DN_EARLY");
-        CHECK(a && b && !memcmp(a, b, sz), "dn early: the DeltaNet states read before the PDL "
-              "wait give other logits than read after it (max %.3g)",
-              a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+         * states after their PDL wait instead of before */
+        if (a && b)
+            tbc_greedy16_same(m, "LAMINA_CUDA_DN_EARLY", "0", a, b, sz,
+                              "DeltaNet states after the wait");
         /* yq: the DeltaNet output product over the rounded y of conv + heads,
          * and the attention output product (layer 3) over the combine's
          * rounded output (int8 kernels) where they had taken the f32 kernels
