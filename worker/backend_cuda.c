@@ -1228,6 +1228,34 @@ static const struct cuda_tail *cb_norm_tail(struct backend_cuda *c, const struct
     return t;
 }
 
+/* Layer L's decode attention over q at the device position (two kernels:
+ * the splits and their combine, both counted), its output also rounded into
+ * *aq where *aq is not NULL and the launch takes it; where it does not, the
+ * plain launch and *aq = NULL. */
+static int cb_attention_decode(struct backend_cuda *c, const struct cb_layer *L, const float *q,
+                               int8_t **aq)
+{
+    const struct arch_hparams *hp = c->hp;
+    const uint32_t hd = hp->head_dim;
+    const size_t g = hp->attn_gated ? 2 : 1;
+    for (;;) {
+        const int rc = CB_K(c, "attn.core", cuda_attention_decode_at_xq(
+                                                q, g * hd, L->kc, L->vc, c->cfg.kv_f16,
+                                                hp->n_head, hp->n_head_kv, hd, c->d_pos,
+                                                c->n_ctx, hp->attn_scale, hp->attn_gated,
+                                                c->att, *aq, c->attn_ws, c->attn_ws_bytes,
+                                                c->stream));
+        if (rc == -ENOTSUP && *aq) {
+            cb_unlaunch(c); /* not launched: the plain attention */
+            *aq = NULL;
+            continue;
+        }
+        if (!rc && !cb_skip(c, "attn.core"))
+            c->launches++; /* the decode's second kernel: its split combine */
+        return rc;
+    }
+}
+
 /* Attention mixer. Decode: one product for q|k|v when the three share a type
  * (into c->dec), the fused norm/rope/store, and attention at the position in
  * device memory (so the graph never changes). */
@@ -1258,19 +1286,7 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
         /* the output also rounded for the output product where it takes it (cb_mm_yq) */
         int8_t *aq = c->yq_on && cuda_mvq_xq_ok(L->wo.type, L->wo.n_out, L->wo.n_in) ? c->yq
                                                                                      : NULL;
-        for (;;) {
-            rc = rc ? rc : CB_K(c, "attn.core", cuda_attention_decode_at_xq(
-                                                   q, g * hd, L->kc, L->vc, c->cfg.kv_f16, nh,
-                                                   nkv, hd, c->d_pos, c->n_ctx, hp->attn_scale,
-                                                   hp->attn_gated, c->att, aq, c->attn_ws,
-                                                   c->attn_ws_bytes, c->stream));
-            if (rc != -ENOTSUP || !aq)
-                break;
-            cb_unlaunch(c); /* not launched: the plain attention */
-            aq = NULL, rc = 0;
-        }
-        if (!rc && !cb_skip(c, "attn.core"))
-            c->launches++; /* the decode's second kernel: its split combine */
+        rc = rc ? rc : cb_attention_decode(c, L, q, &aq);
         if (aq)
             return rc ? rc : cb_mm_yq(c, "attn.out", &L->wo, aq, c->att, c->mix, tail);
     } else {
