@@ -46,6 +46,7 @@
 #define CLUSTER_DEAD_S 1.5            /* no heartbeat (sent every 0.25 s) for this long: dead */
 #define CLUSTER_POLL_MS 50            /* step loop granularity */
 #define CLUSTER_SHUTDOWN_WAIT_S 1.0   /* SHUTDOWN -> SIGKILL */
+#define CLUSTER_TIMING_WAIT_S 2.0     /* the last steps' timing lines, before a summary */
 
 _Static_assert(WIRE_NCCL_ID_BYTES == NCCL_COMM_ID_BYTES, "NCCL unique id size");
 
@@ -131,6 +132,8 @@ struct cluster {
     } fl[CLUSTER_SEQ_MAX];
     uint32_t n_seq;                     /* sequence slots of every worker */
     uint32_t n_flight;                  /* sequences with a step in flight */
+    uint64_t results;                   /* steps that came back (each worker's timing line
+                                           of each is owed) */
 };
 
 static double cl_now(void)
@@ -741,8 +744,11 @@ static void cl_timing(struct cluster *c, int i, const char *json)
         fprintf(c->timings, "%s\n", json);
 }
 
-void cluster_print_summary(const struct cluster *c, FILE *out)
+static void cl_settle_timings(struct cluster *c);
+
+void cluster_print_summary(struct cluster *c, FILE *out)
 {
+    cl_settle_timings(c);
     fprintf(out, "| worker | layers | steps | tokens | total ms | attn | deltanet | router | "
                  "experts | cpu wait | shared | send | recv wait | handoff | experts local/cpu "
                  "|\n");
@@ -1039,6 +1045,46 @@ static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
     }
 }
 
+/* A worker sends its timing line of a step after handing the step on, so the last
+ * worker's result can reach us before the earlier workers' lines of the same step: waits
+ * (bounded) until every live worker's lines of the steps that came back have arrived, with
+ * nothing in flight and no worker failed; other messages (heartbeats) are handled as usual. */
+static void cl_settle_timings(struct cluster *c)
+{
+    if (c->n_flight || !c->router)
+        return;
+    const double deadline = cl_now() + CLUSTER_TIMING_WAIT_S;
+    for (;;) {
+        int owed = -1;
+        for (int i = 0; i < c->n && owed < 0; i++)
+            if (c->w[i].failed || c->w[i].exited)
+                return;
+            else if (c->w[i].steps < c->results)
+                owed = i;
+        if (owed < 0)
+            return;
+        if (cl_now() > deadline) {
+            log_warn("worker %d's timing lines of %llu of %llu steps did not arrive", owed,
+                     (unsigned long long)(c->results - c->w[owed].steps),
+                     (unsigned long long)c->results);
+            return;
+        }
+        char id[WIRE_ID_MAX];
+        size_t id_len = sizeof(id);
+        struct wire_msg r;
+        int rc = wire_recv(c->router, &r, id, &id_len, CLUSTER_POLL_MS);
+        if (rc == -ETIMEDOUT || rc == -EPROTO || rc == -EINTR)
+            continue;
+        if (rc)
+            return;
+        uint32_t seq;
+        enum cl_event ev = cl_handle(c, id, id_len, &r, &seq, &rc);
+        wire_msg_free(&r);
+        if (ev == CL_FAIL)
+            return;
+    }
+}
+
 /* Checks for dead or silent workers during a step; logs and returns an errno. */
 static int cl_check_alive(struct cluster *c)
 {
@@ -1183,6 +1229,7 @@ static int cl_wait(struct cluster *c, uint32_t *seq)
         enum cl_event ev = cl_handle(c, id, id_len, &r, seq, &rc);
         wire_msg_free(&r);
         if (ev == CL_RESULT) {
+            c->results++;
             cl_coordinator_timing(c, *seq, cl_now());
             c->fl[*seq].busy = false;
             c->n_flight--;
@@ -1652,6 +1699,7 @@ void cluster_destroy(struct cluster *c)
             log_info("worker %d served %llu forwarded expert requests (%llu rows) for other "
                      "workers", i, (unsigned long long)c->w[i].served_req,
                      (unsigned long long)c->w[i].served_rows);
+    cl_settle_timings(c);
     cl_stop_workers(c);
     if (c->timings)
         fclose(c->timings);

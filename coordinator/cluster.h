@@ -155,8 +155,9 @@ int cluster_state_save(struct cluster *c, uint32_t seq, void **blob, size_t *byt
 int cluster_state_load(struct cluster *c, uint32_t seq, const void *blob, size_t bytes,
                        uint32_t pos);
 
-/* Prints the per-worker summary table of the steps so far. */
-void cluster_print_summary(const struct cluster *c, FILE *out);
+/* Prints the per-worker summary table of the steps so far (after the timing lines of the
+ * steps that came back have arrived: bounded wait). */
+void cluster_print_summary(struct cluster *c, FILE *out);
 
 /* Sets the flag the step loop checks (from a signal handler: async-signal-safe). */
 void cluster_interrupt(struct cluster *c);

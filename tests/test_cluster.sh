@@ -247,6 +247,22 @@ check_clean "bad command lines" "$$"
 ids=5,17,99,3,250,42,7,7,301,12,64,128
 one="-m $T/tiny.gguf --prompt-ids $ids -n 6 --greedy --no-echo"
 $L run $one --inproc --dump-logits "$T/ref9.npy" >"$T/ref9.txt" 2>/dev/null
+# a worker's timing line of the last step arriving after the step's result (worker 0 sends
+# its line after handing the step on): the coordinator waits for it before the file closes
+$L run -m "$T/tiny.gguf" -p "hello" -n 6 --devices cpu,cpu --timings "$T/late0.jsonl" \
+    >/dev/null 2>"$T/err"
+nlate=$(grep -c '"worker":0,' "$T/late0.jsonl")
+LAMINA_FAIL=0:late:$nlate $L run -m "$T/tiny.gguf" -p "hello" -n 6 --devices cpu,cpu \
+    --timings "$T/late.jsonl" >/dev/null 2>"$T/err"
+rc=$?
+n0=$(grep -c '"worker":0,' "$T/late.jsonl")
+n1=$(grep -c '"worker":1,' "$T/late.jsonl")
+if [ $rc -eq 0 ] && [ "$nlate" -gt 0 ] && grep -q "injected delay of step $nlate's timing line" "$T/err" &&
+    [ "$n0" -eq "$nlate" ] && [ "$n1" -eq "$nlate" ]; then
+    ok "a worker's last timing line 0.3 s behind the result: all $n0 lines of both workers kept"
+else
+    fail "late timing line: rc $rc, worker 0 $n0 and worker 1 $n1 lines of $nlate steps"
+fi
 $L run $one --devices cpu,cpu --handoff nccl >/dev/null 2>"$T/err"
 [ $? -ne 0 ] && grep -q "handoff nccl needs two consecutive workers on different CUDA devices.*run on cpu and cpu" "$T/err" &&
     ok "--handoff nccl on CPU workers refused: $(grep -o 'handoff nccl needs.*' "$T/err")" ||

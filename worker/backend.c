@@ -18,7 +18,7 @@ extern const struct backend_ops backend_cuda_ops;
 #endif
 
 struct backend_fail {
-    char kind[8];   /* "step", "hang", "crash" or "" */
+    char kind[8];   /* "step", "hang", "crash", "late" or "" */
     uint64_t at;    /* 1-based layers() call */
 };
 
@@ -30,11 +30,13 @@ static struct backend_fail backend_parse_fail(const char *spec)
     unsigned long long at;
     char kind[8];
     if (sscanf(spec, "%7[a-z]:%llu", kind, &at) == 2 &&
-        (!strcmp(kind, "step") || !strcmp(kind, "hang") || !strcmp(kind, "crash"))) {
+        (!strcmp(kind, "step") || !strcmp(kind, "hang") || !strcmp(kind, "crash") ||
+         !strcmp(kind, "late"))) {
         snprintf(f.kind, sizeof(f.kind), "%s", kind);
         f.at = at;
     } else {
-        log_warn("ignoring failure injection spec '%s' (expected step:N, hang:N or crash:N)", spec);
+        log_warn("ignoring failure injection spec '%s' (expected step:N, hang:N, crash:N or "
+                 "late:N)", spec);
     }
     return f;
 }
@@ -134,7 +136,7 @@ static int backend_inject(struct backend *b)
 {
     const struct backend_fail *f = &((struct backend_holder *)b)->fail;
     b->calls++;
-    if (f->at && b->calls == f->at) {
+    if (f->at && b->calls == f->at && strcmp(f->kind, "late")) {
         if (!strcmp(f->kind, "step")) {
             log_error("injected failure at step %llu", (unsigned long long)b->calls);
             return -EIO;
@@ -148,6 +150,12 @@ static int backend_inject(struct backend *b)
         abort();
     }
     return 0;
+}
+
+bool backend_injected_late(const struct backend *b)
+{
+    const struct backend_fail *f = &((const struct backend_holder *)b)->fail;
+    return f->at && b->calls == f->at && !strcmp(f->kind, "late");
 }
 
 int backend_layers(struct backend *b, float *h, uint32_t n)

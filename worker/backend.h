@@ -70,7 +70,9 @@ struct backend_config {
     const char *fail;                 /* failure injection spec (tests), or NULL:
                                          "step:N" fail the N-th layers call with -EIO,
                                          "hang:N" never return from it,
-                                         "crash:N" abort() in it */
+                                         "crash:N" abort() in it,
+                                         "late:N" the worker holds back its timing line
+                                         of that step (backend_injected_late) */
 };
 
 struct backend;
@@ -159,6 +161,8 @@ int backend_layers_head(struct backend *b, float *h, uint32_t n, float *logits, 
 /* backend_ops.argmax, or -ENOTSUP (nothing logged) where the backend does not offer it. */
 int backend_argmax(struct backend *b, const float *h, uint32_t n, int32_t *ids);
 const struct forward_stats *backend_stats(const struct backend *b);
+/* Failure injection "late:N": whether the layers call just made was the N-th. */
+bool backend_injected_late(const struct backend *b);
 
 /* Runs foreign experts for another worker (backend_ops.serve). -EINVAL (logged, naming the
  * layer and expert) when cfg->foreign gave this backend no such foreign expert, or the rows

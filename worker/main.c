@@ -914,6 +914,11 @@ static int worker_step(struct worker *w, const struct wire_msg *m, double recv_w
     const uint64_t sent = w->is_last ? res.tensor_bytes
                           : w->nccl_next ? 0
                                          : (uint64_t)st->n_tokens * w->m->hp.n_embd * sizeof(float);
+    if (backend_injected_late(w->be)) { /* tests: a timing line behind the step's result */
+        log_warn("injected delay of step %llu's timing line", (unsigned long long)st->step);
+        struct timespec ts = {0, 300000000};
+        nanosleep(&ts, NULL);
+    }
     worker_send_timing(w, st, recv_wait, t2 - t1, t2 - t0 + recv_wait, sent);
     return res.type == WIRE_TYPE_RESULT ? worker_send(w, w->coord, &res) : 0;
 }
