@@ -330,14 +330,15 @@ static int run_parse_cluster(struct cli *c, const char *a, struct run_opts *o, b
                 free(copy);
                 return cli_fail(c, "at most 64 devices, not '%s'", v);
             }
-            if (mem && cli_size(t, &cl->device_mem[n])) {
+            int rc = 0; /* the messages name t, inside copy: freed after them */
+            if (mem && cli_size(t, &cl->device_mem[n]))
+                rc = cli_fail(c, "bad size '%s' (use e.g. 6G or 512M)", t);
+            else if (!mem && !main_device_ok(t))
+                rc = cli_fail(c, "device '%s' is not available in this build (use cpu, or "
+                                 "cuda:N where built with CUDA)", t);
+            if (rc) {
                 free(copy);
-                return cli_fail(c, "bad size '%s' (use e.g. 6G or 512M)", t);
-            }
-            if (!mem && !main_device_ok(t)) {
-                free(copy);
-                return cli_fail(c, "device '%s' is not available in this build (use cpu, or "
-                                   "cuda:N where built with CUDA)", t);
+                return rc;
             }
             if (!mem)
                 cl->backends[n] = main_device_name(t, o->names[n], sizeof(o->names[n]));

@@ -55,7 +55,7 @@ static void bench_echo(const char *ep, int type, int width, int rounds)
     c.routing_id = "w0";
     c.spin_us = 200;
     struct wire_socket *in = NULL, *out = NULL;
-    char ep_in[256], ep_out[256];
+    char ep_in[272], ep_out[272]; /* the caller's 256 and "-a.sock" */
     if (type == ZMQ_DEALER) {
         in = out = wire_socket_create(ctx, ZMQ_DEALER, &c);
         wire_socket_connect(in, ep);
