@@ -143,11 +143,21 @@ static int arch_read_attn(struct arch_loader *ld, struct arch_hparams *hp)
     hp->rope_base = 10000.0f;
     if (arch_get_f32(ld, "rope.freq_base", &hp->rope_base, false) == -EINVAL)
         return -EINVAL;
+    if (!(hp->rope_base > 0.0f) || isinf(hp->rope_base)) { /* NaN fails the first test */
+        log_error("model metadata: rope.freq_base %g must be a finite number above 0",
+                  hp->rope_base);
+        return -EINVAL;
+    }
     hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
     float scale;
     rc = arch_get_f32(ld, "attention.scale", &scale, false);
     if (rc == -EINVAL)
         return rc;
+    if (rc == 0 && scale != 0.0f && (!(scale > 0.0f) || isinf(scale))) {
+        log_error("model metadata: attention.scale %g must be a finite number above 0 (or 0: "
+                  "1/sqrt(key_length))", scale);
+        return -EINVAL;
+    }
     if (rc == 0 && scale != 0.0f)
         hp->attn_scale = scale;
     if (arch_get_f32(ld, "attention.layer_norm_rms_epsilon", &hp->eps, true))
@@ -502,13 +512,34 @@ static int arch_bind_globals(struct arch_loader *ld)
     return 0;
 }
 
+/* A tensor of a layer past block_count means the metadata and the tensors disagree (a file
+ * cut or edited by hand): refused rather than run as a shallower model. */
+static int arch_check_layers(const struct arch_loader *ld)
+{
+    for (uint64_t i = 0; i < gguf_n_tensors(ld->g); i++) {
+        const char *name = gguf_tensor_at(ld->g, i)->name;
+        char *end;
+        if (strncmp(name, "blk.", 4) || name[4] < '0' || name[4] > '9')
+            continue;
+        unsigned long l = strtoul(name + 4, &end, 10);
+        if (*end == '.' && l >= ld->m->hp.n_layer) {
+            log_error("model: tensor %s belongs to layer %lu, but %sblock_count is %u: the "
+                      "file's metadata and tensors disagree", name, l, ld->prefix,
+                      ld->m->hp.n_layer);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
 struct arch_model *arch_load(const struct arch_config *cfg)
 {
     struct arch_model *m = calloc(1, sizeof(*m));
     if (!m)
         return NULL;
     struct arch_loader ld = {.g = cfg->gguf, .m = m};
-    if (arch_detect(&ld) || arch_read_hparams(&ld) || arch_bind_globals(&ld))
+    if (arch_detect(&ld) || arch_read_hparams(&ld) || arch_bind_globals(&ld) ||
+        arch_check_layers(&ld))
         goto out_free;
     m->layers = calloc(m->hp.n_layer, sizeof(*m->layers));
     if (!m->layers)

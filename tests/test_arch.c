@@ -280,6 +280,8 @@ struct ta_edit {
     uint32_t arr_n;
     const char *str_key;        /* write this key as string str_val */
     const char *str_val;
+    const char *f32_key;        /* write this key as float32 f32_val (added if absent) */
+    float f32_val;
     const char *drop_tensor;    /* omit this tensor */
     const char *tensor;         /* give this tensor new dims and/or type (data zeroed) */
     uint32_t n_dims;            /* 0: keep */
@@ -354,7 +356,7 @@ static int ta_copy_kv(struct gguf_writer *w, const struct gguf_kv *kv)
 static int ta_write_meta(struct gguf_writer *w, const struct gguf *g, const struct ta_edit *ed)
 {
     int rc = 0;
-    bool set_done = false, arr_done = false, str_done = false;
+    bool set_done = false, arr_done = false, str_done = false, f32_done = false;
     for (uint64_t i = 0; i < gguf_n_kv(g) && !rc; i++) {
         const struct gguf_kv *kv = gguf_kv_at(g, i);
         if (ed->drop_key && !strcmp(kv->key, ed->drop_key))
@@ -368,6 +370,9 @@ static int ta_write_meta(struct gguf_writer *w, const struct gguf *g, const stru
         } else if (ed->str_key && !strcmp(kv->key, ed->str_key)) {
             rc = gguf_writer_add_str(w, kv->key, ed->str_val);
             str_done = true;
+        } else if (ed->f32_key && !strcmp(kv->key, ed->f32_key)) {
+            rc = gguf_writer_add_f32(w, kv->key, ed->f32_val);
+            f32_done = true;
         } else {
             rc = ta_copy_kv(w, kv);
         }
@@ -378,6 +383,8 @@ static int ta_write_meta(struct gguf_writer *w, const struct gguf *g, const stru
         rc = gguf_writer_add_array(w, ed->arr_key, GGUF_TYPE_UINT32, ed->arr_vals, ed->arr_n);
     if (!rc && ed->str_key && !str_done)
         rc = gguf_writer_add_str(w, ed->str_key, ed->str_val);
+    if (!rc && ed->f32_key && !f32_done)
+        rc = gguf_writer_add_f32(w, ed->f32_key, ed->f32_val);
     return rc;
 }
 
@@ -457,6 +464,15 @@ static const struct ta_edit ta_cases[] = {
     {.name = "per-layer array", .arr_key = "qwen3next.expert_used_count",
      .arr_vals = {4, 4, 4, 2, 4, 4, 4, 4}, .arr_n = 8, .type = TA_KEEP,
      .expect = {"expert_used_count", "per layer", "layer 3"}},
+    {.name = "NaN rope base", .f32_key = "qwen3next.rope.freq_base", .f32_val = NAN,
+     .type = TA_KEEP, .expect = {"rope.freq_base", "nan", "finite"}},
+    {.name = "negative rope base", .f32_key = "qwen3next.rope.freq_base", .f32_val = -1.0f,
+     .type = TA_KEEP, .expect = {"rope.freq_base", "-1", "above 0"}},
+    {.name = "infinite attention scale", .f32_key = "qwen3next.attention.scale",
+     .f32_val = INFINITY, .type = TA_KEEP, .expect = {"attention.scale", "inf", "finite"}},
+    {.name = "block_count below the file's layers", .set_key = "qwen3next.block_count",
+     .set_val = 4, .type = TA_KEEP,
+     .expect = {"belongs to layer", "qwen3next.block_count is 4", "disagree"}},
     {.name = "missing tensor", .drop_tensor = "blk.5.ffn_down_exps.weight", .type = TA_KEEP,
      .expect = {"blk.5.ffn_down_exps.weight", "missing"}},
     {.name = "missing attention tensor", .drop_tensor = "blk.3.attn_k_norm.weight",
