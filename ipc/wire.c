@@ -960,6 +960,12 @@ static int wire_setopt(void *z, int opt, const void *val, size_t len, const char
     return wire_errno(e);
 }
 
+/* A connect made before its peer binds (a worker handing on to one still loading) is retried
+ * after ZMQ_RECONNECT_IVL, doubling up to the max: ZeroMQ's 100 ms first retry held the first
+ * hand-off of a step back by up to 175 ms (docs/perf.md, fourteenth session). */
+#define WIRE_RECONNECT_MS 5
+#define WIRE_RECONNECT_MAX_MS 1000
+
 #define WIRE_SETOPT_INT(z, opt, v) wire_setopt((z), (opt), &(int){(v)}, sizeof(int), #opt)
 
 static int wire_apply_curve(struct wire_socket *s, const struct wire_socket_config *c)
@@ -997,7 +1003,9 @@ static int wire_apply_options(struct wire_socket *s, const struct wire_socket_co
         WIRE_SETOPT_INT(z, ZMQ_SNDTIMEO, c->send_timeout_ms) ||
         WIRE_SETOPT_INT(z, ZMQ_RCVTIMEO, c->recv_timeout_ms) ||
         wire_setopt(z, ZMQ_MAXMSGSIZE, &max, sizeof max, "ZMQ_MAXMSGSIZE") ||
-        WIRE_SETOPT_INT(z, ZMQ_IMMEDIATE, c->immediate ? 1 : 0))
+        WIRE_SETOPT_INT(z, ZMQ_IMMEDIATE, c->immediate ? 1 : 0) ||
+        WIRE_SETOPT_INT(z, ZMQ_RECONNECT_IVL, WIRE_RECONNECT_MS) ||
+        WIRE_SETOPT_INT(z, ZMQ_RECONNECT_IVL_MAX, WIRE_RECONNECT_MAX_MS))
         return -EINVAL;
     if (c->heartbeat_ivl_ms &&
         (WIRE_SETOPT_INT(z, ZMQ_HEARTBEAT_IVL, c->heartbeat_ivl_ms) ||
