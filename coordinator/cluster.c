@@ -59,6 +59,7 @@ struct cluster_worker {
     bool has_key;              /* tcp: the CURVE key of its data socket */
     uint8_t key[WIRE_KEY_BYTES];
     bool failed;               /* found dead or hung: killed at once on shutdown */
+    bool reported_error;       /* sent an ERROR (it may be exiting on its own) */
     uint32_t l0, l1;           /* layer range */
     uint8_t **bitmaps;         /* per layer in range: residency bitmap */
     bool *trunk, *shexp;       /* per layer in range: projections / shared expert on device */
@@ -1032,6 +1033,7 @@ static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
         *rc = cl_expert_reply(c, i, m);
         return *rc ? CL_FAIL : CL_NONE;
     case WIRE_TYPE_ERROR:
+        w->reported_error = true;
         log_error("worker %d failed in step %llu: %s", i, (unsigned long long)m->error.step,
                   m->error.message);
         *rc = -EIO;
@@ -1658,8 +1660,12 @@ static void cl_stop_workers(struct cluster *c)
             w->exited = true;
         }
     }
-    struct timespec settle = {0, 20000000}; /* let a worker that is exiting be reaped */
-    nanosleep(&settle, NULL);
+    bool exiting = false; /* a worker that reported an error may be ending on its own */
+    for (int i = 0; i < c->n; i++)
+        exiting |= c->w[i].reported_error && !c->w[i].exited;
+    struct timespec settle = {0, 20000000}; /* let it be reaped first */
+    if (exiting)
+        nanosleep(&settle, NULL);
     while (cl_reap(c) >= 0)
         ;
     for (int i = 0; i < c->n && c->router; i++) {

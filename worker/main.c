@@ -145,6 +145,8 @@ struct worker {
     double last_coord;             /* time of the last message from the coordinator */
     volatile uint64_t progress;    /* layers run (watchdog) */
     atomic_int stop;               /* tells the watchdog to end */
+    pthread_mutex_t stop_mu;       /* with stop_cv: wakes the watchdog's sleep at the end */
+    pthread_cond_t stop_cv;
     pthread_t watchdog;
     bool watchdog_started;
     struct forward_stats prev;     /* stats at the end of the previous step */
@@ -198,13 +200,25 @@ static void *worker_watchdog(void *arg)
         return NULL;
     }
     uint64_t seq = 0;
+    pthread_mutex_lock(&w->stop_mu);
     while (!atomic_load(&w->stop)) {
+        pthread_mutex_unlock(&w->stop_mu);
         struct wire_msg m = {.type = WIRE_TYPE_HEARTBEAT, .seq_no = ++seq};
         m.heartbeat.step = __atomic_load_n(&w->progress, __ATOMIC_RELAXED);
         wire_send(s, &m, NULL, 0);
-        struct timespec ts = {0, WORKER_HEARTBEAT_MS * 1000000L};
-        nanosleep(&ts, NULL);
+        /* until the next beat, or at once when the worker ends (a plain sleep held every
+         * worker's exit back by up to a period) */
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_nsec += WORKER_HEARTBEAT_MS * 1000000L;
+        until.tv_sec += until.tv_nsec / 1000000000L;
+        until.tv_nsec %= 1000000000L;
+        pthread_mutex_lock(&w->stop_mu);
+        while (!atomic_load(&w->stop) &&
+               pthread_cond_timedwait(&w->stop_cv, &w->stop_mu, &until) != ETIMEDOUT)
+            ;
     }
+    pthread_mutex_unlock(&w->stop_mu);
     wire_socket_destroy(s);
     return NULL;
 }
@@ -1099,9 +1113,16 @@ static int worker_parse(int argc, char **argv, struct worker_args *a)
 
 static void worker_cleanup(struct worker *w)
 {
-    atomic_store(&w->stop, 1);
-    if (w->watchdog_started)
+    if (w->watchdog_started) {
+        pthread_mutex_lock(&w->stop_mu);
+        atomic_store(&w->stop, 1);
+        pthread_cond_signal(&w->stop_cv);
+        pthread_mutex_unlock(&w->stop_mu);
         pthread_join(w->watchdog, NULL);
+        pthread_cond_destroy(&w->stop_cv);
+        pthread_mutex_destroy(&w->stop_mu);
+    }
+    atomic_store(&w->stop, 1);
     for (; w->queue && w->q_len; w->q_len--, w->q_head = (w->q_head + 1) % WORKER_QUEUE_MAX)
         wire_msg_free(&w->queue[w->q_head]);
     free(w->queue);
@@ -1185,7 +1206,23 @@ int main(int argc, char **argv)
     }
     rc = rc ? rc : worker_start(&w);
     if (!rc) {
-        w.watchdog_started = pthread_create(&w.watchdog, NULL, worker_watchdog, &w) == 0;
+        pthread_condattr_t ca;
+        w.watchdog_started = pthread_condattr_init(&ca) == 0;
+        if (w.watchdog_started) { /* the watchdog's sleep on the monotonic clock */
+            pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+            w.watchdog_started = pthread_cond_init(&w.stop_cv, &ca) == 0;
+            pthread_condattr_destroy(&ca);
+        }
+        if (w.watchdog_started && pthread_mutex_init(&w.stop_mu, NULL)) {
+            pthread_cond_destroy(&w.stop_cv);
+            w.watchdog_started = false;
+        }
+        if (w.watchdog_started &&
+            pthread_create(&w.watchdog, NULL, worker_watchdog, &w) != 0) {
+            pthread_cond_destroy(&w.stop_cv);
+            pthread_mutex_destroy(&w.stop_mu);
+            w.watchdog_started = false;
+        }
         rc = worker_loop(&w);
     }
     if (rc && (w.nccl_prev || w.nccl_next))
