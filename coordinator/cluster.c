@@ -1050,7 +1050,8 @@ static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
 /* A worker sends its timing line of a step after handing the step on, so the last
  * worker's result can reach us before the earlier workers' lines of the same step: waits
  * (bounded) until every live worker's lines of the steps that came back have arrived, with
- * nothing in flight and no worker failed; other messages (heartbeats) are handled as usual. */
+ * nothing in flight and no worker failed or in error; other messages (heartbeats) are handled
+ * as usual. */
 static void cl_settle_timings(struct cluster *c)
 {
     if (c->n_flight || !c->router)
@@ -1059,7 +1060,7 @@ static void cl_settle_timings(struct cluster *c)
     for (;;) {
         int owed = -1;
         for (int i = 0; i < c->n && owed < 0; i++)
-            if (c->w[i].failed || c->w[i].exited)
+            if (c->w[i].failed || c->w[i].exited || c->w[i].reported_error)
                 return;
             else if (c->w[i].steps < c->results)
                 owed = i;
