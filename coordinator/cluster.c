@@ -1047,6 +1047,26 @@ static enum cl_event cl_handle(struct cluster *c, const char *id, size_t id_len,
     }
 }
 
+/* Waits up to CLUSTER_POLL_MS for one message from the workers and handles it (cl_handle):
+ * CL_NONE also when none came or a malformed one was dropped; CL_FAIL with *rc the error of
+ * the receive or of the handling. */
+static enum cl_event cl_serve_one(struct cluster *c, uint32_t *seq, int *rc)
+{
+    char id[WIRE_ID_MAX];
+    size_t id_len = sizeof(id);
+    struct wire_msg r;
+    *rc = wire_recv(c->router, &r, id, &id_len, CLUSTER_POLL_MS);
+    if (*rc == -ETIMEDOUT || *rc == -EPROTO || *rc == -EINTR) {
+        *rc = 0;
+        return CL_NONE;
+    }
+    if (*rc)
+        return CL_FAIL;
+    const enum cl_event ev = cl_handle(c, id, id_len, &r, seq, rc);
+    wire_msg_free(&r);
+    return ev;
+}
+
 /* A worker sends its timing line of a step after handing the step on, so the last
  * worker's result can reach us before the earlier workers' lines of the same step: waits
  * (bounded) until every live worker's lines of the steps that came back have arrived, with
@@ -1072,18 +1092,9 @@ static void cl_settle_timings(struct cluster *c)
                      (unsigned long long)c->results);
             return;
         }
-        char id[WIRE_ID_MAX];
-        size_t id_len = sizeof(id);
-        struct wire_msg r;
-        int rc = wire_recv(c->router, &r, id, &id_len, CLUSTER_POLL_MS);
-        if (rc == -ETIMEDOUT || rc == -EPROTO || rc == -EINTR)
-            continue;
-        if (rc)
-            return;
         uint32_t seq;
-        enum cl_event ev = cl_handle(c, id, id_len, &r, &seq, &rc);
-        wire_msg_free(&r);
-        if (ev == CL_FAIL)
+        int rc;
+        if (cl_serve_one(c, &seq, &rc) == CL_FAIL)
             return;
     }
 }
@@ -1221,16 +1232,7 @@ static int cl_wait(struct cluster *c, uint32_t *seq)
         int rc = cl_check_alive(c);
         if (rc)
             return rc;
-        char id[WIRE_ID_MAX];
-        size_t id_len = sizeof(id);
-        struct wire_msg r;
-        rc = wire_recv(c->router, &r, id, &id_len, CLUSTER_POLL_MS);
-        if (rc == -ETIMEDOUT || rc == -EPROTO || rc == -EINTR)
-            continue;
-        if (rc)
-            return rc;
-        enum cl_event ev = cl_handle(c, id, id_len, &r, seq, &rc);
-        wire_msg_free(&r);
+        const enum cl_event ev = cl_serve_one(c, seq, &rc);
         if (ev == CL_RESULT) {
             c->results++;
             cl_coordinator_timing(c, *seq, cl_now());
