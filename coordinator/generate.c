@@ -33,16 +33,45 @@ struct generate_job {
 };
 
 #define PC_MAGIC "LMNPCACH"
-#define PC_VERSION 1u
+#define PC_VERSION 2u /* 2: body_sum (1 had none: such a file is recomputed and replaced) */
 
 struct pc_header {
     char magic[8];
     uint32_t version, kv_f16;
     uint64_t model_hash;
-    uint32_t n_layer, n_tokens, n_vocab, reserved;
+    uint32_t n_layer, n_tokens, n_vocab;
+    uint32_t body_sum; /* pc_sum of the body (ids, logits, state): a damaged file is not used */
     uint64_t state_bytes;
 };
 _Static_assert(sizeof(struct pc_header) == 48, "prompt cache header layout");
+
+/* A 64-bit multiply-xor over 8-byte words (a state of hundreds of MB in tens of ms), the
+ * tail bytes one by one, continuing from h. */
+static uint64_t pc_sum(const void *p, size_t bytes, uint64_t h)
+{
+    const uint8_t *b = p;
+    size_t i = 0;
+    for (; i + 8 <= bytes; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0x100000001b3ull;
+        h ^= h >> 29;
+    }
+    for (; i < bytes; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* The body's checksum (header body_sum): its three parts (ids, logits, state) summed in turn,
+ * folded to 32 bits. */
+static uint32_t pc_body_sum(const void *ids, size_t ids_bytes, const void *logits,
+                            size_t logits_bytes, const void *state, size_t state_bytes)
+{
+    uint64_t h = pc_sum(ids, ids_bytes, 0xcbf29ce484222325ull);
+    h = pc_sum(logits, logits_bytes, h);
+    h = pc_sum(state, state_bytes, h);
+    return (uint32_t)(h ^ h >> 32);
+}
 
 static double generate_now(void)
 {
@@ -179,6 +208,12 @@ static int pc_read(struct generate_job *job, struct pc_header *hdr, uint8_t **bo
             why = "its size does not match its header";
     }
     fclose(f);
+    if (!why) {
+        const size_t ids_bytes = (size_t)hdr->n_tokens * 4, lg = (size_t)hdr->n_vocab * 4;
+        if (hdr->body_sum != pc_body_sum(*body, ids_bytes, *body + ids_bytes, lg,
+                                         *body + ids_bytes + lg, hdr->state_bytes))
+            why = "its contents do not match its checksum (the file is damaged)";
+    }
     for (uint32_t i = 0; !why && i < hdr->n_tokens; i++) {
         int32_t id;
         memcpy(&id, *body + (size_t)i * 4, 4);
@@ -247,6 +282,8 @@ static int pc_write(struct generate_job *job)
                             .n_layer = job->m->hp.n_layer, .n_tokens = (uint32_t)job->n_ids,
                             .n_vocab = (uint32_t)nv, .state_bytes = bytes};
     memcpy(hdr.magic, PC_MAGIC, sizeof(hdr.magic));
+    hdr.body_sum = pc_body_sum(job->ids, job->n_ids * 4, job->logits, nv * sizeof(float), state,
+                               bytes);
     char tmp[4096];
     if (snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof(tmp)) {
         log_error("cannot write the prompt cache %s: its name is too long", path);

@@ -68,8 +68,9 @@ struct generate_stats {
  * different prompt, or a damaged one is named in a warning and recomputed; a file that is
  * not a prompt cache at all (no magic) is refused and never overwritten.
  *
- * Layout (little-endian): magic "LMNPCACH", u32 version (1), u32 kv_f16, u64 model hash,
- * u32 n_layer, u32 n_tokens, u32 n_vocab, u32 0, u64 state bytes; then n_tokens i32 ids,
+ * Layout (little-endian): magic "LMNPCACH", u32 version (2), u32 kv_f16, u64 model hash,
+ * u32 n_layer, u32 n_tokens, u32 n_vocab, u32 body checksum (generate.c's pc_body_sum over
+ * the ids, logits and state), u64 state bytes; then n_tokens i32 ids,
  * n_vocab f32 logits, the state bytes.
  */
 

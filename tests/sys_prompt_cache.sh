@@ -8,9 +8,10 @@
 #      CPU forward and the cpu backend) read each other's files;
 #   2. --prompt-cache-ro leaves the file as it was; another prompt, another model file,
 #      another --kv-type, a cut file and header fields changed one at a time (version, model
-#      hash, token count 0 or 2^32-1, state size, token ids outside the vocabulary) are named
-#      in a warning, run in full (the same tokens) and the file replaced; a file that is not a
-#      prompt cache is refused and left intact;
+#      hash, token count 0 or 2^32-1, state size, token ids outside the vocabulary with the
+#      body checksum made to match, a token id, a state byte or the checksum changed: damage)
+#      are named in a warning, run in full (the same tokens) and the file replaced; a file that
+#      is not a prompt cache is refused and left intact;
 #   3. refusals: --prompt-cache-ro alone, with --dump-logits, --backend without --inproc;
 #   4. nothing left behind: no worker process, no /dev/shm segment, no temporary file.
 set -u
@@ -105,23 +106,43 @@ same "a cut file: the prompt runs in full" ref cut
 cmp -s "$T/pc.bin" "$T/pc-1w.bin" && ok "a cut file is replaced" || fail "a cut file stays"
 # header fields changed one at a time (the file is untrusted input): each named, the prompt run
 # in full with the reference's tokens, the file replaced; no crash
-# edit OFFSET FORMAT VALUE: pc-1w.bin with that field rewritten, into pc.bin
+# edit OFFSET FORMAT VALUE [resum]: pc-1w.bin with that field rewritten, into pc.bin; resum:
+# the header's body checksum made to match again (a crafted file: the checks behind it)
 edit() {
-    python3 - "$T/pc-1w.bin" "$T/pc.bin" "$1" "$2" "$3" <<'PY'
+    python3 - "$T/pc-1w.bin" "$T/pc.bin" "$1" "$2" "$3" "${4:-}" <<'PY'
 import struct, sys
 src, dst, off, fmt, val = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5], 0)
 b = bytearray(open(src, 'rb').read())
 struct.pack_into('<' + fmt, b, off, val)
+M = (1 << 64) - 1
+def pc_sum(p, h):  # coordinator/generate.c's pc_sum
+    n = len(p) // 8 * 8
+    for i in range(0, n, 8):
+        h = ((h ^ int.from_bytes(p[i:i + 8], 'little')) * 0x100000001b3) & M
+        h ^= h >> 29
+    for x in p[n:]:
+        h = ((h ^ x) * 0x100000001b3) & M
+    return h
+if sys.argv[6] == 'resum':
+    n_tokens, n_vocab = struct.unpack_from('<II', b, 28)
+    state = struct.unpack_from('<Q', b, 40)[0]
+    ids, lg = 48, 48 + 4 * n_tokens
+    h = pc_sum(b[ids:lg], 0xcbf29ce484222325)
+    h = pc_sum(b[lg:lg + 4 * n_vocab], h)
+    h = pc_sum(b[lg + 4 * n_vocab:lg + 4 * n_vocab + state], h)
+    struct.pack_into('<I', b, 36, (h ^ h >> 32) & 0xffffffff)
 open(dst, 'wb').write(b)
 PY
 }
-for case in "8 I 2 another format version" "16 Q 12345 another model file" \
-    "28 I 4294967295 past the context" "28 I 0 token count is 0" \
-    "40 Q 16 state size does not match" "48 i -5 outside the vocabulary" \
-    "48 i 2147483647 outside the vocabulary"; do
+size=$(stat -c %s "$T/pc-1w.bin")
+for case in "8 I 1 - another format version" "8 I 3 - another format version" "16 Q 12345 - another model file" \
+    "28 I 4294967295 - past the context" "28 I 0 - token count is 0" \
+    "40 Q 16 - state size does not match" "48 i -5 resum outside the vocabulary" \
+    "48 i 2147483647 resum outside the vocabulary" "48 i 7 - do not match its checksum" \
+    "$((size - 8)) I 0x7fc00001 - do not match its checksum" "36 I 0 - do not match its checksum"; do
     set -- $case
-    off=$1; fmt=$2; val=$3; shift 3
-    edit "$off" "$fmt" "$val"
+    off=$1; fmt=$2; val=$3; sum=$4; shift 4
+    edit "$off" "$fmt" "$val" "$sum"
     if run field --prompt-ids $ALL --greedy --prompt-cache "$T/pc.bin" &&
         grep -q "prompt cache .* not used: .*$*" "$T/field.err" && cmp -s "$T/ref.out" "$T/field.out"; then
         ok "header field at $off set to $val: named ($*), the prompt run in full"
