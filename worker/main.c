@@ -1111,9 +1111,33 @@ static int worker_parse(int argc, char **argv, struct worker_args *a)
     return 0;
 }
 
+/* Starts the watchdog with what ends its sleep (stop_mu, stop_cv on the monotonic clock);
+ * false (nothing left to free) where any part cannot be made: the worker runs without it. */
+static bool worker_watchdog_start(struct worker *w)
+{
+    pthread_condattr_t ca;
+    if (pthread_condattr_init(&ca))
+        return false;
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    bool ok = pthread_cond_init(&w->stop_cv, &ca) == 0;
+    pthread_condattr_destroy(&ca);
+    if (!ok)
+        return false;
+    if (pthread_mutex_init(&w->stop_mu, NULL)) {
+        pthread_cond_destroy(&w->stop_cv);
+        return false;
+    }
+    if (pthread_create(&w->watchdog, NULL, worker_watchdog, w)) {
+        pthread_mutex_destroy(&w->stop_mu);
+        pthread_cond_destroy(&w->stop_cv);
+        return false;
+    }
+    return true;
+}
+
 static void worker_cleanup(struct worker *w)
 {
-    if (w->watchdog_started) {
+    if (w->watchdog_started) { /* under the lock: the watchdog sees it before it sleeps */
         pthread_mutex_lock(&w->stop_mu);
         atomic_store(&w->stop, 1);
         pthread_cond_signal(&w->stop_cv);
@@ -1121,8 +1145,9 @@ static void worker_cleanup(struct worker *w)
         pthread_join(w->watchdog, NULL);
         pthread_cond_destroy(&w->stop_cv);
         pthread_mutex_destroy(&w->stop_mu);
+    } else {
+        atomic_store(&w->stop, 1);
     }
-    atomic_store(&w->stop, 1);
     for (; w->queue && w->q_len; w->q_len--, w->q_head = (w->q_head + 1) % WORKER_QUEUE_MAX)
         wire_msg_free(&w->queue[w->q_head]);
     free(w->queue);
@@ -1206,23 +1231,7 @@ int main(int argc, char **argv)
     }
     rc = rc ? rc : worker_start(&w);
     if (!rc) {
-        pthread_condattr_t ca;
-        w.watchdog_started = pthread_condattr_init(&ca) == 0;
-        if (w.watchdog_started) { /* the watchdog's sleep on the monotonic clock */
-            pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-            w.watchdog_started = pthread_cond_init(&w.stop_cv, &ca) == 0;
-            pthread_condattr_destroy(&ca);
-        }
-        if (w.watchdog_started && pthread_mutex_init(&w.stop_mu, NULL)) {
-            pthread_cond_destroy(&w.stop_cv);
-            w.watchdog_started = false;
-        }
-        if (w.watchdog_started &&
-            pthread_create(&w.watchdog, NULL, worker_watchdog, &w) != 0) {
-            pthread_cond_destroy(&w.stop_cv);
-            pthread_mutex_destroy(&w.stop_mu);
-            w.watchdog_started = false;
-        }
+        w.watchdog_started = worker_watchdog_start(&w);
         rc = worker_loop(&w);
     }
     if (rc && (w.nccl_prev || w.nccl_next))
