@@ -125,7 +125,7 @@ static int bench_setup(struct bench_job *j)
         log_warn("bench: %u positions (-d %u and the longest test) go past the model's trained "
                  "context of %u: the figures are for positions it was not trained on", ctx,
                  cfg->n_depth, j->m->hp.n_ctx_train);
-    j->logits = malloc(j->m->hp.n_vocab * sizeof(float));
+    j->logits = engine_alloc_logits(j->eng, 1);
     j->ids = malloc(((size_t)longest + 1) * sizeof(int32_t));
     j->rng = cfg->seed;
     return j->logits && j->ids ? 0 : -ENOMEM;
@@ -506,7 +506,8 @@ int bench_run(const struct bench_config *cfg)
     }
     free(pp);
     free(tg);
-    free(j.logits);
+    if (j.eng)
+        engine_free_logits(j.eng, j.logits);
     free(j.ids);
     engine_destroy(j.eng);
     return rc;

@@ -4,6 +4,7 @@
 #include "coordinator/engine.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -118,6 +119,19 @@ struct engine *engine_create(const struct engine_config *cfg)
 out_fail:
     engine_destroy(e);
     return NULL;
+}
+
+float *engine_alloc_logits(struct engine *e, size_t rows)
+{
+    const size_t nv = e->m->hp.n_vocab;
+    if (rows && nv > SIZE_MAX / sizeof(float) / rows)
+        return NULL;
+    return backend_host_alloc(e->be, rows * nv * sizeof(float));
+}
+
+void engine_free_logits(struct engine *e, float *p)
+{
+    backend_host_free(e->be, p);
 }
 
 void engine_destroy(struct engine *e)

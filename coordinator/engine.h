@@ -43,6 +43,13 @@ struct engine;
 struct engine *engine_create(const struct engine_config *cfg);
 void engine_destroy(struct engine *e);
 
+/* A buffer for rows x n_vocab logits that engine_eval fills at full speed: page-locked host
+ * memory where the layers run on an in-process GPU backend (its copies then need no staging),
+ * plain memory otherwise. NULL when out of memory. Freed with engine_free_logits before
+ * engine_destroy. */
+float *engine_alloc_logits(struct engine *e, size_t rows);
+void engine_free_logits(struct engine *e, float *p);
+
 /* Writes the routing counts to cfg->record_heat (see planner_heat_save; the
  * token count is every token run through the layers). 0 when nothing was
  * asked; -EIO (logged) when the file cannot be written. */

@@ -312,7 +312,7 @@ static int generate_prefill(struct generate_job *job, struct generate_stats *st)
     const struct generate_config *cfg = job->cfg;
     const struct arch_hparams *hp = &job->m->hp;
     const size_t n = job->n_ids;
-    job->logits = malloc((cfg->dump_logits ? n : 1) * (size_t)hp->n_vocab * sizeof(float));
+    job->logits = engine_alloc_logits(job->eng, cfg->dump_logits ? n : 1);
     if (!job->logits)
         return -ENOMEM;
     if (cfg->echo_prompt)
@@ -396,7 +396,8 @@ int generate_run(const struct generate_config *cfg, struct generate_stats *st)
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru) == 0)
         st->peak_rss_kb = ru.ru_maxrss;
-    free(job.logits);
+    if (job.eng)
+        engine_free_logits(job.eng, job.logits);
     free(job.ids);
     detok_destroy(job.dt);
     sampler_destroy(job.smp);

@@ -96,7 +96,7 @@ static int ppl_setup(struct ppl_job *j, const struct perplexity_config *cfg)
                   j->n_ids, 2 * cfg->n_ctx, cfg->n_ctx);
         return -EINVAL;
     }
-    j->logits = malloc((size_t)cfg->n_ctx * j->m->hp.n_vocab * sizeof(float));
+    j->logits = engine_alloc_logits(j->eng, cfg->n_ctx);
     return j->logits ? 0 : -ENOMEM;
 }
 
@@ -128,7 +128,8 @@ int perplexity_run(const struct perplexity_config *cfg, struct perplexity_result
         out->seconds = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
         rc = engine_save_heat(j.eng);
     }
-    free(j.logits);
+    if (j.eng)
+        engine_free_logits(j.eng, j.logits);
     free(j.ids);
     tokenizer_destroy(j.tok);
     engine_destroy(j.eng);

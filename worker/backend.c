@@ -4,6 +4,8 @@
 #include "worker/backend.h"
 
 #include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -179,6 +181,49 @@ int backend_layers_head(struct backend *b, float *h, uint32_t n, float *logits, 
     if (rc)
         return rc;
     return id ? b->ops->argmax(b, last, 1, id) : b->ops->logits(b, last, 1, logits);
+}
+
+/* Buffers of host_alloc carry a header in front: whether the backend's allocator made them,
+ * so that backend_host_free returns each to its own allocator. */
+struct backend_host_hdr {
+    uint64_t pinned;
+    uint64_t pad; /* keeps the buffer 16-byte aligned */
+};
+
+static bool backend_pinned_on(void)
+{
+    const char *e = getenv("LAMINA_PINNED");
+    return !e || strcmp(e, "0");
+}
+
+void *backend_host_alloc(struct backend *b, size_t bytes)
+{
+    const size_t total = bytes + sizeof(struct backend_host_hdr);
+    struct backend_host_hdr *p = NULL;
+    if (total < bytes)
+        return NULL;
+    if (b && b->ops->host_alloc && backend_pinned_on())
+        p = b->ops->host_alloc(b, total);
+    if (p) {
+        p->pinned = 1;
+    } else {
+        p = malloc(total);
+        if (!p)
+            return NULL;
+        p->pinned = 0;
+    }
+    return p + 1;
+}
+
+void backend_host_free(struct backend *b, void *ptr)
+{
+    if (!ptr)
+        return;
+    struct backend_host_hdr *p = (struct backend_host_hdr *)ptr - 1;
+    if (p->pinned && b && b->ops->host_free)
+        b->ops->host_free(b, p);
+    else
+        free(p);
 }
 
 int backend_logits(struct backend *b, const float *h, uint32_t n, float *out)

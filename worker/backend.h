@@ -114,6 +114,11 @@ struct backend_ops {
     /* Makes the current slot the snapshot src of `pos` tokens (pos <= the context, checked
      * by the caller); the next layers() continues from it. */
     int (*state_load)(struct backend *b, const void *src, uint32_t pos);
+    /* Host memory the backend copies into and out of at full speed (page-locked for a GPU
+     * backend), or NULL (the caller falls back to malloc); freed by host_free. NULL ops:
+     * plain malloc / free. */
+    void *(*host_alloc)(struct backend *b, size_t bytes);
+    void (*host_free)(struct backend *b, void *p);
 };
 
 struct backend {
@@ -169,6 +174,13 @@ bool backend_injected_late(const struct backend *b);
  * exceed serve_max_rows. */
 int backend_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
                   const uint32_t *counts, uint32_t n_groups, const float *X, float *Y);
+
+/* Host buffers for what the backend returns (logits): page-locked where the backend is a
+ * GPU's, so that its copies need no staging through a bounce buffer; plain malloc elsewhere,
+ * where pinning fails, or with LAMINA_PINNED=0. NULL only where malloc fails too. Freed with
+ * backend_host_free on the same backend, before backend_destroy. */
+void *backend_host_alloc(struct backend *b, size_t bytes);
+void backend_host_free(struct backend *b, void *p);
 
 /* Sequence snapshots of the current slot (the prompt cache; forward.h has the layout): its
  * position, the bytes of its snapshot there, and save / load. backend_state_load refuses

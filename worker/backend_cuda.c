@@ -2586,6 +2586,29 @@ static int cb_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
     return rc;
 }
 
+/* Page-locked host memory for what the caller gets back (backend_host_alloc): the head's
+ * logits are copied straight into it, not through the driver's staging buffer. NULL where
+ * pinning fails (logged at debug level: the caller falls back to malloc). */
+static void *cb_host_buf(struct backend *b, size_t bytes)
+{
+    (void)b;
+    void *p = NULL;
+    const cudaError_t e = cudaMallocHost(&p, bytes);
+    if (e != cudaSuccess) {
+        log_debug("no page-locked host buffer of %.1f MiB (%s): plain memory instead",
+                  bytes / 1048576.0, cudaGetErrorString(e));
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void cb_host_buf_free(struct backend *b, void *p)
+{
+    (void)b;
+    CUDA_CHECK(cudaFreeHost(p));
+}
+
 const struct backend_ops backend_cuda_ops = {
     .name = "cuda",
     .init = cb_init,
@@ -2601,6 +2624,8 @@ const struct backend_ops backend_cuda_ops = {
     .pos = cb_pos,
     .state_save = cb_state_save,
     .state_load = cb_state_load,
+    .host_alloc = cb_host_buf,
+    .host_free = cb_host_buf_free,
 };
 
 #endif /* LAMINA_CUDA */

@@ -639,7 +639,7 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
             return -ENOMEM;
     }
     w->h = malloc((size_t)p->max_batch * w->m->hp.n_embd * sizeof(float));
-    w->logits = malloc((size_t)p->max_batch * w->m->hp.n_vocab * sizeof(float));
+    w->logits = backend_host_alloc(w->be, (size_t)p->max_batch * w->m->hp.n_vocab * sizeof(float));
     return w->h && w->logits ? 0 : -ENOMEM;
 }
 
@@ -1157,6 +1157,7 @@ static void worker_cleanup(struct worker *w)
     wire_socket_destroy(w->coord);
     nccl_comm_destroy(w->nccl_prev); /* before the backend: their work is on its stream */
     nccl_comm_destroy(w->nccl_next);
+    backend_host_free(w->be, w->logits); /* before the backend that allocated it */
     backend_destroy(w->be);
     nccl_lib_close(w->nccl);
     for (uint32_t l = 0; w->m && l < w->m->hp.n_layer; l++) {
@@ -1178,7 +1179,6 @@ static void worker_cleanup(struct worker *w)
     free(w->trunk_on);
     free(w->shexp_on);
     free(w->h);
-    free(w->logits);
     sampler_destroy(w->smp);
     shm_destroy(w->shm);
     arch_free(w->m);
