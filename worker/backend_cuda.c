@@ -285,6 +285,8 @@ struct backend_cuda {
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
+    bool norm_in_on;                  /* LAMINA_CUDA_NORM_IN: the residual add + norm after
+                                       * a decode mixer formed by its consumers (cb_norm_in) */
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
     float *out_norm, *logits;
@@ -1228,6 +1230,27 @@ static const struct cuda_tail *cb_norm_tail(struct backend_cuda *c, const struct
     return t;
 }
 
+/* Whether layer L's residual add + norm after its mixer is formed by its consumers
+ * (tail.h's cuda_norm_in) instead of the output product's tail: one token, every expert
+ * here, the shared expert pair k of the routed products (or none), the router an F32
+ * product with the top-k tail that cuda_matvec_tail_norm_in takes, and the combine the early
+ * one (the only one that adds the mixer's output into h). The router forms the row from h
+ * and the mixer's output and writes it to xa (the shared expert's gate reads it), the gate/up
+ * product forms it as it rounds its activations, and the combine adds the output into h:
+ * the same bits as the tail. cols: the layers' combines leave h to the input products. */
+static bool cb_norm_in(const struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
+                       bool cols)
+{
+    const struct arch_hparams *hp = c->hp;
+    const bool local = L->n_resident == hp->n_expert;
+    const bool shpair = local && L->shpair && c->shpair_on && !(c->tails & CB_TAIL_COMBINE);
+    return S == 1 && c->norm_in_on && !cols && !(c->tails & CB_TAIL_COMBINE) &&
+           (c->tails & CB_TAIL_TOPK) && c->early && !c->skip && local && (!L->sh || shpair) &&
+           L->router.n_out && (uintptr_t)L->router.d % 16 == 0 &&
+           cuda_matvec_norm_in_ok(L->router.type, L->router.n_out, L->router.n_in,
+                                  L->router.row_bytes);
+}
+
 /* Layer L's decode attention over q at the device position (two kernels:
  * the splits and their combine, both counted), its output also rounded into
  * *aq where *aq is not NULL and the launch takes it; where it does not, the
@@ -1430,7 +1453,7 @@ static int cb_experts_mm(struct backend_cuda *c, const char *label, const struct
  * cannot take it). */
 static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
                             const struct cb_pairs *pr, const struct cuda_tail *combine,
-                            bool rows, bool *combined)
+                            bool rows, const int8_t *xq, bool *combined)
 {
     const struct arch_layer *ly = L->ly;
     const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp;
@@ -1446,7 +1469,7 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
                                             g->type, L->tab_gate, g->row_bytes, 2 * F, n, pr->ids,
                                             P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
                                             ly->down_exps.mat_bytes, c->hp->n_expert + 1,
-                                            c->early && !c->skip && c->x_early, c->stream));
+                                            c->early && !c->skip && c->x_early, xq, c->stream));
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }
@@ -1586,7 +1609,7 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
     bool combined;
     const struct cb_pairs pr = {.P = (uint32_t)(S * k), .x_div = (uint32_t)k, .ids = c->ids,
                                 .prefill = S > 1};
-    rc = rc ? rc : cb_local_experts(c, L, S, &pr, NULL, false, &combined);
+    rc = rc ? rc : cb_local_experts(c, L, S, &pr, NULL, false, NULL, &combined);
     cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
     if (!rc && L->sh) {
         cb_stage_mark(c, l, CB_STAGE_SHARED, 0, c->stream);
@@ -1611,7 +1634,7 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
  * CB_TAIL_ROWS asks for it and it runs, else as COMBINE_COLS tails of the
  * down product where CB_TAIL_COLS asks and it takes them. */
 static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S,
-                  const float *next_norm, bool cols)
+                  const float *next_norm, bool cols, bool nin)
 {
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, k = hp->n_expert_used;
@@ -1649,10 +1672,18 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
                                   (cols && (c->tails & CB_TAIL_COLS))); /* the combine's */
     if (!rc)
         cb_stage_mark(c, l, CB_STAGE_ROUTER, 0, c->stream);
+    /* nin (cb_norm_in): h + the mixer's output, normalised, formed by the router's blocks
+     * (block 0 writes it to xa) and by the gate/up product; the combine adds the output */
+    const struct cuda_norm_in ni = {.h = c->h, .add = c->mix, .w = L->ffn_norm, .eps = hp->eps};
     if (topk_tail) {
         const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
                                      .k = (uint32_t)k, .ids = pr.ids, .w = c->w};
-        rc = rc ? rc : cb_mm_tail(c, "moe.router", &L->router, c->xa, c->rl, &tk);
+        const struct cb_mat *r = &L->router;
+        rc = rc ? rc
+             : nin ? CB_K(c, "moe.router", cuda_matvec_tail_norm_in(r->type, r->d, r->row_bytes,
+                                                                    r->n_out, r->n_in, &ni, c->xa,
+                                                                    c->xq, c->rl, &tk, c->stream))
+                   : cb_mm_tail(c, "moe.router", &L->router, c->xa, c->rl, &tk);
     } else {
         rc = rc ? rc : cb_mm(c, "moe.router", &L->router, c->xa, n, S, c->rl, hp->n_expert);
         rc = rc ? rc : CB_K(c, "moe.topk", cuda_router_topk(c->rl, hp->n_expert, (uint32_t)k, S,
@@ -1687,7 +1718,8 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         }
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_EXPERTS, 0, c->stream);
-        rc = rc ? rc : cb_local_experts(c, L, S, &pr, tails ? &tc : NULL, rows, &combined);
+        rc = rc ? rc : cb_local_experts(c, L, S, &pr, tails ? &tc : NULL, rows,
+                                        nin ? c->xq : NULL, &combined);
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_EXPERTS, 1, c->stream);
         if (!rc && L->sh && fork && !shared_done) {
@@ -1710,10 +1742,11 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
         int8_t *xq = c->xq_on && next_norm && cuda_moe_combine_xq_ok((uint32_t)n, (uint32_t)k)
                          ? c->xq
                          : NULL;
-        rc = CB_K(c, "moe.combine", cuda_moe_combine_early(
-                                        c->h, c->Y, c->w, (uint32_t)k, L->sh ? so : NULL,
-                                        L->shexp_gate, c->xa, (uint32_t)n, S, next_norm, hp->eps,
-                                        next_norm ? c->xa : NULL, xq, c->stream));
+        rc = CB_K(c, "moe.combine", cuda_moe_combine_early_mix(
+                                        c->h, nin ? c->mix : NULL, c->Y, c->w, (uint32_t)k,
+                                        L->sh ? so : NULL, L->shexp_gate, c->xa, (uint32_t)n, S,
+                                        next_norm, hp->eps, next_norm ? c->xa : NULL, xq,
+                                        c->stream));
         c->xq_ready = rc == 0 && xq;
         return rc;
     }
@@ -1749,17 +1782,19 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
                      : CB_K(c, "norm", cuda_rmsnorm_wide(c->xa, c->h, L->attn_norm, n, S,
                                                          hp->eps, c->stream));
         struct cuda_tail tn;
-        const struct cuda_tail *tail = cb_norm_tail(c, L, S, &tn);
+        const bool nin = cb_norm_in(c, L, S, cols);
+        const struct cuda_tail *tail = nin ? NULL : cb_norm_tail(c, L, S, &tn);
         if (!rc)
             rc = L->ly->recurrent ? cb_deltanet(c, L, S, tail, raw)
                                   : cb_attention(c, L, S, pos0, tail, raw);
         c->xq_ready = false; /* the layer's input product took it, or not */
-        if (!tail)
+        if (!tail && !nin)
             rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm,
                                                                 n, S, hp->eps, c->stream));
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_MIXER, 1, c->stream);
-        rc = rc ? rc : cb_moe(c, L, l, S, !cols && l + 1 < c->l1 ? L[1].attn_norm : NULL, cols);
+        rc = rc ? rc : cb_moe(c, L, l, S, !cols && l + 1 < c->l1 ? L[1].attn_norm : NULL, cols,
+                              nin);
         if (rc)
             return rc;
         if (c->cfg.progress)
@@ -2169,6 +2204,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->yq_on = !(yqe && !strcmp(yqe, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
+    const char *ni = getenv("LAMINA_CUDA_NORM_IN");
+    c->norm_in_on = !(ni && !strcmp(ni, "0"));
     c->skip = getenv("LAMINA_CUDA_SKIP");
     if (c->skip && !*c->skip)
         c->skip = NULL;

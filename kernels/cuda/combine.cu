@@ -86,7 +86,7 @@ template <bool NORM, bool EARLY>
 static __global__ void __launch_bounds__(1024)
     moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
                             const float *gate, const float *f, uint32_t n, const float *nw,
-                            float eps, float *y, int8_t *xq)
+                            float eps, float *y, int8_t *xq, const float *mix)
 {
     __shared__ float s_tmp[32];
     if (threadIdx.x == 0 && blockIdx.x == 0) { /* weights: in L2 before the wait */
@@ -129,7 +129,7 @@ static __global__ void __launch_bounds__(1024)
             if (so && gate)
                 gs = gate_of();
         }
-        float yv[kCombineCols][kCombineK], hv[kCombineCols], sv[kCombineCols];
+        float yv[kCombineCols][kCombineK], hv[kCombineCols], sv[kCombineCols], mv[kCombineCols];
 #pragma unroll
         for (uint32_t c = 0; c < kCombineCols; c++) {
             const uint32_t j = threadIdx.x + c * blockDim.x;
@@ -137,8 +137,13 @@ static __global__ void __launch_bounds__(1024)
             for (uint32_t i = 0; i < kCombineK; i++)
                 yv[c][i] = j < n && i < k ? Y[(s * k + i) * n + j] : 0.0f;
             hv[c] = j < n ? hr[j] : 0.0f;
+            mv[c] = j < n && mix ? mix[s * n + j] : 0.0f;
             sv[c] = j < n && so ? so[s * n + j] : 0.0f;
         }
+        if (mix) /* the mixer's output first, as cuda_add_rmsnorm adds it */
+#pragma unroll
+            for (uint32_t c = 0; c < kCombineCols; c++)
+                hv[c] = __fadd_rn(hv[c], mv[c]);
         float sum = 0.0f;
 #pragma unroll
         for (uint32_t c = 0; c < kCombineCols; c++) {
@@ -200,7 +205,8 @@ static __global__ void __launch_bounds__(1024)
         }
         if (so)
             out = __fadd_rn(out, __fmul_rn(gs, so[s * n + j]));
-        const float v = __fadd_rn(hr[j], out);
+        const float hj = mix ? __fadd_rn(hr[j], mix[s * n + j]) : hr[j];
+        const float v = __fadd_rn(hj, out);
         hr[j] = v;
         sum += v * v;
     }
@@ -230,7 +236,8 @@ template <bool NORM>
 static __global__ void __launch_bounds__(kClusterThreads)
     moe_combine_cluster_kernel(float *h, const float *Y, const float *w, uint32_t k,
                                const float *so, const float *gate, const float *f, uint32_t n,
-                               const float *nw, float eps, float *y, int8_t *xq)
+                               const float *nw, float eps, float *y, int8_t *xq,
+                               const float *mix)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
@@ -266,7 +273,7 @@ static __global__ void __launch_bounds__(kClusterThreads)
     pdl_wait();
     pdl_trigger();
     float *hr = h + s * n;
-    float yv[kCombineCols][kCombineK], hv[kCombineCols], sv[kCombineCols];
+    float yv[kCombineCols][kCombineK], hv[kCombineCols], sv[kCombineCols], mv[kCombineCols];
 #pragma unroll
     for (uint32_t c = 0; c < kCombineCols; c++) {
         const uint32_t j = v + c * W;
@@ -274,8 +281,13 @@ static __global__ void __launch_bounds__(kClusterThreads)
         for (uint32_t i = 0; i < kCombineK; i++)
             yv[c][i] = j < n && i < k ? Y[(s * k + i) * n + j] : 0.0f;
         hv[c] = j < n ? hr[j] : 0.0f;
+        mv[c] = j < n && mix ? mix[s * n + j] : 0.0f;
         sv[c] = j < n && so ? so[s * n + j] : 0.0f;
     }
+    if (mix) /* the mixer's output first, as cuda_add_rmsnorm adds it */
+#pragma unroll
+        for (uint32_t c = 0; c < kCombineCols; c++)
+            hv[c] = __fadd_rn(hv[c], mv[c]);
     float sum = 0.0f;
 #pragma unroll
     for (uint32_t c = 0; c < kCombineCols; c++) {
@@ -320,7 +332,7 @@ static __global__ void __launch_bounds__(kClusterThreads)
     }
 #else
     (void)h, (void)Y, (void)w, (void)k, (void)so, (void)gate, (void)f, (void)n, (void)nw,
-        (void)eps, (void)y, (void)xq;
+        (void)eps, (void)y, (void)xq, (void)mix;
 #endif
 }
 
@@ -386,24 +398,26 @@ template <bool EARLY>
 static void combine_launch(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
                            const float *d_so, const float *d_shexp_gate, const float *d_f,
                            uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
-                           cudaStream_t stream, int8_t *d_xq = nullptr)
+                           cudaStream_t stream, int8_t *d_xq = nullptr,
+                           const float *d_mix = nullptr)
 {
     const unsigned C = EARLY ? combine_cluster_size(n, k) : 0;
     if (C && d_y)
         pdl_launch_cluster(moe_combine_cluster_kernel<true>, S * C, kClusterThreads, C, 0,
                            stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps,
-                           d_y, d_xq);
+                           d_y, d_xq, d_mix);
     else if (C)
         pdl_launch_cluster(moe_combine_cluster_kernel<false>, S * C, kClusterThreads, C, 0,
                            stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
-                           (const float *)nullptr, 0.0f, (float *)nullptr, (int8_t *)nullptr);
+                           (const float *)nullptr, 0.0f, (float *)nullptr, (int8_t *)nullptr,
+                           d_mix);
     else if (d_y)
         pdl_launch(moe_combine_norm_kernel<true, EARLY>, S, cuda_norm_wide_threads(n), 0, stream,
-                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y, d_xq);
+                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y, d_xq, d_mix);
     else
         pdl_launch(moe_combine_norm_kernel<false, EARLY>, S, cuda_norm_wide_threads(n), 0,
                    stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr,
-                   0.0f, (float *)nullptr, (int8_t *)nullptr);
+                   0.0f, (float *)nullptr, (int8_t *)nullptr, d_mix);
 }
 
 extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
@@ -446,8 +460,24 @@ extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float 
                                       const float *d_norm_w, float eps, float *d_y,
                                       int8_t *d_xq, cudaStream_t stream)
 {
+    return cuda_moe_combine_early_mix(d_h, NULL, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S,
+                                      d_norm_w, eps, d_y, d_xq, stream);
+}
+
+extern "C" int cuda_moe_combine_early_mix(float *d_h, const float *d_mix, const float *d_Y,
+                                          const float *d_w, uint32_t k, const float *d_so,
+                                          const float *d_shexp_gate, const float *d_f,
+                                          uint32_t n, uint32_t S, const float *d_norm_w,
+                                          float eps, float *d_y, int8_t *d_xq,
+                                          cudaStream_t stream)
+{
     int rc = combine_check("cuda_moe_combine_early", false, d_h, d_y, d_Y, d_w, k, d_so,
                            d_shexp_gate, d_f, n, S);
+    if (!rc && d_mix && ((uintptr_t)d_mix % 4 || d_mix == d_h)) {
+        log_error("cuda_moe_combine_early: bad mixer output %p (h %p)", (const void *)d_mix,
+                  (void *)d_h);
+        rc = -EINVAL;
+    }
     if (!rc && d_xq && (!d_y || (uintptr_t)d_xq % 16 || !cuda_moe_combine_xq_ok(n, k))) {
         log_error("cuda_moe_combine_early: xq %p asked without the norm, unaligned or where "
                   "the one-round combine does not serve (n %u, k %u)", (void *)d_xq, n, k);
@@ -456,6 +486,6 @@ extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float 
     if (rc || S == 0)
         return rc;
     combine_launch<true>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S, d_norm_w, eps, d_y,
-                         stream, d_xq);
+                         stream, d_xq, d_mix);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_early");
 }

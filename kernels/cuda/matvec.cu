@@ -46,11 +46,14 @@
  */
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/mvq.h"
+#include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/sgemm.h"
 #include "kernels/cuda/tail.cuh"
 
 #include <errno.h>
+
+#include <type_traits>
 
 #include <cuda_fp16.h>
 
@@ -365,7 +368,87 @@ struct MvArgs {
     bool x_vec4;     /* every activation row is 16-byte aligned */
     bool rows_align; /* row_bytes and the row size are multiples of VW */
     TailArgs tail;   /* run by the launch's last block (tail.cuh; NS = 1 only) */
+    /* norm in (mv_kernel's XS form): x is not read; every block forms the activation row
+     * rmsnorm(nin_h + nin_add) * nin_w (cuda_norm_in) in shared memory, h and the weights
+     * loaded before its wait (h was written launches back: the caller's promise), the added
+     * row after it; block 0 also writes the row to nin_out and, rounded for the int8
+     * products (mvq.cuh's layout), to nin_xq (NULL: not) */
+    const float *nin_h, *nin_add, *nin_w;
+    float nin_eps;
+    uint32_t nin_width; /* cuda_norm_threads(n) */
+    float *nin_out;
+    int8_t *nin_xq;
 };
+
+/* The longest activation row the XS form takes: a thread's columns (n / nin_width, at most
+ * kXsCols) stay in registers. */
+constexpr uint32_t kXsMax = 2048;
+constexpr int kXsCols = 8;
+
+/* The XS form's columns of thread t (< nin_width <= 256): t, t + width, ... (at most
+ * kXsCols), as cuda_add_rmsnorm's (norm_rows_kernel<true>, the ADD_NORM tail's) thread t
+ * owns them. Before the wait: h and the weights. */
+struct NormIn {
+    float hv[kXsCols], wv[kXsCols];
+};
+
+__device__ __forceinline__ void norm_in_early(const MvArgs &a, NormIn &r)
+{
+    const uint32_t n = static_cast<uint32_t>(a.n), width = a.nin_width, v0 = threadIdx.x;
+#pragma unroll
+    for (int b = 0; b < kXsCols; b++) {
+        const uint32_t i = v0 + b * width;
+        const bool in = v0 < width && i < n;
+        r.hv[b] = in ? __ldcg(a.nin_h + i) : 0.0f;
+        r.wv[b] = in && a.nin_w ? a.nin_w[i] : 1.0f;
+    }
+}
+
+/* After the wait: the added row, then the sums of squares in thread t's order, ops_block_sum's
+ * tree (tail_vsum), the scale and the row into s_x (and block 0's copies): the same
+ * expressions as cuda_add_rmsnorm. Every thread of the block calls it. */
+__device__ __forceinline__ void norm_in_row(const MvArgs &a, NormIn &r, float *s_x)
+{
+    __shared__ float s_red[32];
+    const uint32_t n = static_cast<uint32_t>(a.n), width = a.nin_width, v0 = threadIdx.x;
+    float dv[kXsCols];
+#pragma unroll
+    for (int b = 0; b < kXsCols; b++) {
+        const uint32_t i = v0 + b * width;
+        dv[b] = v0 < width && i < n ? __ldcg(a.nin_add + i) : 0.0f;
+    }
+    float part[1] = {0.0f};
+#pragma unroll
+    for (int b = 0; b < kXsCols; b++) {
+        const uint32_t i = v0 + b * width;
+        if (v0 < width && i < n) {
+            float v = r.hv[b];
+            v += dv[b];
+            r.hv[b] = v;
+            part[0] += v * v;
+        }
+    }
+    const float sum = tail_vsum<1>(part, width, s_red);
+    const float scale = 1.0f / sqrtf(sum / (float)n + a.nin_eps);
+    const bool first = blockIdx.x == 0 && blockIdx.y == 0;
+    int8_t *xl = a.nin_xq;
+    float *xd = xl ? reinterpret_cast<float *>(xl + n) : nullptr;
+    if (v0 < width)
+#pragma unroll
+        for (int b = 0; b < kXsCols; b++) {
+            const uint32_t i = v0 + b * width;
+            if (i >= n) /* the same for the whole warp: width and n multiples of 32 */
+                break;
+            const float v = r.hv[b] * scale;
+            const float o = a.nin_w ? v * r.wv[b] : v;
+            s_x[i] = o;
+            if (first && a.nin_out)
+                a.nin_out[i] = o;
+            if (first && xl) /* a warp's 32 columns are one block of 32 */
+                mvq::round_block(o, i / 32, true, xl, xd, xd + n / 32);
+        }
+    __syncthreads();
+}
 
 /* Staging buffer bytes per row: a step plus the word rdw reads past it,
  * rounded to 16. */
@@ -420,15 +503,34 @@ __device__ __forceinline__ void gather_row(uint8_t *dst, const uint8_t *src, uin
 
 /* The 4 activations at p, which is element `at` of a group of which n
  * elements exist (all of them when full). */
+/* Activation loads: through the read-only cache, or (XS: the row is in
+ * shared memory, formed by the block) plain loads. */
+template <bool XS>
+__device__ __forceinline__ float4 ldx4(const float *p)
+{
+    if (XS)
+        return *reinterpret_cast<const float4 *>(p);
+    return __ldg(reinterpret_cast<const float4 *>(p));
+}
+
+template <bool XS>
+__device__ __forceinline__ float ldx1(const float *p)
+{
+    if (XS)
+        return *p;
+    return __ldg(p);
+}
+
+template <bool XS>
 __device__ __forceinline__ float4 ld_x4(const float *p, int at, bool vec4, bool full, int n)
 {
     if (full && vec4)
-        return __ldg(reinterpret_cast<const float4 *>(p));
+        return ldx4<XS>(p);
     float4 r;
-    r.x = full || at < n ? __ldg(p) : 0.0f;
-    r.y = full || at + 1 < n ? __ldg(p + 1) : 0.0f;
-    r.z = full || at + 2 < n ? __ldg(p + 2) : 0.0f;
-    r.w = full || at + 3 < n ? __ldg(p + 3) : 0.0f;
+    r.x = full || at < n ? ldx1<XS>(p) : 0.0f;
+    r.y = full || at + 1 < n ? ldx1<XS>(p + 1) : 0.0f;
+    r.z = full || at + 2 < n ? ldx1<XS>(p + 2) : 0.0f;
+    r.w = full || at + 3 < n ? ldx1<XS>(p + 3) : 0.0f;
     return r;
 }
 
@@ -500,7 +602,7 @@ __device__ __forceinline__ void group_dot_x(const uint8_t *const *g, int gi, flo
  * activation rows into acc; xp is the lane's run A of the group in
  * activation row 0. FAST: the group is whole and the activations 16-byte
  * aligned; else elems of the group's elements exist. */
-template <class T, int R, int NS, bool FAST>
+template <class T, int R, int NS, bool FAST, bool XS>
 __device__ __forceinline__ void group_dot(const uint8_t *const *g, int gi, const float *xp,
                                           int elems, const MvArgs &a, int lane,
                                           float (&acc)[R][NS])
@@ -514,8 +616,8 @@ __device__ __forceinline__ void group_dot(const uint8_t *const *g, int gi, const
     }
     auto ld = [&](const float *p, int at) {
         if (FAST)
-            return __ldg(reinterpret_cast<const float4 *>(p));
-        return ld_x4(p, at, a.x_vec4, full, elems);
+            return ldx4<XS>(p);
+        return ld_x4<XS>(p, at, a.x_vec4, full, elems);
     };
     if constexpr (NS == 1) {
         const float4 xa = ld(xp, pa), xb = ld(xp + T::DPB, pb);
@@ -614,7 +716,7 @@ struct Steps {
 };
 
 /* Decodes step s staged at stage[i] (row i) against the activations. */
-template <class T, int R, int NS>
+template <class T, int R, int NS, bool XS = false>
 __device__ __forceinline__ void step_dot(const uint8_t (*stage)[kStageRow<T>], const Steps<T> &sp,
                                          uint32_t s, const MvArgs &a, const float *xp, int lane,
                                          float (&acc)[R][NS])
@@ -627,7 +729,7 @@ __device__ __forceinline__ void step_dot(const uint8_t (*stage)[kStageRow<T>], c
     if (s < sp.nfast && a.x_vec4) {
 #pragma unroll
         for (int gi = 0; gi < T::U; gi++)
-            group_dot<T, R, NS, true>(g, gi, xs + gi * kGroup, kGroup, a, lane, acc);
+            group_dot<T, R, NS, true, XS>(g, gi, xs + gi * kGroup, kGroup, a, lane, acc);
         return;
     }
 #pragma unroll
@@ -635,7 +737,7 @@ __device__ __forceinline__ void step_dot(const uint8_t (*stage)[kStageRow<T>], c
         const uint32_t G = s * T::U + gi;
         if (G < sp.ngroups) {
             const int elems = G < sp.nfull ? kGroup : static_cast<int>(sp.n - G * kGroup);
-            group_dot<T, R, NS, false>(g, gi, xs + gi * kGroup, elems, a, lane, acc);
+            group_dot<T, R, NS, false, XS>(g, gi, xs + gi * kGroup, elems, a, lane, acc);
         }
     }
 }
@@ -704,7 +806,7 @@ __device__ __forceinline__ void stage_issue(uint8_t (*stage)[R][kStageRow<T>], c
  * with cp.async into NB staging buffers; with two, the next step is in
  * flight while this one is decoded. pre: step ks is already in buffer 0,
  * its own committed group (issued before the PDL wait: weights only). */
-template <class T, int R, int NB, int NS>
+template <class T, int R, int NB, int NS, bool XS = false>
 __device__ __forceinline__ void run_steps_async(uint8_t (*stage)[R][kStageRow<T>],
                                                 const MvArgs &a, const uint8_t *w,
                                                 const float *x, uint64_t row0, int ks, int kn,
@@ -735,8 +837,8 @@ __device__ __forceinline__ void run_steps_async(uint8_t (*stage)[R][kStageRow<T>
 #pragma unroll
             for (int gi = 0; gi < T::U; gi++) {
                 const float *xs = xp + s * Steps<T>::SE + gi * kGroup;
-                xv[gi][0] = __ldg(reinterpret_cast<const float4 *>(xs));
-                xv[gi][1] = __ldg(reinterpret_cast<const float4 *>(xs + T::DPB));
+                xv[gi][0] = ldx4<XS>(xs);
+                xv[gi][1] = ldx4<XS>(xs + T::DPB);
             }
         if (NB == 1)
             copy_wait_all();
@@ -753,10 +855,10 @@ __device__ __forceinline__ void run_steps_async(uint8_t (*stage)[R][kStageRow<T>
                 for (int gi = 0; gi < T::U; gi++)
                     group_dot_x<T, R>(g, gi, xv[gi][0], xv[gi][1], lane, acc);
             } else {
-                step_dot<T, R, NS>(stage[buf], sp, s, a, xp, lane, acc);
+                step_dot<T, R, NS, XS>(stage[buf], sp, s, a, xp, lane, acc);
             }
         } else {
-            step_dot<T, R, NS>(stage[buf], sp, s, a, xp, lane, acc);
+            step_dot<T, R, NS, XS>(stage[buf], sp, s, a, xp, lane, acc);
         }
         __syncwarp();
     }
@@ -797,11 +899,12 @@ constexpr int min_blocks()
 
 /* MODE: 0 rows 2-byte aligned, 1 rows VW-aligned, 2 decided per job by
  * the weight address (experts). */
-template <class T, int R, int NS, int MODE, bool TAIL = false>
+template <class T, int R, int NS, int MODE, bool TAIL = false, bool XS = false>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_kernel(const MvArgs a)
 {
     constexpr int NB = kWarps * 2 * R * kStageRow<T> <= 40 * 1024 ? 2 : 1;
     __shared__ __align__(16) uint8_t stage[kWarps][NB][R][kStageRow<T>];
+    __shared__ __align__(16) float s_x[XS ? kXsMax : 4];
     __shared__ float red[kWarps][R * NS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kn = 1 << a.ks_log2, ks = warp & (kn - 1), rg = warp >> a.ks_log2;
@@ -818,6 +921,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
     }
     if constexpr (TAIL)
         tail_prefetch(a.tail);
+    NormIn nr;
+    if constexpr (XS)
+        norm_in_early(a, nr);
     /* a plain product of aligned rows: its warp's first step into staging
      * before the wait too (the decode of one job) */
     const bool pre = MODE == 1 && NS == 1 && !a.ids && a.n_jobs == 1 && row0 < a.n_rows &&
@@ -828,9 +934,11 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
     }
     pdl_wait();
     pdl_trigger();
+    if constexpr (XS)
+        norm_in_row(a, nr, s_x);
     for (uint32_t job = blockIdx.y; job < a.n_jobs; job += gridDim.y) {
         const uint8_t *w = a.w;
-        const float *x = a.x;
+        const float *x = XS ? s_x : a.x;
         float *y = a.y;
         if (a.ids) {
             const int32_t e = a.ids[job];
@@ -850,9 +958,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
             const bool wide = MODE == 1 || (MODE == 2 && a.rows_align &&
                                             (reinterpret_cast<uintptr_t>(w) & (T::VW - 1)) == 0);
             if (MODE != 0 && wide)
-                run_steps_async<T, R, NB, NS>(stage[warp], a, w, x, row0, ks, kn, lane, acc,
-                                              pre);
-            else if (MODE != 1)
+                run_steps_async<T, R, NB, NS, XS>(stage[warp], a, w, x, row0, ks, kn, lane,
+                                                  acc, pre);
+            else if (MODE != 1 && !XS)
                 run_steps_regs<T, R, NS>(stage[warp][0], a, w, x, row0, ks, kn, lane, acc);
         }
         reduce_store<T, R, NS>(acc, red, a, y, block_row0, warp, lane);
@@ -892,9 +1000,17 @@ int launch_t(MvArgs a, int mode, cudaStream_t stream)
         return -EINVAL;
     }
     dim3 grid(static_cast<unsigned>(blocks), a.n_jobs < kMaxJobsY ? a.n_jobs : kMaxJobsY);
-    if constexpr (NS > 1)
+    if constexpr (NS > 1) {
         pdl_launch(mv_kernel<T, R, NS, 2>, grid, kWarps * 32, 0, stream, a);
-    else if (mode == 2)
+    } else if (a.nin_h) { /* the norm-in form: F32 rows (routers), aligned */
+        if constexpr (std::is_same<T, TF32>::value) {
+            if (mode != 1)
+                return -ENOTSUP;
+            pdl_launch(mv_kernel<T, R, NS, 1, true, true>, grid, kWarps * 32, 0, stream, a);
+        } else {
+            return -ENOTSUP;
+        }
+    } else if (mode == 2)
         pdl_launch(mv_kernel<T, R, NS, 2>, grid, kWarps * 32, 0, stream, a);
     else if (a.tail.t.kind != CUDA_TAIL_NONE && mode == 1)
         pdl_launch(mv_kernel<T, R, NS, 1, true>, grid, kWarps * 32, 0, stream, a);
@@ -1121,6 +1237,51 @@ extern "C" int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes
     a.y = d_y;
     a.x_vec4 = x_vec4(d_x, 0);
     a.tail = tail_args(t, d_y, n_rows);
+    return launch<1>(type, a, 1, stream);
+}
+
+extern "C" bool cuda_matvec_norm_in_ok(uint32_t type, uint64_t n_rows, uint64_t n,
+                                       size_t row_bytes)
+{
+    const uint32_t w = cuda_norm_threads(static_cast<uint32_t>(n));
+    return type == QUANT_TYPE_F32 && n > 0 && n <= kXsMax && n % 32 == 0 && n_rows > 0 &&
+           row_bytes % 16 == 0 && row_bytes >= n * sizeof(float) && w <= kTailThreads &&
+           w % 32 == 0 && (n + w - 1) / w <= static_cast<uint32_t>(kXsCols);
+}
+
+extern "C" int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t row_bytes,
+                                        uint64_t n_rows, uint64_t n,
+                                        const struct cuda_norm_in *nin, float *d_xout,
+                                        int8_t *d_xq, float *d_y, const struct cuda_tail *t,
+                                        cudaStream_t stream)
+{
+    const char *what = "cuda matvec_tail_norm_in";
+    if (!cuda_matvec_norm_in_ok(type, n_rows, n, row_bytes) ||
+        reinterpret_cast<uintptr_t>(d_w) % 16)
+        return -ENOTSUP;
+    if (!cuda_tail_plain_ok(t, n_rows, what))
+        return -EINVAL;
+    if (!nin || !nin->h || !nin->add || !d_y ||
+        (reinterpret_cast<uintptr_t>(nin->h) | reinterpret_cast<uintptr_t>(nin->add) |
+         reinterpret_cast<uintptr_t>(d_y) | reinterpret_cast<uintptr_t>(d_xout)) & 3 ||
+        reinterpret_cast<uintptr_t>(d_xq) % 16) {
+        log_error("%s: bad buffers (h %p add %p y %p out %p)", what,
+                  nin ? static_cast<const void *>(nin->h) : nullptr,
+                  nin ? static_cast<const void *>(nin->add) : nullptr, static_cast<void *>(d_y),
+                  static_cast<void *>(d_xout));
+        return -EINVAL;
+    }
+    MvArgs a = plain_args(d_w, row_bytes, n_rows, n, n, n_rows);
+    a.y = d_y;
+    a.x_vec4 = true; /* shared memory, 16-byte aligned */
+    a.tail = tail_args(t, d_y, n_rows);
+    a.nin_h = nin->h;
+    a.nin_add = nin->add;
+    a.nin_w = nin->w;
+    a.nin_eps = nin->eps;
+    a.nin_width = cuda_norm_threads(static_cast<uint32_t>(n));
+    a.nin_out = d_xout;
+    a.nin_xq = d_xq;
     return launch<1>(type, a, 1, stream);
 }
 

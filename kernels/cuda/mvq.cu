@@ -633,12 +633,16 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
                                          size_t ldx, uint32_t x_div, float *d_Y, size_t ldy,
                                          const void *const *d_next_addr, size_t next_bytes,
-                                         uint32_t n_table, bool x_early, cudaStream_t stream)
+                                         uint32_t n_table, bool x_early, const int8_t *d_xq,
+                                         cudaStream_t stream)
 {
     MvqArgs a;
+    if (d_xq && (reinterpret_cast<uintptr_t>(d_xq) % 16 || n_pairs > x_div))
+        return -ENOTSUP; /* one activation row, rounded */
     if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, x_div, false,
                       d_Y, ldy, &a))
         return -ENOTSUP;
+    a.xq = d_xq;
     a.pf_addr = d_next_addr;
     a.pf_bytes = d_next_addr ? next_bytes : 0;
     a.n_table = n_table;

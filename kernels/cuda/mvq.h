@@ -78,12 +78,16 @@ bool cuda_mvq_pays(uint64_t n, uint64_t n_rows);
  * 0: not). x_early: d_X was written by a launch at least two before this
  * one in the stream (kernels/cuda/pdl.cuh), so the activations are rounded
  * before the wait, beside the launch just before. The same outputs as
- * cuda_mvq_experts. */
+ * cuda_mvq_experts. d_xq (NULL: none; every pair reads one activation row,
+ * n_pairs <= x_div): that row already rounded (cuda_mvq_xq's layout, e.g.
+ * by cuda_matvec_tail_norm_in in the launch before), copied after the wait
+ * instead of rounding d_X (the same bits where d_X rounds to it). */
 int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t row_bytes,
                               uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
                               const float *d_X, size_t ldx, uint32_t x_div, float *d_Y,
                               size_t ldy, const void *const *d_next_addr, size_t next_bytes,
-                              uint32_t n_table, bool x_early, cudaStream_t stream);
+                              uint32_t n_table, bool x_early, const int8_t *d_xq,
+                              cudaStream_t stream);
 
 /* cuda_matvec_norm (matvec.h) through these kernels; -ENOTSUP where
  * cuda_mvq_norm_ok is false. */

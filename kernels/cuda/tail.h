@@ -80,6 +80,19 @@ struct cuda_tail {
     const float *f;        /* COMBINE(_COLS): the normalised input the gate reads */
 };
 
+/* A decode product's input formed as the product loads it: rmsnorm(h + add) * w, what
+ * cuda_add_rmsnorm (and the CUDA_TAIL_ADD_NORM tail) would have written, bit for bit (the
+ * same per-thread sums of a block of cuda_norm_threads(n), the same tree, the same
+ * expressions). So the residual add + norm after a mixer needs neither a launch nor a tail:
+ * the router and the gate/up product form it from h and the mixer's output, and the combine
+ * adds the output into h (cuda_moe_combine_early's d_mix). h is not written. */
+struct cuda_norm_in {
+    const float *h;   /* the residual row (n floats) */
+    const float *add; /* the row added to it first (the mixer's output) */
+    const float *w;   /* norm weights (n), or NULL: 1 */
+    float eps;
+};
+
 /* Whether a tail of this kind can follow a product with n_out outputs
  * (n_out: E for TOPK, n for ADD_NORM; COMBINE products write k rows of n).
  * False (logged at debug level) for arguments the tail does not take. */
@@ -95,6 +108,25 @@ bool cuda_tail_plain_ok(const struct cuda_tail *t, uint64_t n_out, const char *w
 int cuda_matvec_tail(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
                      uint64_t n, const float *d_x, float *d_y, const struct cuda_tail *t,
                      cudaStream_t stream);
+
+/* Whether cuda_matvec_tail_norm_in takes this product: F32 rows (a router),
+ * 16-byte aligned, n a multiple of 32 and at most 2048 (a thread's columns
+ * are held in registers, the row in shared memory). */
+bool cuda_matvec_norm_in_ok(uint32_t type, uint64_t n_rows, uint64_t n, size_t row_bytes);
+
+/* cuda_matvec_tail over the row rmsnorm(nin->h + nin->add) * nin->w
+ * (tail.h's cuda_norm_in: cuda_add_rmsnorm's bits), which every block forms
+ * (nin->h and nin->w read before its PDL wait: h must have been written two
+ * or more launches back, kernels/cuda/pdl.cuh); d_xout (NULL: none) gets
+ * that row too, and d_xq (NULL: none; 16-byte aligned) the row rounded as
+ * cuda_mvq_xq reads it (mvq.h), both written by block 0. The tail t (NULL,
+ * or TOPK) as cuda_matvec_tail's. -ENOTSUP (nothing launched) where
+ * cuda_matvec_norm_in_ok is false or d_w is not 16-byte aligned; the same
+ * y as cuda_add_rmsnorm into x, then cuda_matvec_tail. */
+int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                             uint64_t n, const struct cuda_norm_in *nin, float *d_xout,
+                             int8_t *d_xq, float *d_y, const struct cuda_tail *t,
+                             cudaStream_t stream);
 
 /* cuda_mvq_experts_glu (mvq.h) for the k pairs of one token, then a
  * COMBINE tail over their rows (d_Y, ldy = n_rows = the tail's n), or a

@@ -67,7 +67,11 @@
  *     products reading the rows the combine rounded (xq) against rounding
  *     xa themselves (LAMINA_CUDA_XQ=0): byte-identical; the split conv +
  *     heads reading the DeltaNet states before its PDL wait against after it
- *     (LAMINA_CUDA_DN_EARLY=0): byte-identical; the decode graph's kernel
+ *     (LAMINA_CUDA_DN_EARLY=0): byte-identical; the residual add + norm
+ *     formed by its consumers (tail.h's cuda_norm_in) against the output
+ *     product's tail (LAMINA_CUDA_NORM_IN=0) and, with LAMINA_CUDA_TAIL=topk,
+ *     against the add + norm launch: byte-identical, one kernel a layer
+ *     fewer than the launch (it ran); the decode graph's kernel
  *     nodes as many as the kernels a step launched one by one counts
  *     (LAMINA_CUDA_GRAPHS=0, logits byte-identical); the DeltaNet output
  *     product over the y that conv + heads rounded (int8 kernels) against
@@ -658,9 +662,10 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_TAIL", "norm,topk,cols", "with the combine over columns"},
                 {"LAMINA_CUDA_EARLY", "0", "without early expert ids"},
                 {"LAMINA_CUDA_TAIL", "norm,topk,rows", "with down + combine by rows"},
-                {"LAMINA_CUDA_COMBINE_CLUSTER", "0", "with the combine in one block"}};
-    double ms_off[11];
-    for (int k = 0; k < 11; k++) {
+                {"LAMINA_CUDA_COMBINE_CLUSTER", "0", "with the combine in one block"},
+                {"LAMINA_CUDA_NORM_IN", "0", "with the add + norm as a tail"}};
+    double ms_off[12];
+    for (int k = 0; k < 12; k++) {
         setenv(offs[k].env, offs[k].value, 1);
         ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
         unsetenv(offs[k].env);
@@ -671,9 +676,10 @@ static void tbc_arch_run(struct tbc_arch *a)
             "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
             "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f, "
             "combine over columns %.3f, without early ids %.3f, down + combine by rows %.3f, "
-            "combine in one block %.3f",
+            "combine in one block %.3f, add + norm as a tail %.3f",
             a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
-            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9], ms_off[10]);
+            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9], ms_off[10],
+            ms_off[11]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);
@@ -931,6 +937,30 @@ static void tbc_xq(void)
         if (a && b)
             tbc_greedy16_same(m, "LAMINA_CUDA_DN_EARLY", "0", a, b, sz,
                               "DeltaNet states after the wait");
+        /* the residual add + norm after each mixer formed by the router, the
+         * gate/up product and the combine (tail.h's cuda_norm_in) against the
+         * output product's tail; and, without that tail (LAMINA_CUDA_TAIL=topk),
+         * against the add + norm launch, which it saves in every layer (it ran) */
+        if (a && b)
+            tbc_greedy16_same(m, "LAMINA_CUDA_NORM_IN", "0", a, b, sz,
+                              "the add + norm as the output product's tail");
+        setenv("LAMINA_CUDA_TAIL", "topk", 1);
+        const int rc_nt = a && b ? tbc_greedy16(m, b) : -1;
+        const uint64_t k_nin = tbc_step_kernels;
+        CHECK(rc_nt == 0 && !memcmp(a, b, sz), "norm in without the norm tail: other logits "
+              "than the default");
+        if (rc_nt == 0 && a && b &&
+            tbc_greedy16_same(m, "LAMINA_CUDA_NORM_IN", "0", a, b, sz,
+                              "the add + norm as a launch")) {
+            CHECK(tbc_step_kernels == k_nin + m->hp.n_layer, "norm in: %llu kernels a decode "
+                  "step, %llu with the add + norm launch (%u layers)",
+                  (unsigned long long)k_nin, (unsigned long long)tbc_step_kernels,
+                  m->hp.n_layer);
+            MEASURE("norm in (Q4_0 80b-a3b shape, 4 layers): logits byte-identical to the "
+                    "add + norm as a tail or a launch; %llu kernels a step against %llu",
+                    (unsigned long long)k_nin, (unsigned long long)tbc_step_kernels);
+        }
+        unsetenv("LAMINA_CUDA_TAIL");
         /* yq: the DeltaNet output product over the rounded y of conv + heads,
          * and the attention output product (layer 3) over the combine's
          * rounded output (int8 kernels) where they had taken the f32 kernels
