@@ -371,7 +371,7 @@ struct MvArgs {
     /* norm in (mv_kernel's XS form): x is not read; every block forms the activation row
      * rmsnorm(nin_h + nin_add) * nin_w (cuda_norm_in) in shared memory, h and the weights
      * loaded before its wait (h was written launches back: the caller's promise), the added
-     * row after it; block 0 also writes the row to nin_out and, rounded for the int8
+     * row after it; the blocks also write the row to nin_out and, rounded for the int8
      * products (mvq.cuh's layout), to nin_xq (NULL: not) */
     const float *nin_h, *nin_add, *nin_w;
     float nin_eps;
@@ -430,24 +430,28 @@ __device__ __forceinline__ void norm_in_row(const MvArgs &a, NormIn &r, float *s
     }
     const float sum = tail_vsum<1>(part, width, s_red);
     const float scale = 1.0f / sqrtf(sum / (float)n + a.nin_eps);
-    const bool first = blockIdx.x == 0 && blockIdx.y == 0;
-    int8_t *xl = a.nin_xq;
-    float *xd = xl ? reinterpret_cast<float *>(xl + n) : nullptr;
     if (v0 < width)
 #pragma unroll
         for (int b = 0; b < kXsCols; b++) {
             const uint32_t i = v0 + b * width;
-            if (i >= n) /* the same for the whole warp: width and n multiples of 32 */
-                break;
-            const float v = r.hv[b] * scale;
-            const float o = a.nin_w ? v * r.wv[b] : v;
-            s_x[i] = o;
-            if (first && a.nin_out)
-                a.nin_out[i] = o;
-            if (first && xl) /* a warp's 32 columns are one block of 32 */
-                mvq::round_block(o, i / 32, true, xl, xd, xd + n / 32);
+            if (i < n) {
+                const float v = r.hv[b] * scale;
+                s_x[i] = a.nin_w ? v * r.wv[b] : v;
+            }
         }
     __syncthreads();
+    /* the copies: block x's first warp writes blocks of 32 x, x + grid, ... of the row
+     * (and rounds them as the int8 products do), so that no block does them all */
+    int8_t *xl = a.nin_xq;
+    float *xd = xl ? reinterpret_cast<float *>(xl + n) : nullptr;
+    if (threadIdx.x < 32 && blockIdx.y == 0 && (a.nin_out || xl))
+        for (uint32_t bb = blockIdx.x; bb < n / 32; bb += gridDim.x) {
+            const float o = s_x[bb * 32 + threadIdx.x];
+            if (a.nin_out)
+                a.nin_out[bb * 32 + threadIdx.x] = o;
+            if (xl)
+                mvq::round_block(o, bb, true, xl, xd, xd + n / 32);
+        }
 }
 
 /* Staging buffer bytes per row: a step plus the word rdw reads past it,

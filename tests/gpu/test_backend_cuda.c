@@ -713,11 +713,11 @@ static uint64_t tbc_step_kernels;
 
 /* Logits of a prompt of 6 tokens and 10 greedy decode steps (graph on
  * cuda) of the backend `kind` on model m, into out (16 x vocab). */
-static int tbc_greedy16_on(const char *kind, const struct arch_model *m, float *out)
+static int tbc_greedy16_via(const char *kind, const struct arch_model *m, float *out, bool head)
 {
     const uint32_t n = m->hp.n_embd, V = m->hp.n_vocab;
     struct backend_config bc = {.model = m, .layer_begin = 0, .layer_end = m->hp.n_layer,
-                                .n_threads = 2, .n_ctx = 64, .max_batch = 8};
+                                .n_threads = 2, .n_ctx = 64, .max_batch = 8, .lmhead = head};
     struct backend *b = backend_create(kind, &bc);
     if (!b)
         return -1;
@@ -737,6 +737,10 @@ static int tbc_greedy16_on(const char *kind, const struct arch_model *m, float *
         for (uint32_t v = 1; v < V; v++)
             tok = last[v] > last[tok] ? (int32_t)v : tok;
         rc = quant_dequantize_row(te->type, te->data + (size_t)tok * te->row_bytes, h, n);
+        if (head) { /* the layers and the head in one pass on the device, as a last worker */
+            rc = rc ? rc : backend_layers_head(b, h, 1, out + (size_t)(6 + d) * V, NULL);
+            continue;
+        }
         rc = rc ? rc : backend_layers(b, h, 1);
         rc = rc ? rc : backend_logits(b, h, 1, out + (size_t)(6 + d) * V);
     }
@@ -745,6 +749,11 @@ static int tbc_greedy16_on(const char *kind, const struct arch_model *m, float *
     free(h);
     backend_destroy(b);
     return rc;
+}
+
+static int tbc_greedy16_on(const char *kind, const struct arch_model *m, float *out)
+{
+    return tbc_greedy16_via(kind, m, out, false);
 }
 
 static int tbc_greedy16(const struct arch_model *m, float *out)
@@ -961,6 +970,24 @@ static void tbc_xq(void)
                     (unsigned long long)k_nin, (unsigned long long)tbc_step_kernels);
         }
         unsetenv("LAMINA_CUDA_TAIL");
+        /* the decode steps' head right after the layers (backend_layers_head): the last
+         * combine writes the head's norm (xa, xq) and no norm launch runs; against the
+         * head's own norm launch (LAMINA_CUDA_HEAD_FOLD=0) and the layers then the logits */
+        const int rc_h = a && b ? tbc_greedy16_via("cuda", m, b, true) : -1;
+        const uint64_t k_fold = tbc_step_kernels;
+        CHECK(rc_h == 0 && !memcmp(a, b, sz), "head fold: other logits than the layers then "
+              "the head (max %.3g)", rc_h == 0 ? tbc_maxdiff(a, b, sz / sizeof(float)) : 0.0);
+        setenv("LAMINA_CUDA_HEAD_FOLD", "0", 1);
+        const int rc_h0 = a && b ? tbc_greedy16_via("cuda", m, b, true) : -1;
+        unsetenv("LAMINA_CUDA_HEAD_FOLD");
+        CHECK(rc_h0 == 0 && !memcmp(a, b, sz), "head without the fold: other logits than the "
+              "layers then the head");
+        CHECK(rc_h != 0 || rc_h0 != 0 || tbc_step_kernels == k_fold + 1, "head fold: %llu "
+              "kernels a step with the head, %llu with its norm launch",
+              (unsigned long long)k_fold, (unsigned long long)tbc_step_kernels);
+        MEASURE("head fold (Q4_0 80b-a3b shape, 4 layers): layers + head byte-identical to the "
+                "layers then the head; %llu kernels a step with the head against %llu",
+                (unsigned long long)k_fold, (unsigned long long)tbc_step_kernels);
         /* yq: the DeltaNet output product over the rounded y of conv + heads,
          * and the attention output product (layer 3) over the combine's
          * rounded output (int8 kernels) where they had taken the f32 kernels
