@@ -287,13 +287,6 @@ struct backend_cuda {
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
     bool norm_in_on;                  /* LAMINA_CUDA_NORM_IN: the residual add + norm after
                                        * a decode mixer formed by its consumers (cb_norm_in) */
-    bool head_fold_on;                /* LAMINA_CUDA_HEAD_FOLD: a decode pass's last combine
-                                       * also writes the head's norm (into xa, rounded into
-                                       * xq), so the head runs no norm launch */
-    bool moe_normed;                  /* the layer just enqueued normalised h into xa */
-    bool head_xa, head_xq;            /* after the pass enqueued or replayed: xa (and xq)
-                                       * hold the head's normalised last row */
-    bool graph_head_xa, graph_head_xq; /* the same for the decode graphs' replays */
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
     float *out_norm, *logits;
@@ -1654,7 +1647,6 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     /* else the shared expert runs beside the router and routed experts on
      * the side stream (a parallel branch of the graph); not when profiling */
     const bool fork = local && L->sh && !shpair && !c->prof;
-    c->moe_normed = false;
     const struct cb_pairs pr = {.P = (uint32_t)(S * k + shpair),
                                 .x_div = (uint32_t)(shpair ? k + 1 : k),
                                 .ids = shpair ? c->ids_dec : c->ids, .prefill = S > 1};
@@ -1744,11 +1736,8 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     } else {
         rc = cb_moe_remote(c, L, l, S);
     }
-    if (!rc && combined) /* the combine tail of one block normalises into xa */
-        c->moe_normed = next_norm && (c->tails & CB_TAIL_COMBINE);
     if (rc || combined)
         return rc;
-    c->moe_normed = next_norm != NULL; /* every combine below normalises where asked */
     /* decode: xa (the gate's input) is the router's input, launches back */
     if (S == 1 && local && c->early && !c->skip) {
         /* and the next layer's input rounded for its int8 product */
@@ -1780,7 +1769,6 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
     const uint32_t n = hp->n_embd;
     c->decoding = S == 1;
     c->xq_ready = false; /* the first layer's input comes from the norm launch */
-    c->head_xa = c->head_xq = false;
     /* decode with cols or rows: the combines leave h alone and each layer's
      * input product normalises it (or a norm launch before it) */
     const bool cols = S == 1 && (c->tails & (CB_TAIL_COLS | CB_TAIL_ROWS)) &&
@@ -1807,21 +1795,12 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
                                                                 n, S, hp->eps, c->stream));
         if (!rc)
             cb_stage_mark(c, l, CB_STAGE_MIXER, 1, c->stream);
-        /* the last layer's combine also normalises for the head where it will follow */
-        const float *next = cols ? NULL
-                            : l + 1 < c->l1 ? L[1].attn_norm
-                            : S == 1 && c->head_fold_on && c->cfg.lmhead ? c->out_norm
-                                                                          : NULL;
-        rc = rc ? rc : cb_moe(c, L, l, S, next, cols, nin);
+        rc = rc ? rc : cb_moe(c, L, l, S, !cols && l + 1 < c->l1 ? L[1].attn_norm : NULL, cols,
+                              nin);
         if (rc)
             return rc;
         if (c->cfg.progress)
             __atomic_add_fetch(c->cfg.progress, 1, __ATOMIC_RELAXED);
-        if (l + 1 == c->l1) {
-            c->head_xa = S == 1 && c->head_fold_on && c->cfg.lmhead && c->out_norm &&
-                         c->moe_normed;
-            c->head_xq = c->head_xa && c->xq_ready;
-        }
     }
     return 0;
 }
@@ -1877,7 +1856,6 @@ static int cb_capture(struct backend_cuda *c)
                  "counted %llu; counting the graph's", c->l0, c->l1 - 1,
                  (unsigned long long)nodes, (unsigned long long)(c->launches - k0));
     c->graph_kernels = nodes;
-    c->graph_head_xa = c->head_xa, c->graph_head_xq = c->head_xq;
     c->launches = k0 + nodes;
     c->graph_expert_rows = c->stats.expert_rows - rows0;
     if (rc) {
@@ -1907,7 +1885,6 @@ static int cb_graph_step(struct backend_cuda *c)
     } else {
         /* a replay runs what the capture enqueued: count it as the capture did */
         c->launches += c->graph_kernels;
-        c->head_xa = c->graph_head_xa, c->head_xq = c->graph_head_xq;
         c->stats.expert_rows += c->graph_expert_rows;
         if (c->cfg.progress)
             __atomic_add_fetch(c->cfg.progress, c->l1 - c->l0, __ATOMIC_RELAXED);
@@ -2231,8 +2208,6 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     const char *ni = getenv("LAMINA_CUDA_NORM_IN");
     c->norm_in_on = !(ni && !strcmp(ni, "0"));
-    const char *hf = getenv("LAMINA_CUDA_HEAD_FOLD");
-    c->head_fold_on = !(hf && !strcmp(hf, "0"));
     c->skip = getenv("LAMINA_CUDA_SKIP");
     if (c->skip && !*c->skip)
         c->skip = NULL;
@@ -2495,42 +2470,19 @@ static int cb_load_head(struct backend *b, struct backend_cuda *c)
     c->out_norm = (float *)c->head;
     c->output = cb_view(o, c->head + cb_align(n * sizeof(float)), 0, o->n_out);
     b->mem_used += head + lg;
-    /* decode graphs captured before the head was here lack its norm: captured again */
-    for (uint32_t i = 0; i < c->n_seq; i++) {
-        cudaGraphExec_t *g = i == c->seq ? &c->gexec : &c->slot_gexec[i];
-        if (*g)
-            cudaGraphExecDestroy(*g);
-        *g = NULL;
-    }
     return 0;
 }
 
 /* Enqueues the final norm and lm head of S rows of the device buffer d_h (<= the head's
  * logit rows), then either their logits into out (host) or, with ids, only their arg-max
  * (cuda_argmax, the sampler's greedy rule) into ids (host). */
-/* folded: the pass just enqueued left the row normalised in xa (c->head_xa; and rounded
- * in xq, c->head_xq), so no norm launch: the same bits as cuda_rmsnorm_wide's launch. */
 static int cb_head_enqueue(struct backend_cuda *c, const float *d_h, uint32_t S, float *out,
-                           int32_t *ids, bool folded)
+                           int32_t *ids)
 {
     const size_t ne = c->hp->n_embd, nvocab = c->hp->n_vocab;
-    const struct cb_mat *o = &c->output;
-    int rc = folded ? 0
-                    : CB_K(c, "head.norm", cuda_rmsnorm_wide(c->xa, d_h, c->out_norm,
-                                                             (uint32_t)ne, S, c->hp->eps,
-                                                             c->stream));
-    bool lm_done = false;
-    if (!rc && folded && c->head_xq) { /* the int8 product over the combine's rounding */
-        rc = CB_K(c, "head.lm", cuda_mvq_xq(o->type, o->d, o->row_bytes, o->n_out, o->n_in,
-                                            c->xq, c->logits, c->stream));
-        lm_done = rc != -ENOTSUP;
-        if (!lm_done) {
-            cb_unlaunch(c);
-            rc = 0;
-        }
-    }
-    if (!rc && !lm_done)
-        rc = cb_mm(c, "head.lm", o, c->xa, ne, S, c->logits, nvocab);
+    int rc = CB_K(c, "head.norm", cuda_rmsnorm_wide(c->xa, d_h, c->out_norm, (uint32_t)ne, S,
+                                                    c->hp->eps, c->stream));
+    rc = rc ? rc : cb_mm(c, "head.lm", &c->output, c->xa, ne, S, c->logits, nvocab);
     if (ids) {
         rc = rc ? rc : CB_K(c, "head.argmax", cuda_argmax(c->logits, (uint32_t)nvocab, S,
                                                           c->d_argmax, c->stream));
@@ -2557,7 +2509,7 @@ static int cb_head(struct backend *b, const float *h, uint32_t n, float *out, in
         memcpy(c->h_h, h + (size_t)s * ne, bytes);
         rc = CUDA_CHECK(cudaMemcpyAsync(c->h, c->h_h, bytes, cudaMemcpyHostToDevice, c->stream));
         rc = rc ? rc : cb_head_enqueue(c, c->h, S, ids ? NULL : out + (size_t)s * nvocab,
-                                       ids ? ids + s : NULL, false);
+                                       ids ? ids + s : NULL);
         rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
     }
     c->failed = rc == -EIO;
@@ -2588,8 +2540,7 @@ static int cb_layers_head(struct backend *b, float *h, uint32_t n, float *logits
         rc = cb_pass(c, h + (size_t)s * c->hp->n_embd, c->B, false);
     const uint32_t S = n - last;
     rc = rc ? rc : cb_pass(c, h + (size_t)last * c->hp->n_embd, S, true);
-    rc = rc ? rc : cb_head_enqueue(c, c->h + (size_t)(S - 1) * c->hp->n_embd, 1, logits, id,
-                                   S == 1 && c->head_xa);
+    rc = rc ? rc : cb_head_enqueue(c, c->h + (size_t)(S - 1) * c->hp->n_embd, 1, logits, id);
     rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (!rc) {
         cb_pass_done(c);
