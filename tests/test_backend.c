@@ -107,6 +107,20 @@ static void tb_kinds(const struct arch_model *m)
     CHECK(strstr(msg, "'tpu'") && strstr(msg, "available: cpu"), "message: %s", msg);
     CHECK(backend_create("", &bc) == NULL, "empty kind accepted");
     backend_destroy(NULL);
+    /* host buffers: plain memory on the cpu backend (and with no backend), usable, 16-byte
+     * aligned, freed by their own allocator */
+    struct backend *b = backend_create("cpu", &bc);
+    CHECK(b != NULL, "cpu backend");
+    for (int k = 0; k < 2; k++) {
+        float *p = backend_host_alloc(k ? NULL : b, 1000 * sizeof(float));
+        CHECK(p && (uintptr_t)p % 16 == 0, "host buffer %d: %p", k, (void *)p);
+        for (int i = 0; p && i < 1000; i++)
+            p[i] = (float)i;
+        CHECK(!p || p[999] == 999.0f, "host buffer %d not usable", k);
+        backend_host_free(k ? NULL : b, p);
+    }
+    backend_host_free(b, NULL);
+    backend_destroy(b);
 }
 
 /* Dispatch and step:N. */

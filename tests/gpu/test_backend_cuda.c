@@ -1015,6 +1015,36 @@ static void tbc_xq(void)
     unlink(path);
 }
 
+/* backend_host_alloc on a cuda backend: page-locked (the head's logits are copied straight
+ * into it), plain memory with LAMINA_PINNED=0; both usable and freed by their allocator. */
+static void tbc_host_buffers(void)
+{
+    struct gguf *g = NULL;
+    struct arch_model *m = gpu_fixture_model("qwen3moe", &g);
+    struct backend_config bc = {.model = m, .layer_end = m ? m->hp.n_layer : 0, .n_ctx = 16};
+    struct backend *b = m ? backend_create("cuda", &bc) : NULL;
+    CHECK(b != NULL, "cuda backend for host buffers");
+    for (int pinned = 1; b && pinned >= 0; pinned--) {
+        if (!pinned)
+            setenv("LAMINA_PINNED", "0", 1);
+        float *p = backend_host_alloc(b, 4096 * sizeof(float));
+        unsetenv("LAMINA_PINNED");
+        struct cudaPointerAttributes at;
+        const cudaError_t e = p ? cudaPointerGetAttributes(&at, p) : cudaErrorInvalidValue;
+        (void)cudaGetLastError();
+        const bool host = e == cudaSuccess && at.type == cudaMemoryTypeHost;
+        CHECK(p && (uintptr_t)p % 16 == 0 && host == (pinned == 1),
+              "host buffer (pinned %d): %p, page-locked %d", pinned, (void *)p, (int)host);
+        for (int i = 0; p && i < 4096; i++)
+            p[i] = (float)i;
+        CHECK(!p || p[4095] == 4095.0f, "host buffer (pinned %d) not usable", pinned);
+        backend_host_free(b, p);
+    }
+    backend_destroy(b);
+    arch_free(m);
+    gguf_close(g);
+}
+
 int main(void)
 {
     log_init("test", -1);
@@ -1038,6 +1068,7 @@ int main(void)
     free(json);
     tbc_shpair();
     tbc_xq();
+    tbc_host_buffers();
     MEASURE("backend_argmax (greedy ids on the device): %d rows, %d differ from the first "
             "maximum of the logits", argmax_rows, argmax_bad);
     CHECK(argmax_rows > 0, "backend_argmax was never checked");
