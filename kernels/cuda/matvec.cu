@@ -405,8 +405,8 @@ __device__ __forceinline__ void norm_in_early(const MvArgs &a, NormIn &r)
 }
 
 /* After the wait: the added row, then the sums of squares in thread t's order, ops_block_sum's
- * tree (tail_vsum), the scale and the row into s_x (and block 0's copies): the same
- * expressions as cuda_add_rmsnorm. Every thread of the block calls it. */
+ * tree (tail_vsum), the scale and the row into s_x, then the block's share of the copies: the
+ * same expressions as cuda_add_rmsnorm. Every thread of the block calls it. */
 __device__ __forceinline__ void norm_in_row(const MvArgs &a, NormIn &r, float *s_x)
 {
     __shared__ float s_red[32];
@@ -505,8 +505,6 @@ __device__ __forceinline__ void gather_row(uint8_t *dst, const uint8_t *src, uin
 
 /* ---- the kernel ------------------------------------------------------------ */
 
-/* The 4 activations at p, which is element `at` of a group of which n
- * elements exist (all of them when full). */
 /* Activation loads: through the read-only cache, or (XS: the row is in
  * shared memory, formed by the block) plain loads. */
 template <bool XS>
@@ -525,6 +523,8 @@ __device__ __forceinline__ float ldx1(const float *p)
     return __ldg(p);
 }
 
+/* The 4 activations at p, which is element `at` of a group of which n
+ * elements exist (all of them when full). */
 template <bool XS>
 __device__ __forceinline__ float4 ld_x4(const float *p, int at, bool vec4, bool full, int n)
 {
