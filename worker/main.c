@@ -639,7 +639,10 @@ static int worker_load(struct worker *w, const struct wire_load_plan *p)
             return -ENOMEM;
     }
     w->h = malloc((size_t)p->max_batch * w->m->hp.n_embd * sizeof(float));
-    w->logits = backend_host_alloc(w->be, (size_t)p->max_batch * w->m->hp.n_vocab * sizeof(float));
+    /* the last worker's logits come back from its backend: page-locked there (a GPU's copies
+     * go straight into it); the others never fill it, so plain memory, never touched */
+    w->logits = backend_host_alloc(w->is_last ? w->be : NULL,
+                                   (size_t)p->max_batch * w->m->hp.n_vocab * sizeof(float));
     return w->h && w->logits ? 0 : -ENOMEM;
 }
 
