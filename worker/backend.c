@@ -190,10 +190,20 @@ struct backend_host_hdr {
     uint64_t pad; /* keeps the buffer 16-byte aligned */
 };
 
-static bool backend_pinned_on(void)
+/* The longest host buffer to page-lock: LAMINA_PINNED MiB (read at each allocation). */
+static size_t backend_pin_limit(void)
 {
     const char *e = getenv("LAMINA_PINNED");
-    return !e || strcmp(e, "0");
+    if (!e || !*e)
+        return (size_t)1024 << 20;
+    char *end = NULL;
+    const unsigned long long mib = strtoull(e, &end, 10);
+    if (*end || mib > ((size_t)-1 >> 21)) {
+        log_warn("LAMINA_PINNED=%s is not a number of MiB: buffers up to 1024 MiB page-locked",
+                 e);
+        return (size_t)1024 << 20;
+    }
+    return (size_t)mib << 20;
 }
 
 void *backend_host_alloc(struct backend *b, size_t bytes)
@@ -202,7 +212,7 @@ void *backend_host_alloc(struct backend *b, size_t bytes)
     struct backend_host_hdr *p = NULL;
     if (total < bytes)
         return NULL;
-    if (b && b->ops->host_alloc && backend_pinned_on())
+    if (b && b->ops->host_alloc && total <= backend_pin_limit())
         p = b->ops->host_alloc(b, total);
     if (p) {
         p->pinned = 1;

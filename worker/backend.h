@@ -176,8 +176,11 @@ int backend_serve(struct backend *b, uint32_t layer, const uint32_t *experts,
                   const uint32_t *counts, uint32_t n_groups, const float *X, float *Y);
 
 /* Host buffers for what the backend returns (logits): page-locked where the backend is a
- * GPU's, so that its copies need no staging through a bounce buffer; plain malloc elsewhere,
- * where pinning fails, or with LAMINA_PINNED=0. NULL only where malloc fails too. Freed with
+ * GPU's, so that its copies need no staging through a bounce buffer, up to LAMINA_PINNED MiB a
+ * buffer (default 1024; 0: none), so that a long one (perplexity's logits of every position of
+ * a long context) does not lock gigabytes of the host's memory; plain malloc elsewhere, for
+ * longer buffers and where pinning fails. (A buffer is locked whole or not at all: a copy
+ * across a partly locked one fails.) NULL only where malloc fails too. Freed with
  * backend_host_free on the same backend, before backend_destroy. */
 void *backend_host_alloc(struct backend *b, size_t bytes);
 void backend_host_free(struct backend *b, void *p);

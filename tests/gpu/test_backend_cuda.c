@@ -1016,7 +1016,9 @@ static void tbc_xq(void)
 }
 
 /* backend_host_alloc on a cuda backend: page-locked (the head's logits are copied straight
- * into it), plain memory with LAMINA_PINNED=0; both usable and freed by their allocator. */
+ * into it), plain memory with LAMINA_PINNED=0, both usable and freed by their allocator; with
+ * LAMINA_PINNED=1 a buffer of half a MiB page-locked and one of 3 MiB plain, device copies
+ * into and out of both whole. */
 static void tbc_host_buffers(void)
 {
     struct gguf *g = NULL;
@@ -1038,6 +1040,43 @@ static void tbc_host_buffers(void)
         for (int i = 0; p && i < 4096; i++)
             p[i] = (float)i;
         CHECK(!p || p[4095] == 4095.0f, "host buffer (pinned %d) not usable", pinned);
+        backend_host_free(b, p);
+    }
+    /* LAMINA_PINNED=1: a buffer of half a MiB page-locked, one of 3 MiB plain (never partly:
+     * a copy across a partly locked buffer fails), copies into and out of both whole */
+    for (int big = 0; b && big < 2; big++) {
+        const size_t n = big ? (size_t)3 << 18 : (size_t)1 << 17;
+        setenv("LAMINA_PINNED", "1", 1);
+        float *p = backend_host_alloc(b, n * sizeof(float));
+        unsetenv("LAMINA_PINNED");
+        float *src = malloc(n * sizeof(float)), *d = NULL;
+        CHECK(p && src && cudaMalloc((void **)&d, n * sizeof(float)) == cudaSuccess,
+              "host buffer of %zu floats", n);
+        if (p && src && d) {
+            struct cudaPointerAttributes a0, a1;
+            const bool h0 = cudaPointerGetAttributes(&a0, p) == cudaSuccess &&
+                            a0.type == cudaMemoryTypeHost;
+            const bool h1 = cudaPointerGetAttributes(&a1, p + n - 1) == cudaSuccess &&
+                            a1.type == cudaMemoryTypeHost;
+            (void)cudaGetLastError();
+            CHECK(h0 == !big && h1 == !big, "LAMINA_PINNED=1, %zu KiB: page-locked %d and %d",
+                  n * sizeof(float) / 1024, (int)h0, (int)h1);
+            for (size_t i = 0; i < n; i++)
+                src[i] = (float)i;
+            cudaError_t e = cudaMemcpy(d, src, n * sizeof(float), cudaMemcpyHostToDevice);
+            memset(p, 0, n * sizeof(float));
+            e = e ? e : cudaMemcpyAsync(p, d, n * sizeof(float), cudaMemcpyDeviceToHost, 0);
+            e = e ? e : cudaStreamSynchronize(0);
+            CHECK(!e && !memcmp(p, src, n * sizeof(float)), "a copy into a host buffer (%s)",
+                  cudaGetErrorString(e));
+            e = cudaMemset(d, 0, n * sizeof(float));
+            e = e ? e : cudaMemcpy(d, p, n * sizeof(float), cudaMemcpyHostToDevice);
+            e = e ? e : cudaMemcpy(src, d, n * sizeof(float), cudaMemcpyDeviceToHost);
+            CHECK(!e && !memcmp(p, src, n * sizeof(float)), "a copy out of a host buffer (%s)",
+                  cudaGetErrorString(e));
+        }
+        cudaFree(d);
+        free(src);
         backend_host_free(b, p);
     }
     backend_destroy(b);
