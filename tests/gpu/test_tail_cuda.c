@@ -629,6 +629,54 @@ static void test_matvec_norm(uint32_t type, uint32_t rows, uint32_t n, bool weig
     free(hnw);
 }
 
+/* ---- the decode gate/up product's address table ---------------------------- */
+
+/* cuda_mvq_experts_prefetch (the decode gate/up product: ids after the wait, the table of
+ * E entries asked for in L2 before it) over k pairs of one activation row against
+ * cuda_mvq_experts: the same rows, byte for byte; the pair of id -1 left alone. */
+static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F, uint32_t k,
+                               struct rng *r)
+{
+    char what[96];
+    snprintf(what, sizeof(what), "experts table %s E %u n %u F %u k %u", quant_type_name(type),
+             E, n, F, k);
+    struct experts x = make_experts_of(type, E, 2 * F, n, r);
+    int32_t *ids = dev_ids(E, k, r);
+    const int32_t none = -1;
+    CU(cudaMemcpy(ids + k - 1, &none, sizeof(none), cudaMemcpyHostToDevice));
+    float *hx = rand_floats(n, r), *X = dev_floats(hx, n), *Y[2];
+    const size_t bytes = (size_t)k * 2 * F * sizeof(float);
+    for (int i = 0; i < 2; i++) {
+        CU(cudaMalloc((void **)&Y[i], bytes));
+        poison(Y[i], bytes);
+    }
+    int rc = cuda_mvq_experts(type, (const void *const *)x.d_tab, x.rb, 2 * F, n, ids, k, X, n,
+                              k, Y[0], 2 * F, 0);
+    rc = rc ? rc : cuda_mvq_experts_prefetch(type, (const void *const *)x.d_tab, x.rb, 2 * F, n,
+                                             ids, k, X, n, k, Y[1], 2 * F, NULL, 0, E, false,
+                                             NULL, 0);
+    CHECK(rc == 0, "%s: rc %d", what, rc);
+    CU(cudaDeviceSynchronize());
+    const bool ok = same(Y[0], Y[1], bytes, what);
+    uint32_t left = 0; /* the skipped pair's row still poisoned */
+    float *hy = xmalloc(2 * F * sizeof(float));
+    CU(cudaMemcpy(hy, Y[1] + (size_t)(k - 1) * 2 * F, 2 * F * sizeof(float),
+                  cudaMemcpyDeviceToHost));
+    for (uint32_t j = 0; j < 2 * F; j++) {
+        uint32_t u;
+        memcpy(&u, &hy[j], sizeof(u));
+        left += u == 0xC3C3C3C3u;
+    }
+    CHECK(left == 2 * F, "%s: the pair of id -1 was written (%u of %u left)", what, left, 2 * F);
+    printf("%s: %s\n", what, ok && left == 2 * F ? "identical" : "DIFFERENT");
+    free(hy);
+    for (int i = 0; i < 2; i++)
+        cudaFree(Y[i]);
+    cudaFree(X), cudaFree(ids);
+    free(hx);
+    free_experts(&x);
+}
+
 static void test_refusals(unsigned int *ctr)
 {
     float *d;
@@ -954,6 +1002,12 @@ int main(void)
     test_matvec_norm(QUANT_TYPE_Q4_0, 12352, 2048, true, &r);
     test_matvec_norm(QUANT_TYPE_Q8_0, 24576, 3072, true, &r);
     test_matvec_norm(QUANT_TYPE_Q4_0, 32768, 4096, true, &r);
+    /* tables of 64, 513 (the 80b shape's experts and shared expert), 1024 and 1100
+     * entries */
+    test_experts_table(QUANT_TYPE_Q4_0, 513, 2048, 512, 11, &r);
+    test_experts_table(QUANT_TYPE_Q8_0, 64, 1024, 256, 9, &r);
+    test_experts_table(QUANT_TYPE_Q4_0, 1024, 512, 128, 16, &r);
+    test_experts_table(QUANT_TYPE_Q4_0, 1100, 512, 128, 8, &r);
     test_refusals(ctr);
     bench_boundaries(ctr, &r);
     bench_down_combine(&r);
