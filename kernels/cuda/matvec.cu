@@ -937,6 +937,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
         copy_commit();
     }
     pdl_wait();
+    if constexpr (TAIL)
+        tail_mark_ids(a.tail);
     pdl_trigger();
     if constexpr (XS)
         norm_in_row(a, nr, s_x);

@@ -85,6 +85,12 @@ struct MvqArgs {
     size_t pf_bytes;              /* bytes of one of its experts */
     uint32_t n_table;             /* experts: entries of addr and pf_addr to ask for in L2
                                    * before the wait (0: none) */
+    bool ids_poll;                /* experts (not early): before the wait, thread 0 polls
+                                   * the pair's id until it is no longer kIdsMark (the
+                                   * router's top-k tail marks them, cuda_tail.mark_ids),
+                                   * a bounded number of rounds, and the block asks for
+                                   * that expert's weights; after the wait the id is read
+                                   * again and the loads issued again where it differs */
     bool early;                   /* experts: ids (and a COMBINE_COLS tail's f) written two
                                    * or more launches back: read before the wait (entries
                                    * of addr: n_table) */
@@ -111,6 +117,26 @@ __device__ __forceinline__ void prefetch_rows(const MvqArgs &a, uint32_t rows_pe
         pdl_prefetch_l2(a.w + static_cast<size_t>(r0) * a.row_bytes, bytes < left ? bytes : left);
         left -= bytes < left ? bytes : left;
     }
+}
+
+/* The mark a router's top-k tail leaves in the ids it is about to pick
+ * (cuda_tail.mark_ids). */
+constexpr int32_t kIdsMark = INT32_MIN;
+
+/* ids_poll: the pair's id once it is no longer the mark, or -1 after 200
+ * rounds (at most about 0.2 ms; then the block reads it after its wait). A hint: the
+ * value read may be the launch before's (no mark), which the read after the
+ * wait corrects. */
+__device__ __forceinline__ int32_t poll_id(const int32_t *id)
+{
+    for (int round = 0; round < 200; round++) {
+        int32_t v;
+        asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(id) : "memory");
+        if (v != kIdsMark)
+            return v;
+        __nanosleep(64);
+    }
+    return -1;
 }
 
 /* MINB: blocks per SM the registers must allow (3 for expert products: the
@@ -214,10 +240,26 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
      * needs the ids, so after it, unless they are early (written by a launch
      * that completed before the one just before this started: through L2) */
     int32_t e = -1;
+    bool polled = false; /* ids_poll: e and w from before the wait, loads issued */
     if (!a.ids) {
         if (threadIdx.x == 0)
             prefetch_rows(a, (kThreads / G) * R, n_tiles);
         issue(sub);
+    } else if (a.ids_poll) {
+        __shared__ int32_t s_id;
+        if (threadIdx.x == 0) {
+            if (blockIdx.x == 0 && blockIdx.y == 0 && a.n_table)
+                pdl_prefetch_l2(a.addr, a.n_table * sizeof(void *));
+            s_id = poll_id(a.ids + job);
+        }
+        __syncthreads();
+        e = s_id;
+        w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
+                ? static_cast<const uint8_t *>(a.addr[e])
+                : nullptr;
+        polled = w != nullptr;
+        if (polled)
+            issue(sub);
     } else if (a.early) {
         e = __ldcg(a.ids + job);
         w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
@@ -246,16 +288,21 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     pdl_wait();
     pdl_trigger();
     if (a.ids) {
+        bool again = !a.early;
         if (!a.early) {
-            e = a.ids[job];
-            w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
+            const int32_t e2 = a.ids[job];
+            again = !polled || e2 != e; /* the poll saw another launch's id, or none */
+            if (again) {
+                e = e2;
+                w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
+            }
         }
         if (!w) { /* the whole block: the pair runs elsewhere */
             if constexpr (TAIL)
                 tail_finish<true>(a.tail, gs, a.early);
             return;
         }
-        if (!a.early)
+        if (again)
             issue(sub);
         /* the next product reads this expert's other matrix: the pair's
          * blocks ask for a share of it each, in L2 beside this product */
@@ -634,7 +681,7 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          size_t ldx, uint32_t x_div, float *d_Y, size_t ldy,
                                          const void *const *d_next_addr, size_t next_bytes,
                                          uint32_t n_table, bool x_early, const int8_t *d_xq,
-                                         cudaStream_t stream)
+                                         bool ids_poll, cudaStream_t stream)
 {
     MvqArgs a;
     if (d_xq && (reinterpret_cast<uintptr_t>(d_xq) % 16 || n_pairs > x_div))
@@ -647,5 +694,6 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
     a.pf_bytes = d_next_addr ? next_bytes : 0;
     a.n_table = n_table;
     a.x_early = x_early;
+    a.ids_poll = ids_poll && n_table;
     return dispatch(type, a, n_pairs, stream);
 }

@@ -288,6 +288,20 @@ static __device__ __forceinline__ void tail_topk(const TailArgs &a)
         router_topk_warp(a.y, a.width, a.t.k, a.t.ids, a.t.w);
 }
 
+/* Called by every thread of the product between its PDL wait and trigger:
+ * a TOPK tail's mark in the ids (tail.h's mark_ids), by block 0, before the
+ * next launch may start. */
+static __device__ __forceinline__ void tail_mark_ids(const TailArgs &a)
+{
+    if (a.t.kind != CUDA_TAIL_TOPK || !a.t.mark_ids || blockIdx.x || blockIdx.y || blockIdx.z)
+        return;
+    if (threadIdx.x < a.t.k)
+        asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(a.t.ids + threadIdx.x),
+                     "r"(INT32_MIN)
+                     : "memory");
+    __syncthreads();
+}
+
 /* Called by every thread of the product before its PDL wait: block 0's
  * first thread asks for the tail's weight vectors in L2 (they are read
  * after the whole product, by one block). */

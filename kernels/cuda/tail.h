@@ -78,6 +78,10 @@ struct cuda_tail {
     const float *so;       /* COMBINE(_COLS): shared expert output or NULL */
     const float *shexp_gate; /* COMBINE(_COLS): its gate (NULL: 1) */
     const float *f;        /* COMBINE(_COLS): the normalised input the gate reads */
+    /* TOPK: block 0 writes INT32_MIN into ids[0..k-1] after its PDL wait and before it lets
+     * the next launch start, so that an expert product polling them (mvq.cu's ids_poll)
+     * waits for this launch's picks rather than taking the launch before's */
+    bool mark_ids;
 };
 
 /* A decode product's input formed as the product loads it: rmsnorm(h + add) * w, what

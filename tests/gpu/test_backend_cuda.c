@@ -37,6 +37,9 @@
  *   - the same without the down experts' L2 prefetch in the decode gate/up
  *     product (LAMINA_CUDA_PF=0), and with the down product reading the
  *     router's ids after its PDL wait (LAMINA_CUDA_EARLY=0): byte-identical;
+ *   - the same without the router marking the ids it picks and the decode
+ *     gate/up product polling them before its PDL wait
+ *     (LAMINA_CUDA_IDS_POLL=0): byte-identical;
  *   - the same with each DeltaNet head's decode in one block instead of a
  *     cluster (LAMINA_CUDA_DN_SPLIT=0): byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
@@ -665,9 +668,11 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_EARLY", "0", "without early expert ids"},
                 {"LAMINA_CUDA_TAIL", "norm,topk,rows", "with down + combine by rows"},
                 {"LAMINA_CUDA_COMBINE_CLUSTER", "0", "with the combine in one block"},
-                {"LAMINA_CUDA_NORM_IN", "0", "with the add + norm as a tail"}};
-    double ms_off[12];
-    for (int k = 0; k < 12; k++) {
+                {"LAMINA_CUDA_NORM_IN", "0", "with the add + norm as a tail"},
+                {"LAMINA_CUDA_IDS_POLL", "0", "without the ids polled"}};
+    enum { N_OFFS = sizeof(offs) / sizeof(offs[0]) };
+    double ms_off[N_OFFS];
+    for (int k = 0; k < N_OFFS; k++) {
         setenv(offs[k].env, offs[k].value, 1);
         ms_off[k] = tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
         unsetenv(offs[k].env);
@@ -678,10 +683,11 @@ static void tbc_arch_run(struct tbc_arch *a)
             "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
             "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f, "
             "combine over columns %.3f, without early ids %.3f, down + combine by rows %.3f, "
-            "combine in one block %.3f, add + norm as a tail %.3f",
+            "combine in one block %.3f, add + norm as a tail %.3f, without the ids polled "
+            "%.3f",
             a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
             ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9], ms_off[10],
-            ms_off[11]);
+            ms_off[11], ms_off[12]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);

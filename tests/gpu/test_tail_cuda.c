@@ -635,15 +635,20 @@ static void test_matvec_norm(uint32_t type, uint32_t rows, uint32_t n, bool weig
  * E entries asked for in L2 before it) over k pairs of one activation row against
  * cuda_mvq_experts: the same rows, byte for byte; the pair of id -1 left alone. */
 static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F, uint32_t k,
-                               struct rng *r)
+                               bool poll, struct rng *r)
 {
-    char what[96];
-    snprintf(what, sizeof(what), "experts table %s E %u n %u F %u k %u", quant_type_name(type),
-             E, n, F, k);
+    char what[112];
+    snprintf(what, sizeof(what), "experts table %s E %u n %u F %u k %u%s", quant_type_name(type),
+             E, n, F, k, poll ? ", ids polled" : "");
     struct experts x = make_experts_of(type, E, 2 * F, n, r);
     int32_t *ids = dev_ids(E, k, r);
-    const int32_t none = -1;
+    const int32_t none = -1, mark = INT32_MIN;
     CU(cudaMemcpy(ids + k - 1, &none, sizeof(none), cudaMemcpyHostToDevice));
+    /* polled: pair k - 2 keeps a router's mark that no router clears (the
+     * poll gives up, the read after the wait skips the pair, as the plain
+     * product does) */
+    if (poll)
+        CU(cudaMemcpy(ids + k - 2, &mark, sizeof(mark), cudaMemcpyHostToDevice));
     float *hx = rand_floats(n, r), *X = dev_floats(hx, n), *Y[2];
     const size_t bytes = (size_t)k * 2 * F * sizeof(float);
     for (int i = 0; i < 2; i++) {
@@ -654,7 +659,7 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
                               k, Y[0], 2 * F, 0);
     rc = rc ? rc : cuda_mvq_experts_prefetch(type, (const void *const *)x.d_tab, x.rb, 2 * F, n,
                                              ids, k, X, n, k, Y[1], 2 * F, NULL, 0, E, false,
-                                             NULL, 0);
+                                             NULL, poll, 0);
     CHECK(rc == 0, "%s: rc %d", what, rc);
     CU(cudaDeviceSynchronize());
     const bool ok = same(Y[0], Y[1], bytes, what);
@@ -675,6 +680,81 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
     cudaFree(X), cudaFree(ids);
     free(hx);
     free_experts(&x);
+}
+
+/* The router's top-k tail marking the ids (cuda_tail.mark_ids) and the
+ * decode gate/up product polling them (ids_poll), launched back to back on
+ * one stream as a decode layer does, against the same two launches without
+ * mark and poll: ids, weights and the gate/up rows byte for byte, launch
+ * after launch on new rows (a poll that took the launch before's ids would
+ * have asked for that launch's experts first, then again after its wait). */
+static void test_ids_poll(uint32_t type, uint32_t E, uint32_t k, uint32_t n, uint32_t F,
+                          unsigned int *ctr, struct rng *r)
+{
+    char what[112];
+    enum { REPS = 4 };
+    float *hW = rand_floats((size_t)E * n, r), *hh = rand_floats((REPS + 2) * n, r);
+    float *W = dev_floats(hW, (size_t)E * n), *h = dev_floats(hh, n);
+    float *nw = dev_floats(hh + n, n), *add = dev_floats(hh + 2 * n, REPS * n);
+    struct experts X = make_experts_of(type, E, 2 * F, n, r);
+    float *lg, *xa, *w[2], *Y[2];
+    int32_t *ids[2];
+    int8_t *xq;
+    const size_t ybytes = (size_t)k * 2 * F * sizeof(float);
+    CU(cudaMalloc((void **)&lg, E * sizeof(float)));
+    CU(cudaMalloc((void **)&xa, n * sizeof(float)));
+    CU(cudaMalloc((void **)&xq, cuda_mvq_xq_bytes(n)));
+    for (int i = 0; i < 2; i++) {
+        CU(cudaMalloc((void **)&w[i], k * sizeof(float)));
+        CU(cudaMalloc((void **)&ids[i], k * sizeof(int32_t)));
+        CU(cudaMalloc((void **)&Y[i], ybytes));
+        CU(cudaMemset(ids[i], 0, k * sizeof(int32_t)));
+    }
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    bool ok = true;
+    int rc = 0;
+    for (int rep = 0; rep < REPS && rc == 0; rep++) {
+        const struct cuda_norm_in ni = {.h = h, .add = add + (size_t)rep * n, .w = nw,
+                                        .eps = 1e-6f};
+        for (int i = 0; i < 2 && rc == 0; i++) { /* 0: plain, 1: marked and polled */
+            poison(w[i], k * sizeof(float));
+            poison(Y[i], ybytes);
+            const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k,
+                                        .ids = ids[i], .w = w[i], .mark_ids = i == 1};
+            rc = cuda_matvec_tail_norm_in(QUANT_TYPE_F32, W, n * sizeof(float), E, n, &ni, xa,
+                                          xq, lg, &t, st);
+            rc = rc ? rc
+                    : cuda_mvq_experts_prefetch(type, (const void *const *)X.d_tab, X.rb, 2 * F,
+                                                n, ids[i], k, xa, n, k, Y[i], 2 * F, NULL, 0, E,
+                                                false, xq, i == 1, st);
+        }
+        CU(cudaStreamSynchronize(st));
+        CHECK(rc == 0, "ids_poll E %u: rc %d", E, rc);
+        snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d: ids",
+                 quant_type_name(type), E, k, rep);
+        ok &= same(ids[0], ids[1], k * sizeof(int32_t), what);
+        snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d: weights",
+                 quant_type_name(type), E, k, rep);
+        ok &= same(w[0], w[1], k * sizeof(float), what);
+        snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d: gate/up rows",
+                 quant_type_name(type), E, k, rep);
+        ok &= same(Y[0], Y[1], ybytes, what);
+    }
+    CHECK(counter_value(ctr) == 0, "ids_poll: counter %u after the launches", counter_value(ctr));
+    printf("ids_poll %s E %u k %u n %u F %u: %s over %d launches\n", quant_type_name(type), E, k,
+           n, F, ok ? "identical" : "DIFFERENT", REPS);
+    CU(cudaStreamDestroy(st));
+    for (int i = 0; i < 2; i++) {
+        cudaFree(w[i]);
+        cudaFree(ids[i]);
+        cudaFree(Y[i]);
+    }
+    cudaFree(lg), cudaFree(xa), cudaFree(xq);
+    cudaFree(W), cudaFree(h), cudaFree(nw), cudaFree(add);
+    free_experts(&X);
+    free(hW);
+    free(hh);
 }
 
 static void test_refusals(unsigned int *ctr)
@@ -1004,10 +1084,15 @@ int main(void)
     test_matvec_norm(QUANT_TYPE_Q4_0, 32768, 4096, true, &r);
     /* tables of 64, 513 (the 80b shape's experts and shared expert), 1024 and 1100
      * entries */
-    test_experts_table(QUANT_TYPE_Q4_0, 513, 2048, 512, 11, &r);
-    test_experts_table(QUANT_TYPE_Q8_0, 64, 1024, 256, 9, &r);
-    test_experts_table(QUANT_TYPE_Q4_0, 1024, 512, 128, 16, &r);
-    test_experts_table(QUANT_TYPE_Q4_0, 1100, 512, 128, 8, &r);
+    for (int poll = 0; poll < 2; poll++) {
+        test_experts_table(QUANT_TYPE_Q4_0, 513, 2048, 512, 11, poll, &r);
+        test_experts_table(QUANT_TYPE_Q8_0, 64, 1024, 256, 9, poll, &r);
+        test_experts_table(QUANT_TYPE_Q4_0, 1024, 512, 128, 16, poll, &r);
+        test_experts_table(QUANT_TYPE_Q4_0, 1100, 512, 128, 8, poll, &r);
+    }
+    test_ids_poll(QUANT_TYPE_Q4_0, 512, 10, 2048, 512, ctr, &r);
+    test_ids_poll(QUANT_TYPE_Q8_0, 128, 8, 1024, 256, ctr, &r);
+    test_ids_poll(QUANT_TYPE_Q4_0, 64, 16, 512, 128, ctr, &r);
     test_refusals(ctr);
     bench_boundaries(ctr, &r);
     bench_down_combine(&r);
