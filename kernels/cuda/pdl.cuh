@@ -16,7 +16,9 @@
  *     more launches back wrote, through L2 (__ldcg), where its launcher
  *     says the caller guarantees that distance ("early" arguments: the
  *     kernel just before started only after it passed its own wait, so
- *     everything before it had completed);
+ *     everything before it had completed), or, as a hint only, what the
+ *     kernel just before is still writing, read again after the wait and
+ *     used only where equal (mvq.cu's ids_poll: the router's expert ids);
  *   - it calls pdl_trigger() after pdl_wait(): the next kernel then starts
  *     its own prologue (weight prefetch) beside this one's main work, at most
  *     one kernel ahead (that kernel waits for this one to complete, which
