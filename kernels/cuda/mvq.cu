@@ -119,14 +119,10 @@ __device__ __forceinline__ void prefetch_rows(const MvqArgs &a, uint32_t rows_pe
     }
 }
 
-/* The mark a router's top-k tail leaves in the ids it is about to pick
- * (cuda_tail.mark_ids). */
-constexpr int32_t kIdsMark = INT32_MIN;
-
-/* ids_poll: the pair's id once it is no longer the mark, or -1 after 200
- * rounds (at most about 0.2 ms; then the block reads it after its wait). A hint: the
- * value read may be the launch before's (no mark), which the read after the
- * wait corrects. */
+/* ids_poll: the pair's id once it is no longer the router's mark (tail.cuh's
+ * kIdsMark), or -1 after 200 rounds (at most about 0.2 ms; then the block
+ * reads it after its wait). A hint: the value read may be the launch
+ * before's (no mark), which the read after the wait corrects. */
 __device__ __forceinline__ int32_t poll_id(const int32_t *id)
 {
     for (int round = 0; round < 200; round++) {
@@ -245,21 +241,6 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         if (threadIdx.x == 0)
             prefetch_rows(a, (kThreads / G) * R, n_tiles);
         issue(sub);
-    } else if (a.ids_poll) {
-        __shared__ int32_t s_id;
-        if (threadIdx.x == 0) {
-            if (blockIdx.x == 0 && blockIdx.y == 0 && a.n_table)
-                pdl_prefetch_l2(a.addr, a.n_table * sizeof(void *));
-            s_id = poll_id(a.ids + job);
-        }
-        __syncthreads();
-        e = s_id;
-        w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
-                ? static_cast<const uint8_t *>(a.addr[e])
-                : nullptr;
-        polled = w != nullptr;
-        if (polled)
-            issue(sub);
     } else if (a.early) {
         e = __ldcg(a.ids + job);
         w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
@@ -267,11 +248,26 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                 : nullptr;
         if (w)
             issue(sub);
-    } else if (a.n_table && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-        /* the address tables: the ids pick their entries after the wait */
-        pdl_prefetch_l2(a.addr, a.n_table * sizeof(void *));
-        if (a.pf_addr)
-            pdl_prefetch_l2(a.pf_addr, a.n_table * sizeof(void *));
+    } else {
+        if (a.n_table && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+            /* the address tables: the ids pick their entries after the wait */
+            pdl_prefetch_l2(a.addr, a.n_table * sizeof(void *));
+            if (a.pf_addr)
+                pdl_prefetch_l2(a.pf_addr, a.n_table * sizeof(void *));
+        }
+        if (a.ids_poll) { /* the id as soon as the router writes it: its weights asked for */
+            __shared__ int32_t s_id;
+            if (threadIdx.x == 0)
+                s_id = poll_id(a.ids + job);
+            __syncthreads();
+            e = s_id;
+            w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
+                    ? static_cast<const uint8_t *>(a.addr[e])
+                    : nullptr;
+            polled = w != nullptr;
+            if (polled)
+                issue(sub);
+        }
     }
     float gs = 1.0f; /* a COMBINE_COLS tail's gate, early: before the wait too */
     if constexpr (TAIL) {

@@ -288,6 +288,10 @@ static __device__ __forceinline__ void tail_topk(const TailArgs &a)
         router_topk_warp(a.y, a.width, a.t.k, a.t.ids, a.t.w);
 }
 
+/* The mark a TOPK tail leaves in the ids it is about to pick (tail.h's
+ * mark_ids; mvq.cu's ids_poll waits for it to go). */
+constexpr int32_t kIdsMark = INT32_MIN;
+
 /* Called by every thread of the product between its PDL wait and trigger:
  * a TOPK tail's mark in the ids (tail.h's mark_ids), by block 0, before the
  * next launch may start. */
@@ -297,7 +301,7 @@ static __device__ __forceinline__ void tail_mark_ids(const TailArgs &a)
         return;
     if (threadIdx.x < a.t.k)
         asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(a.t.ids + threadIdx.x),
-                     "r"(INT32_MIN)
+                     "r"(kIdsMark)
                      : "memory");
     __syncthreads();
 }
