@@ -282,6 +282,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     if (a.x_early && !a.xq)
         prep_x();
     pdl_wait();
+    if constexpr (TAIL) /* a quantized router's top-k tail marks its ids as matvec.cu's does */
+        tail_mark_ids(a.tail);
     pdl_trigger();
     if (a.ids) {
         bool again = !a.early;

@@ -687,14 +687,19 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
  * one stream as a decode layer does, against the same two launches without
  * mark and poll: ids, weights and the gate/up rows byte for byte, launch
  * after launch on new rows (a poll that took the launch before's ids would
- * have asked for that launch's experts first, then again after its wait). */
-static void test_ids_poll(uint32_t type, uint32_t E, uint32_t k, uint32_t n, uint32_t F,
-                          unsigned int *ctr, struct rng *r)
+ * have asked for that launch's experts first, then again after its wait);
+ * the router F32 (the norm-in product marks) or quantized (the int8 product's
+ * tail marks). */
+static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k, uint32_t n,
+                          uint32_t F, unsigned int *ctr, struct rng *r)
 {
     char what[112];
     enum { REPS = 4 };
     float *hW = rand_floats((size_t)E * n, r), *hh = rand_floats((REPS + 2) * n, r);
     float *W = dev_floats(hW, (size_t)E * n), *h = dev_floats(hh, n);
+    /* a quantized router (rtype not F32): the int8 product's tail marks, over the rows
+     * of add as they are (no norm in), the gate/up product rounding them itself */
+    void *rW = rtype == QUANT_TYPE_F32 ? NULL : dev_quant(rtype, E, n, r);
     float *nw = dev_floats(hh + n, n), *add = dev_floats(hh + 2 * n, REPS * n);
     struct experts X = make_experts_of(type, E, 2 * F, n, r);
     float *lg, *xa, *w[2], *Y[2];
@@ -722,17 +727,19 @@ static void test_ids_poll(uint32_t type, uint32_t E, uint32_t k, uint32_t n, uin
             poison(Y[i], ybytes);
             const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k,
                                         .ids = ids[i], .w = w[i], .mark_ids = i == 1};
-            rc = cuda_matvec_tail_norm_in(QUANT_TYPE_F32, W, n * sizeof(float), E, n, &ni, xa,
-                                          xq, lg, &t, st);
+            const float *x = rW ? add + (size_t)rep * n : xa;
+            rc = rW ? cuda_matvec_tail(rtype, rW, quant_row_size(rtype, n), E, n, x, lg, &t, st)
+                    : cuda_matvec_tail_norm_in(QUANT_TYPE_F32, W, n * sizeof(float), E, n, &ni,
+                                               xa, xq, lg, &t, st);
             rc = rc ? rc
                     : cuda_mvq_experts_prefetch(type, (const void *const *)X.d_tab, X.rb, 2 * F,
-                                                n, ids[i], k, xa, n, k, Y[i], 2 * F, NULL, 0, E,
-                                                false, xq, i == 1, st);
+                                                n, ids[i], k, x, n, k, Y[i], 2 * F, NULL, 0, E,
+                                                false, rW ? NULL : xq, i == 1, st);
         }
         CU(cudaStreamSynchronize(st));
         CHECK(rc == 0, "ids_poll E %u: rc %d", E, rc);
-        snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d: ids",
-                 quant_type_name(type), E, k, rep);
+        snprintf(what, sizeof(what), "ids_poll %s router %s E %u k %u launch %d: ids",
+                 quant_type_name(type), quant_type_name(rtype), E, k, rep);
         ok &= same(ids[0], ids[1], k * sizeof(int32_t), what);
         snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d: weights",
                  quant_type_name(type), E, k, rep);
@@ -742,8 +749,9 @@ static void test_ids_poll(uint32_t type, uint32_t E, uint32_t k, uint32_t n, uin
         ok &= same(Y[0], Y[1], ybytes, what);
     }
     CHECK(counter_value(ctr) == 0, "ids_poll: counter %u after the launches", counter_value(ctr));
-    printf("ids_poll %s E %u k %u n %u F %u: %s over %d launches\n", quant_type_name(type), E, k,
-           n, F, ok ? "identical" : "DIFFERENT", REPS);
+    printf("ids_poll %s router %s E %u k %u n %u F %u: %s over %d launches\n",
+           quant_type_name(type), quant_type_name(rtype), E, k, n, F,
+           ok ? "identical" : "DIFFERENT", REPS);
     CU(cudaStreamDestroy(st));
     for (int i = 0; i < 2; i++) {
         cudaFree(w[i]);
@@ -751,7 +759,7 @@ static void test_ids_poll(uint32_t type, uint32_t E, uint32_t k, uint32_t n, uin
         cudaFree(Y[i]);
     }
     cudaFree(lg), cudaFree(xa), cudaFree(xq);
-    cudaFree(W), cudaFree(h), cudaFree(nw), cudaFree(add);
+    cudaFree(W), cudaFree(h), cudaFree(nw), cudaFree(add), cudaFree(rW);
     free_experts(&X);
     free(hW);
     free(hh);
@@ -1090,9 +1098,10 @@ int main(void)
         test_experts_table(QUANT_TYPE_Q4_0, 1024, 512, 128, 16, poll, &r);
         test_experts_table(QUANT_TYPE_Q4_0, 1100, 512, 128, 8, poll, &r);
     }
-    test_ids_poll(QUANT_TYPE_Q4_0, 512, 10, 2048, 512, ctr, &r);
-    test_ids_poll(QUANT_TYPE_Q8_0, 128, 8, 1024, 256, ctr, &r);
-    test_ids_poll(QUANT_TYPE_Q4_0, 64, 16, 512, 128, ctr, &r);
+    test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_F32, 512, 10, 2048, 512, ctr, &r);
+    test_ids_poll(QUANT_TYPE_Q8_0, QUANT_TYPE_F32, 128, 8, 1024, 256, ctr, &r);
+    test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_F32, 64, 16, 512, 128, ctr, &r);
+    test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_Q8_0, 512, 10, 2048, 512, ctr, &r);
     test_refusals(ctr);
     bench_boundaries(ctr, &r);
     bench_down_combine(&r);
