@@ -261,12 +261,10 @@ struct backend_cuda {
                                        * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
     unsigned int *col_ctr;            /* CUDA_TAIL_COLS_MAX counters of COMBINE_COLS tails */
-    int ids_poll;                     /* LAMINA_CUDA_IDS_POLL: the router's top-k tail marks
+    bool ids_poll;                    /* LAMINA_CUDA_IDS_POLL: the router's top-k tail marks
                                        * the ids it will pick and the decode gate/up
                                        * product's blocks poll them before their PDL wait,
-                                       * asking for their expert's weights once picked
-                                       * (1), and computing their rows then too (2, the
-                                       * default; checked and redone after the wait) */
+                                       * asking for their expert's weights once picked */
     int32_t *d_argmax;                /* greedy ids of the head's rows (CB_LOGIT_ROWS) */
     const char *skip;                 /* LAMINA_CUDA_SKIP: labels of decode kernels not launched
                                        * (timing experiments; the outputs are wrong) */
@@ -1477,8 +1475,7 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
                                             P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
                                             ly->down_exps.mat_bytes, c->hp->n_expert + 1,
                                             c->early && !c->skip && c->x_early, xq,
-                                            c->tails & CB_TAIL_TOPK ? c->ids_poll : 0,
-                                            c->stream));
+                                            c->ids_poll && (c->tails & CB_TAIL_TOPK), c->stream));
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }
@@ -1688,7 +1685,7 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     if (topk_tail) {
         const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
                                      .k = (uint32_t)k, .ids = pr.ids, .w = c->w,
-                                     .mark_ids = c->ids_poll > 0};
+                                     .mark_ids = c->ids_poll};
         const struct cb_mat *r = &L->router;
         rc = rc ? rc
              : nin ? CB_K(c, "moe.router", cuda_matvec_tail_norm_in(r->type, r->d, r->row_bytes,
@@ -2218,7 +2215,7 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     const char *ni = getenv("LAMINA_CUDA_NORM_IN");
     c->norm_in_on = !(ni && !strcmp(ni, "0"));
     const char *ip = getenv("LAMINA_CUDA_IDS_POLL");
-    c->ids_poll = ip && (!strcmp(ip, "0") || !strcmp(ip, "1")) ? ip[0] - '0' : 2;
+    c->ids_poll = !(ip && !strcmp(ip, "0"));
     c->skip = getenv("LAMINA_CUDA_SKIP");
     if (c->skip && !*c->skip)
         c->skip = NULL;

@@ -91,10 +91,6 @@ struct MvqArgs {
                                    * a bounded number of rounds, and the block asks for
                                    * that expert's weights; after the wait the id is read
                                    * again and the loads issued again where it differs */
-    bool poll_compute;            /* ids_poll with xq: the block computes its rows before
-                                   * the wait too, on the polled id and the rounded row
-                                   * copied then; after the wait it reads both again and
-                                   * computes again where either differs */
     bool early;                   /* experts: ids (and a COMBINE_COLS tail's f) written two
                                    * or more launches back: read before the wait (entries
                                    * of addr: n_table) */
@@ -141,7 +137,7 @@ __device__ __forceinline__ int32_t poll_id(const int32_t *id)
 
 /* MINB: blocks per SM the registers must allow (3 for expert products: the
  * decode's pairs then fit one wave on an H200, 2 blocks per SM took two). */
-template <int TYPE, int G, int U, int R, bool TAIL, int MINB, bool AHEAD = false>
+template <int TYPE, int G, int U, int R, bool TAIL, int MINB>
 __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 {
     extern __shared__ int4 s_dyn[];
@@ -285,115 +281,89 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         pdl_prefetch_l2(a.nin_w, a.n * sizeof(float));
     if (a.x_early && !a.xq)
         prep_x();
-    /* poll_compute (AHEAD: its own instantiation, the others keep their registers): a
-     * first pass over the block's rows before the wait, on the polled id (polled is the
-     * block's: s_id) and the rounded row as read then; the pass after the wait runs
-     * only where either has changed */
-    const bool ahead = AHEAD && a.poll_compute && polled && a.xq;
-    bool before = ahead; /* this pass runs before the wait */
-    for (;;) {
-        if (!before) {
-            pdl_wait();
-            if constexpr (TAIL) /* a quantized router's top-k tail marks its ids as matvec.cu's does */
-                tail_mark_ids(a.tail);
-            pdl_trigger();
-            bool again = !a.early; /* experts: the loads issued again */
-            if (a.ids) {
-                if (!a.early) {
-                    const int32_t e2 = a.ids[job];
-                    again = !polled || e2 != e; /* the poll saw another launch's id, or none */
-                    if (again) {
-                        e = e2;
-                        w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
-                    }
-                }
-                if (!w) { /* the whole block: the pair runs elsewhere */
-                    if constexpr (TAIL)
-                        tail_finish<true>(a.tail, gs, a.early);
-                    return;
-                }
-                if (ahead) { /* the row the first pass read: the same bits now? */
-                    const uint2 *src = reinterpret_cast<const uint2 *>(a.xq);
-                    const uint2 *cp = reinterpret_cast<const uint2 *>(s_dyn);
-                    int differ = again;
-                    for (uint32_t i = threadIdx.x; i < a.nb * 5 && !differ; i += kThreads) {
-                        const uint2 g = __ldcg(src + i), m = cp[i];
-                        differ = g.x != m.x || g.y != m.y;
-                    }
-                    again = __syncthreads_or(differ);
-                }
-                if (again)
-                    issue(sub);
-                /* the next product reads this expert's other matrix: the pair's
-                 * blocks ask for a share of it each, in L2 beside this product */
-                if (a.pf_addr && threadIdx.x == 0) {
-                    const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[e]);
-                    const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
-                    const size_t off = static_cast<size_t>(blockIdx.x) * share;
-                    if (p && off < a.pf_bytes)
-                        pdl_prefetch_l2(p + off,
-                                        a.pf_bytes - off < share ? a.pf_bytes - off : share);
-                }
-                if (ahead && !again)
-                    break; /* the first pass's rows stand */
+    pdl_wait();
+    if constexpr (TAIL) /* a quantized router's top-k tail marks its ids as matvec.cu's does */
+        tail_mark_ids(a.tail);
+    pdl_trigger();
+    if (a.ids) {
+        bool again = !a.early;
+        if (!a.early) {
+            const int32_t e2 = a.ids[job];
+            again = !polled || e2 != e; /* the poll saw another launch's id, or none */
+            if (again) {
+                e = e2;
+                w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
             }
         }
-        if (a.xq) { /* levels, scales, sums: the layout of s_q, s_d, s_s */
-            const uint2 *src = reinterpret_cast<const uint2 *>(a.xq);
-            uint2 *dst = reinterpret_cast<uint2 *>(s_dyn);
-            for (uint32_t i = threadIdx.x; i < a.nb * 5; i += kThreads)
-                dst[i] = __ldcg(src + i);
-        } else if (!a.x_early) {
-            prep_x();
+        if (!w) { /* the whole block: the pair runs elsewhere */
+            if constexpr (TAIL)
+                tail_finish<true>(a.tail, gs, a.early);
+            return;
         }
-        __syncthreads();
+        if (again)
+            issue(sub);
+        /* the next product reads this expert's other matrix: the pair's
+         * blocks ask for a share of it each, in L2 beside this product */
+        if (a.pf_addr && threadIdx.x == 0) {
+            const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[e]);
+            const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
+            const size_t off = static_cast<size_t>(blockIdx.x) * share;
+            if (p && off < a.pf_bytes)
+                pdl_prefetch_l2(p + off, a.pf_bytes - off < share ? a.pf_bytes - off : share);
+        }
+    }
 
-        for (uint32_t t = tile; t < n_tiles; t += gridDim.x) {
-            row0 = (t * (kThreads / G) + grp) * R;
-            float acc[R];
+    if (a.xq) { /* levels, scales, sums: the layout of s_q, s_d, s_s */
+        const uint2 *src = reinterpret_cast<const uint2 *>(a.xq);
+        uint2 *dst = reinterpret_cast<uint2 *>(s_dyn);
+        for (uint32_t i = threadIdx.x; i < a.nb * 5; i += kThreads)
+            dst[i] = __ldcg(src + i);
+    } else if (!a.x_early) {
+        prep_x();
+    }
+    __syncthreads();
+
+    for (; tile < n_tiles; tile += gridDim.x) {
+    row0 = (tile * (kThreads / G) + grp) * R;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        acc[r] = 0.0f;
+    for (uint32_t b0 = sub; b0 < a.nb; b0 += U * G) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const uint32_t b = b0 + u * G;
+            if (b >= a.nb)
+                break;
+            const int4 *xq = reinterpret_cast<const int4 *>(s_q + b * 32);
+            const int4 xa = xq[0], xb = xq[1];
+            const float dx = s_d[b], sx = s_s[b];
 #pragma unroll
             for (int r = 0; r < R; r++)
-                acc[r] = 0.0f;
-            for (uint32_t b0 = sub; b0 < a.nb; b0 += U * G) {
-#pragma unroll
-                for (int u = 0; u < U; u++) {
-                    const uint32_t b = b0 + u * G;
-                    if (b >= a.nb)
-                        break;
-                    const int4 *xq = reinterpret_cast<const int4 *>(s_q + b * 32);
-                    const int4 xa = xq[0], xb = xq[1];
-                    const float dx = s_d[b], sx = s_s[b];
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-                        if (row0 + r < a.n_rows)
-                            acc[r] += block_dot<TYPE>(v[u][r], sh[u][r], xa, xb, dx, sx);
-                }
-                if (b0 + U * G < a.nb)
-                    issue(b0 + U * G);
-                else if (t + gridDim.x < n_tiles) { /* the next tile's first pass */
-                    row0 += gridDim.x * (kThreads / G) * R;
-                    issue(sub);
-                    row0 -= gridDim.x * (kThreads / G) * R;
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-#pragma unroll
-                for (int o = G / 2; o > 0; o >>= 1)
-                    acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], o);
-            }
-            if (sub < R && row0 + sub < a.n_rows) {
-                float out = acc[0];
-#pragma unroll
-                for (int r = 1; r < R; r++)
-                    out = sub == r ? acc[r] : out;
-                y[row0 + sub] = out;
-            }
+                if (row0 + r < a.n_rows)
+                    acc[r] += block_dot<TYPE>(v[u][r], sh[u][r], xa, xb, dx, sx);
         }
-        if (!before)
-            break;
-        before = false;
-        row0 = (tile * (kThreads / G) + grp) * R; /* for the pass after the wait */
+        if (b0 + U * G < a.nb)
+            issue(b0 + U * G);
+        else if (tile + gridDim.x < n_tiles) { /* the next tile's first pass */
+            row0 += gridDim.x * (kThreads / G) * R;
+            issue(sub);
+            row0 -= gridDim.x * (kThreads / G) * R;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int o = G / 2; o > 0; o >>= 1)
+            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], o);
+    }
+    if (sub < R && row0 + sub < a.n_rows) {
+        float out = acc[0];
+#pragma unroll
+        for (int r = 1; r < R; r++)
+            out = sub == r ? acc[r] : out;
+        y[row0 + sub] = out;
+    }
     }
     if constexpr (TAIL) /* its own instantiation: the others keep their registers */
         tail_finish<true>(a.tail, gs, a.early);
@@ -430,9 +400,7 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
         return -ENOTSUP;
     const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
     const bool tail = a.tail.t.kind != CUDA_TAIL_NONE;
-    if (jobs > 1 && !tail && a.poll_compute) /* the decode gate/up product, polling */
-        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, true>, grid, kThreads, smem, stream, a);
-    else if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
+    if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
         pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3>, grid, kThreads, smem, stream, a);
     else if (jobs > 1)
         pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3>, grid, kThreads, smem, stream, a);
@@ -711,7 +679,7 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          size_t ldx, uint32_t x_div, float *d_Y, size_t ldy,
                                          const void *const *d_next_addr, size_t next_bytes,
                                          uint32_t n_table, bool x_early, const int8_t *d_xq,
-                                         int ids_poll, cudaStream_t stream)
+                                         bool ids_poll, cudaStream_t stream)
 {
     MvqArgs a;
     if (d_xq && (reinterpret_cast<uintptr_t>(d_xq) % 16 || n_pairs > x_div))
@@ -725,6 +693,5 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
     a.n_table = n_table;
     a.x_early = x_early;
     a.ids_poll = ids_poll && n_table;
-    a.poll_compute = a.ids_poll && ids_poll > 1 && d_xq;
     return dispatch(type, a, n_pairs, stream);
 }

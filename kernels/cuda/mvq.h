@@ -87,15 +87,13 @@ bool cuda_mvq_pays(uint64_t n, uint64_t n_rows);
  * (cuda_tail.mark_ids; 200 rounds at most) and asks for that expert's
  * weights; after the wait it reads the id again and asks again where it
  * differs (a launch before's id read early), so the outputs never depend
- * on the poll. ids_poll 2 (with d_xq): the block also computes its rows
- * before the wait, on the polled id and the rounded row as read then; after
- * the wait it reads both again and computes again where either differs. */
+ * on the poll. */
 int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t row_bytes,
                               uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
                               const float *d_X, size_t ldx, uint32_t x_div, float *d_Y,
                               size_t ldy, const void *const *d_next_addr, size_t next_bytes,
                               uint32_t n_table, bool x_early, const int8_t *d_xq,
-                              int ids_poll, cudaStream_t stream);
+                              bool ids_poll, cudaStream_t stream);
 
 /* cuda_matvec_norm (matvec.h) through these kernels; -ENOTSUP where
  * cuda_mvq_norm_ok is false. */

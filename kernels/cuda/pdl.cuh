@@ -19,11 +19,6 @@
  *     everything before it had completed), or, as a hint only, what the
  *     kernel just before is still writing, read again after the wait and
  *     used only where equal (mvq.cu's ids_poll: the router's expert ids);
- *     it may write before pdl_wait() only a buffer that no kernel after
- *     the one two launches back reads until this one completes, and only
- *     values it checks after the wait and writes again where the inputs
- *     they came from have changed (mvq.cu's poll_compute: the gate/up rows,
- *     computed on the polled ids and the rounded row read then);
  *   - it calls pdl_trigger() after pdl_wait(): the next kernel then starts
  *     its own prologue (weight prefetch) beside this one's main work, at most
  *     one kernel ahead (that kernel waits for this one to complete, which

@@ -689,17 +689,12 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
  * after launch on new rows (a poll that took the launch before's ids would
  * have asked for that launch's experts first, then again after its wait);
  * the router F32 (the norm-in product marks) or quantized (the int8 product's
- * tail marks). Forms: 0 plain; 1 marked, polled; 2 marked, polled and the
- * rows computed before the wait (ids_poll 2); 3 the same without the mark,
- * so that the poll takes the launch before's ids and the rows are computed
- * again after the wait; 4 without the mark, the ids already the ones the
- * router will pick and the rounded row poisoned before the router, so that
- * a block which read it before the router wrote it computes again. */
+ * tail marks). */
 static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k, uint32_t n,
                           uint32_t F, unsigned int *ctr, struct rng *r)
 {
     char what[112];
-    enum { REPS = 4, FORMS = 5 };
+    enum { REPS = 4 };
     float *hW = rand_floats((size_t)E * n, r), *hh = rand_floats((REPS + 2) * n, r);
     float *W = dev_floats(hW, (size_t)E * n), *h = dev_floats(hh, n);
     /* a quantized router (rtype not F32): the int8 product's tail marks, over the rows
@@ -707,14 +702,14 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
     void *rW = rtype == QUANT_TYPE_F32 ? NULL : dev_quant(rtype, E, n, r);
     float *nw = dev_floats(hh + n, n), *add = dev_floats(hh + 2 * n, REPS * n);
     struct experts X = make_experts_of(type, E, 2 * F, n, r);
-    float *lg, *xa, *w[FORMS], *Y[FORMS];
-    int32_t *ids[FORMS];
+    float *lg, *xa, *w[2], *Y[2];
+    int32_t *ids[2];
     int8_t *xq;
     const size_t ybytes = (size_t)k * 2 * F * sizeof(float);
     CU(cudaMalloc((void **)&lg, E * sizeof(float)));
     CU(cudaMalloc((void **)&xa, n * sizeof(float)));
     CU(cudaMalloc((void **)&xq, cuda_mvq_xq_bytes(n)));
-    for (int i = 0; i < FORMS; i++) {
+    for (int i = 0; i < 2; i++) {
         CU(cudaMalloc((void **)&w[i], k * sizeof(float)));
         CU(cudaMalloc((void **)&ids[i], k * sizeof(int32_t)));
         CU(cudaMalloc((void **)&Y[i], ybytes));
@@ -727,17 +722,11 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
     for (int rep = 0; rep < REPS && rc == 0; rep++) {
         const struct cuda_norm_in ni = {.h = h, .add = add + (size_t)rep * n, .w = nw,
                                         .eps = 1e-6f};
-        for (int i = 0; i < FORMS && rc == 0; i++) {
+        for (int i = 0; i < 2 && rc == 0; i++) { /* 0: plain, 1: marked and polled */
             poison(w[i], k * sizeof(float));
             poison(Y[i], ybytes);
-            if (i == 4) {
-                CU(cudaMemcpyAsync(ids[4], ids[0], k * sizeof(int32_t),
-                                   cudaMemcpyDeviceToDevice, st));
-                CU(cudaMemsetAsync(xq, 0x5A, cuda_mvq_xq_bytes(n), st));
-            }
             const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k,
-                                        .ids = ids[i], .w = w[i],
-                                        .mark_ids = i == 1 || i == 2};
+                                        .ids = ids[i], .w = w[i], .mark_ids = i == 1};
             const float *x = rW ? add + (size_t)rep * n : xa;
             rc = rW ? cuda_matvec_tail(rtype, rW, quant_row_size(rtype, n), E, n, x, lg, &t, st)
                     : cuda_matvec_tail_norm_in(QUANT_TYPE_F32, W, n * sizeof(float), E, n, &ni,
@@ -745,28 +734,26 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
             rc = rc ? rc
                     : cuda_mvq_experts_prefetch(type, (const void *const *)X.d_tab, X.rb, 2 * F,
                                                 n, ids[i], k, x, n, k, Y[i], 2 * F, NULL, 0, E,
-                                                false, rW ? NULL : xq, i < 2 ? i : 2, st);
+                                                false, rW ? NULL : xq, i == 1, st);
         }
         CU(cudaStreamSynchronize(st));
         CHECK(rc == 0, "ids_poll E %u: rc %d", E, rc);
-        for (int i = 1; i < FORMS; i++) {
-            snprintf(what, sizeof(what), "ids_poll %s router %s E %u k %u launch %d form %d: ids",
-                     quant_type_name(type), quant_type_name(rtype), E, k, rep, i);
-            ok &= same(ids[0], ids[i], k * sizeof(int32_t), what);
-            snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d form %d: weights",
-                     quant_type_name(type), E, k, rep, i);
-            ok &= same(w[0], w[i], k * sizeof(float), what);
-            snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d form %d: gate/up rows",
-                     quant_type_name(type), E, k, rep, i);
-            ok &= same(Y[0], Y[i], ybytes, what);
-        }
+        snprintf(what, sizeof(what), "ids_poll %s router %s E %u k %u launch %d: ids",
+                 quant_type_name(type), quant_type_name(rtype), E, k, rep);
+        ok &= same(ids[0], ids[1], k * sizeof(int32_t), what);
+        snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d: weights",
+                 quant_type_name(type), E, k, rep);
+        ok &= same(w[0], w[1], k * sizeof(float), what);
+        snprintf(what, sizeof(what), "ids_poll %s E %u k %u launch %d: gate/up rows",
+                 quant_type_name(type), E, k, rep);
+        ok &= same(Y[0], Y[1], ybytes, what);
     }
     CHECK(counter_value(ctr) == 0, "ids_poll: counter %u after the launches", counter_value(ctr));
-    printf("ids_poll %s router %s E %u k %u n %u F %u: %s over %d launches, %d forms\n",
+    printf("ids_poll %s router %s E %u k %u n %u F %u: %s over %d launches\n",
            quant_type_name(type), quant_type_name(rtype), E, k, n, F,
-           ok ? "identical" : "DIFFERENT", REPS, FORMS);
+           ok ? "identical" : "DIFFERENT", REPS);
     CU(cudaStreamDestroy(st));
-    for (int i = 0; i < FORMS; i++) {
+    for (int i = 0; i < 2; i++) {
         cudaFree(w[i]);
         cudaFree(ids[i]);
         cudaFree(Y[i]);
