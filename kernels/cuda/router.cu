@@ -11,9 +11,12 @@
  * Ownership: one warp per token (4 tokens per block). Lane L holds experts
  * L, L + 32, ... (up to 16) in registers. Max and sum are trees over the
  * lane's values, then warp butterflies (the sum in double, as on the CPU);
- * the top-k runs k rounds of a warp arg-max that prefers the lower id on
- * equal values, and the winner's owner retires it and finds its next best
- * by a tree. Probabilities are computed by the CPU's formula, so equal
+ * the top-k (the larger probability first, the lower id among equal ones)
+ * takes the k-th of the 32 lane bests as a floor; the probabilities at or
+ * above it, when at most 32, are placed by counting, one per lane, against
+ * each other. Past 32 (many equal values) it runs k rounds of a warp
+ * arg-max, whose winner's owner retires it and finds its next best by a
+ * tree. Both give the same picks. Probabilities are computed by the CPU's formula, so equal
  * logits give equal probabilities and the same tie order as the CPU; expf
  * may differ from the CPU's by an ulp, so weights agree to ~1e-7 relative.
  */
@@ -23,15 +26,19 @@
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/router.cuh"
 
+enum { kRouterWarps = 4 }; /* tokens per block */
+
 static __global__ void router_topk_kernel(const float *logits, uint32_t E, uint32_t k,
                                           uint32_t S, int32_t *ids, float *w)
 {
+    __shared__ uint64_t s_pick[kRouterWarps][32];
     pdl_wait(); /* the logits come from the router product */
     pdl_trigger();
     const uint32_t s = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (s >= S)
         return; /* the whole warp leaves together */
-    router_topk_warp(logits + (size_t)s * E, E, k, ids + (size_t)s * k, w + (size_t)s * k);
+    router_topk_warp(logits + (size_t)s * E, E, k, ids + (size_t)s * k, w + (size_t)s * k,
+                     s_pick[threadIdx.x >> 5], false);
 }
 
 extern "C" int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, uint32_t S,
@@ -47,7 +54,7 @@ extern "C" int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, u
     }
     if (S == 0)
         return 0;
-    const unsigned int per_block = 4;
+    const unsigned int per_block = kRouterWarps;
     pdl_launch(router_topk_kernel, (S + per_block - 1) / per_block, per_block * 32, 0, stream,
                d_logits, E, k, S, d_ids, d_w);
     return OPS_LAUNCH_CHECK("cuda_router_topk");

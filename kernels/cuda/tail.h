@@ -82,6 +82,9 @@ struct cuda_tail {
      * the next launch start, so that an expert product polling them (mvq.cu's ids_poll)
      * waits for this launch's picks rather than taking the launch before's */
     bool mark_ids;
+    /* TOPK: the picks by k rounds of a warp arg-max (router.cuh's router_pick_rounds), not by
+     * counting places: the same picks, slower (a check and a baseline) */
+    bool topk_rounds;
 };
 
 /* A decode product's input formed as the product loads it: rmsnorm(h + add) * w, what

@@ -40,6 +40,9 @@
  *   - the same without the router marking the ids it picks and the decode
  *     gate/up product polling them before its PDL wait
  *     (LAMINA_CUDA_IDS_POLL=0): byte-identical;
+ *   - the same with the router's top-k tail picking by k rounds of a warp
+ *     arg-max instead of by counted places (LAMINA_CUDA_TOPK_ROUNDS=1):
+ *     byte-identical;
  *   - the same with each DeltaNet head's decode in one block instead of a
  *     cluster (LAMINA_CUDA_DN_SPLIT=0): byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
@@ -669,7 +672,8 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_TAIL", "norm,topk,rows", "with down + combine by rows"},
                 {"LAMINA_CUDA_COMBINE_CLUSTER", "0", "with the combine in one block"},
                 {"LAMINA_CUDA_NORM_IN", "0", "with the add + norm as a tail"},
-                {"LAMINA_CUDA_IDS_POLL", "0", "without the ids polled"}};
+                {"LAMINA_CUDA_IDS_POLL", "0", "without the ids polled"},
+                {"LAMINA_CUDA_TOPK_ROUNDS", "1", "with the top-k by rounds"}};
     enum { N_OFFS = sizeof(offs) / sizeof(offs[0]) };
     double ms_off[N_OFFS];
     for (int k = 0; k < N_OFFS; k++) {
@@ -684,10 +688,10 @@ static void tbc_arch_run(struct tbc_arch *a)
             "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f, "
             "combine over columns %.3f, without early ids %.3f, down + combine by rows %.3f, "
             "combine in one block %.3f, add + norm as a tail %.3f, without the ids polled "
-            "%.3f",
+            "%.3f, top-k by rounds %.3f",
             a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
             ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9], ms_off[10],
-            ms_off[11], ms_off[12]);
+            ms_off[11], ms_off[12], ms_off[13]);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);

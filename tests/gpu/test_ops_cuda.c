@@ -712,12 +712,22 @@ static void test_attention_timing(struct rng *r, const char *pool)
 static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int mode,
                         double *worst)
 {
-    /* mode 0: continuous logits; 1: few levels (many exact ties); 2: all equal */
+    /* mode 0: continuous logits; 1: few levels (many exact ties: the top k
+     * among more than 32 equal probabilities, the rounds); 2: all equal;
+     * 3: 40 levels (ties among at most 32, the counted places); 4: most
+     * probabilities 0 (logits far below the max, some -inf), so the top k
+     * ends in equal zeros */
     float *x = xmalloc((size_t)S * E * 4), *scratch = xmalloc(E * 4);
-    for (size_t i = 0; i < (size_t)S * E; i++)
-        x[i] = mode == 0 ? rng_uniform(r, -4.0f, 4.0f)
-               : mode == 1 ? 0.5f * (float)(rng_next(r) % 9) - 2.0f
-                           : 0.25f;
+    for (size_t i = 0; i < (size_t)S * E; i++) {
+        const uint32_t u = rng_next(r);
+        x[i] = mode == 0   ? rng_uniform(r, -4.0f, 4.0f)
+               : mode == 1 ? 0.5f * (float)(u % 9) - 2.0f
+               : mode == 2 ? 0.25f
+               : mode == 3 ? 0.05f * (float)(u % 40)
+               : u % 64 == 0 ? rng_uniform(r, -2.0f, 2.0f)
+               : u % 64 == 1 ? -INFINITY
+                             : rng_uniform(r, -300.0f, -120.0f);
+    }
     int32_t *ids_ref = xmalloc(S * k * 4), *ids[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
     float *w_ref = xmalloc(S * k * 4), *w[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
     for (uint32_t s = 0; s < S; s++)
@@ -748,13 +758,14 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
 static void test_router(struct rng *r)
 {
     double worst = 0.0;
-    for (int mode = 0; mode < 3; mode++) {
+    for (int mode = 0; mode < 5; mode++) {
         router_case(r, 512, 10, 37, mode, &worst);
         router_case(r, 16, 4, 37, mode, &worst);
         router_case(r, 128, 8, 5, mode, &worst);
         router_case(r, 512, 16, 3, mode, &worst);
     }
-    MEASURE("router E 512/16/128 k 10/4/8/16 (random, 9-level ties, all equal): ids exact, "
+    MEASURE("router E 512/16/128 k 10/4/8/16 (random, 9-level ties, all equal, 40-level "
+            "ties, zeros): ids exact, "
             "max weight rel err %.3g",
             worst);
 }

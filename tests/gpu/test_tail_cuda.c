@@ -8,7 +8,8 @@
  *     int8 kernel; 4096: the f32 kernel) against cuda_matvec then
  *     cuda_add_rmsnorm: y, h and the normalised row;
  *   - TOPK: an F32 router product against cuda_matvec then cuda_router_topk:
- *     logits, ids and weights;
+ *     logits, ids and weights; the tail picking by rounds (topk_rounds)
+ *     against the kernel's counted places: ids and weights;
  *   - COMBINE: the SiLU-gated Q4_0 expert down product of one token's k
  *     pairs (cuda_mvq_experts_glu_tail) against cuda_mvq_experts_glu then
  *     cuda_moe_combine_norm / cuda_moe_combine, with and without the gated
@@ -274,9 +275,9 @@ static void test_topk(uint32_t E, uint32_t k, uint32_t n, unsigned int *ctr, str
     if (E >= 8) /* planted ties: equal rows give equal logits */
         memcpy(hW + (size_t)5 * n, hW + (size_t)2 * n, n * sizeof(float));
     float *W = dev_floats(hW, (size_t)E * n), *x = dev_floats(hx, n);
-    float *lg[2], *w[2];
-    int32_t *ids[2];
-    for (int i = 0; i < 2; i++) {
+    float *lg[3], *w[3];
+    int32_t *ids[3];
+    for (int i = 0; i < 3; i++) {
         CU(cudaMalloc((void **)&lg[i], E * sizeof(float)));
         CU(cudaMalloc((void **)&w[i], k * sizeof(float)));
         CU(cudaMalloc((void **)&ids[i], k * sizeof(int32_t)));
@@ -292,6 +293,11 @@ static void test_topk(uint32_t E, uint32_t k, uint32_t n, unsigned int *ctr, str
     for (int rep = 0; rep < 3 && rc == 0; rep++)
         rc = cuda_matvec_tail(QUANT_TYPE_F32, W, n * sizeof(float), E, n, x, lg[1], &t, 0);
     CHECK(rc == 0, "topk E %u: fused rc %d", E, rc);
+    /* the tail picking by rounds (topk_rounds) against the kernel's counted places */
+    const struct cuda_tail tr = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k, .ids = ids[2],
+                                 .w = w[2], .topk_rounds = true};
+    rc = cuda_matvec_tail(QUANT_TYPE_F32, W, n * sizeof(float), E, n, x, lg[2], &tr, 0);
+    CHECK(rc == 0, "topk E %u: fused by rounds rc %d", E, rc);
     CU(cudaDeviceSynchronize());
     snprintf(what, sizeof(what), "topk E %u k %u: logits", E, k);
     bool ok = same(lg[0], lg[1], E * sizeof(float), what);
@@ -299,9 +305,13 @@ static void test_topk(uint32_t E, uint32_t k, uint32_t n, unsigned int *ctr, str
     ok &= same(ids[0], ids[1], k * sizeof(int32_t), what);
     snprintf(what, sizeof(what), "topk E %u k %u: weights", E, k);
     ok &= same(w[0], w[1], k * sizeof(float), what);
+    snprintf(what, sizeof(what), "topk E %u k %u: ids by rounds", E, k);
+    ok &= same(ids[0], ids[2], k * sizeof(int32_t), what);
+    snprintf(what, sizeof(what), "topk E %u k %u: weights by rounds", E, k);
+    ok &= same(w[0], w[2], k * sizeof(float), what);
     CHECK(counter_value(ctr) == 0, "topk: counter %u after the launches", counter_value(ctr));
     printf("topk E %u k %u n %u: %s\n", E, k, n, ok ? "identical" : "DIFFERENT");
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         cudaFree(lg[i]);
         cudaFree(w[i]);
         cudaFree(ids[i]);
