@@ -117,6 +117,15 @@ int cuda_attn_prep(float *d_q, size_t q_tok_stride, size_t q_head_stride, uint32
 int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, uint32_t S, int32_t *d_ids,
                      float *d_w, cudaStream_t stream);
 
+/* cuda_router_topk of one token by one warp of one block, timed: d_cycles[0..3] get the SM
+ * clock cycles from the warp's start to the logits' max (their loads through L2 included),
+ * the softmax's scale, the picks and the last store issued.
+ * rounds: the picks by k rounds of a warp arg-max instead of by counted places (the same
+ * picks). For tests and benchmarks. */
+int cuda_router_topk_cycles(const float *d_logits, uint32_t E, uint32_t k, bool rounds,
+                            int32_t *d_ids, float *d_w, long long *d_cycles,
+                            cudaStream_t stream);
+
 /* act[r][j] = silu(gu[r][j]) * gu[r][F + j] for rows r < rows (gate | up rows of 2F). */
 int cuda_silu_mul(const float *d_gu, uint32_t F, uint32_t rows, float *d_act,
                   cudaStream_t stream);

@@ -59,3 +59,30 @@ extern "C" int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, u
                d_logits, E, k, S, d_ids, d_w);
     return OPS_LAUNCH_CHECK("cuda_router_topk");
 }
+
+static __global__ void router_topk_cycles_kernel(const float *logits, uint32_t E, uint32_t k,
+                                                 bool rounds, int32_t *ids, float *w,
+                                                 long long *cycles)
+{
+    __shared__ uint64_t s_pick[32];
+    long long clk[4];
+    const long long t0 = clock64();
+    router_topk_warp<true>(logits, E, k, ids, w, s_pick, rounds, clk);
+    if (threadIdx.x == 0)
+        for (int i = 0; i < 4; i++)
+            cycles[i] = clk[i] - t0;
+}
+
+extern "C" int cuda_router_topk_cycles(const float *d_logits, uint32_t E, uint32_t k,
+                                       bool rounds, int32_t *d_ids, float *d_w,
+                                       long long *d_cycles, cudaStream_t stream)
+{
+    if (!d_logits || !d_ids || !d_w || !d_cycles || E == 0 || E > ROUTER_MAX_E || k == 0 ||
+        k > ROUTER_MAX_K || k > E) {
+        log_error("cuda_router_topk_cycles: bad arguments (E %u, k %u)", E, k);
+        return -EINVAL;
+    }
+    router_topk_cycles_kernel<<<1, 32, 0, stream>>>(d_logits, E, k, rounds, d_ids, d_w,
+                                                    d_cycles);
+    return OPS_LAUNCH_CHECK("cuda_router_topk_cycles");
+}

@@ -175,10 +175,13 @@ static __device__ __forceinline__ bool router_pick_ranked(const uint32_t (&key)[
  * w[0..k-1]. x is read through L2 (__ldcg): the router kernel's logits and
  * those another block of a product just wrote (cuda tail) alike. s: 32
  * entries of shared memory of the warp's own. rounds: the picks by
- * router_pick_rounds only (the same picks). */
+ * router_pick_rounds only (the same picks). CLK (timing only): lane 0
+ * stores clock64() into clk[0..3] after the max, the softmax's scale, the
+ * picks and the stores. */
+template <bool CLK = false>
 static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t E, uint32_t k,
                                                         int32_t *ids, float *w, uint64_t *s,
-                                                        bool rounds)
+                                                        bool rounds, long long *clk = nullptr)
 {
     const int lane = threadIdx.x & 31;
     /* the lane's max and sum as trees (depth 4, not a chain of 16) */
@@ -194,6 +197,9 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
         for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w)
             t[j] = fmaxf(t[j], t[j + w]);
     const float mx = ops_warp_max(t[0]);
+    if constexpr (CLK)
+        if (lane == 0)
+            clk[0] = clock64() + (mx != mx); /* after mx (the term keeps the order) */
     double ds[ROUTER_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++) {
@@ -207,6 +213,9 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
         for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w)
             ds[j] += ds[j + w];
     const float inv = (float)(1.0 / router_warp_sum(ds[0]));
+    if constexpr (CLK)
+        if (lane == 0)
+            clk[1] = clock64() + (inv != inv);
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++)
         p[i] = lane + 32 * i < E ? p[i] * inv : -INFINITY;
@@ -225,6 +234,11 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
     router_lane_best(key, lk, li);
     if (rounds || !router_pick_ranked(key, lk, li, k, s, my_w, my_id))
         router_pick_rounds(p, key, lk, li, k, my_w, my_id);
+    if constexpr (CLK) {
+        __syncwarp();
+        if (lane == 0)
+            clk[2] = clock64() + (my_id == INT32_MIN);
+    }
     float wsum = 0.0f; /* in pick order; the shuffles independent of the adds */
 #pragma unroll
     for (uint32_t r = 0; r < ROUTER_MAX_K; r++) {
@@ -236,6 +250,11 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
     if ((uint32_t)lane < k) {
         ids[lane] = my_id;
         w[lane] = my_w / denom;
+    }
+    if constexpr (CLK) {
+        __syncwarp();
+        if (lane == 0)
+            clk[3] = clock64();
     }
 }
 

@@ -712,11 +712,11 @@ static void test_attention_timing(struct rng *r, const char *pool)
 static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int mode,
                         double *worst)
 {
-    /* mode 0: continuous logits; 1: few levels (many exact ties: the top k
-     * among more than 32 equal probabilities, the rounds); 2: all equal;
-     * 3: 40 levels (ties among at most 32, the counted places); 4: most
-     * probabilities 0 (logits far below the max, some -inf), so the top k
-     * ends in equal zeros */
+    /* mode 0: continuous logits; 1: 9 levels (many exact ties); 2: all
+     * equal; 3: 40 levels; 4: most probabilities 0 (logits far below the
+     * max, some -inf), so the top k ends in equal zeros; 5: the 32 largest
+     * in lanes 0 and 1 (experts e with e % 32 < 2), so that more than 32
+     * keys reach the counted places' floor and the rounds pick */
     float *x = xmalloc((size_t)S * E * 4), *scratch = xmalloc(E * 4);
     for (size_t i = 0; i < (size_t)S * E; i++) {
         const uint32_t u = rng_next(r);
@@ -724,6 +724,7 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
                : mode == 1 ? 0.5f * (float)(u % 9) - 2.0f
                : mode == 2 ? 0.25f
                : mode == 3 ? 0.05f * (float)(u % 40)
+               : mode == 5 ? rng_uniform(r, -4.0f, 0.0f) + ((i % E) % 32 < 2 ? 8.0f : 0.0f)
                : u % 64 == 0 ? rng_uniform(r, -2.0f, 2.0f)
                : u % 64 == 1 ? -INFINITY
                              : rng_uniform(r, -300.0f, -120.0f);
@@ -755,17 +756,81 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
         free(ids[i]), free(w[i]);
 }
 
+static int cmp_ll(const void *a, const void *b)
+{
+    const long long x = *(const long long *)a, y = *(const long long *)b;
+    return (x > y) - (x < y);
+}
+
+/* One token's pick by one warp, timed (cuda_router_topk_cycles): by counted places and by
+ * rounds, on continuous logits, 9 levels (ties), and the 32 largest in two lanes (the counted
+ * places fall back to the rounds). The picks equal cuda_router_topk's bit for bit; the
+ * median cycles of 21 runs after 5, at each stage, are reported, not asserted. */
+static void router_timing(struct rng *r)
+{
+    enum { E = 512, K = 10, RUNS = 26 };
+    static const char *what[] = {"continuous logits", "9 levels", "the largest in two lanes"};
+    int clk_khz = 0, dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, dev);
+    for (int mode = 0; mode < 3; mode++) {
+        float x[E];
+        for (int i = 0; i < E; i++)
+            x[i] = mode == 0   ? rng_uniform(r, -4.0f, 4.0f)
+                   : mode == 1 ? 0.5f * (float)(rng_next(r) % 9) - 2.0f
+                               : rng_uniform(r, -4.0f, 0.0f) + (i % 32 < 2 ? 8.0f : 0.0f);
+        float *dx = dev_upload(x, sizeof(x)), *dw = dev_alloc(K * 4);
+        int32_t *di = dev_alloc(K * 4);
+        long long *dc = dev_alloc(4 * sizeof(long long));
+        int32_t ids_ref[K], ids[K];
+        float w_ref[K], w[K];
+        CHECK(cuda_router_topk(dx, E, K, 1, di, dw, 0) == 0, "router");
+        dev_download(ids_ref, di, sizeof(ids_ref));
+        dev_download(w_ref, dw, sizeof(w_ref));
+        double med[2][4];
+        for (int rounds = 0; rounds < 2; rounds++) {
+            long long cyc[4][RUNS], c4[4];
+            for (int run = 0; run < RUNS; run++) {
+                dev_poison(di, K * 4), dev_poison(dw, K * 4);
+                CHECK(cuda_router_topk_cycles(dx, E, K, rounds, di, dw, dc, 0) == 0,
+                      "router cycles");
+                dev_download(c4, dc, sizeof(c4));
+                for (int st = 0; st < 4; st++)
+                    cyc[st][run] = c4[st];
+            }
+            dev_download(ids, di, sizeof(ids));
+            dev_download(w, dw, sizeof(w));
+            CHECK(!memcmp(ids, ids_ref, sizeof(ids)) && !memcmp(w, w_ref, sizeof(w)),
+                  "router timed pick (mode %d, rounds %d) differs from cuda_router_topk", mode,
+                  rounds);
+            for (int st = 0; st < 4; st++) {
+                qsort(cyc[st] + 5, RUNS - 5, sizeof(long long), cmp_ll);
+                med[rounds][st] = (double)cyc[st][5 + (RUNS - 5) / 2];
+            }
+        }
+        MEASURE("router pick of one token by one warp, E %d k %d, %s: counted places %.0f "
+                "cycles (%.2f us; loads + max %.0f, softmax %.0f, picks %.0f, weights and "
+                "stores %.0f), rounds %.0f cycles (%.2f us; picks %.0f) at the %.0f MHz peak "
+                "clock",
+                E, K, what[mode], med[0][3], med[0][3] / clk_khz * 1e3, med[0][0],
+                med[0][1] - med[0][0], med[0][2] - med[0][1], med[0][3] - med[0][2], med[1][3],
+                med[1][3] / clk_khz * 1e3, med[1][2] - med[1][1], clk_khz / 1e3);
+        cudaFree(dx), cudaFree(dw), cudaFree(di), cudaFree(dc);
+    }
+}
+
 static void test_router(struct rng *r)
 {
+    router_timing(r);
     double worst = 0.0;
-    for (int mode = 0; mode < 5; mode++) {
+    for (int mode = 0; mode < 6; mode++) {
         router_case(r, 512, 10, 37, mode, &worst);
         router_case(r, 16, 4, 37, mode, &worst);
         router_case(r, 128, 8, 5, mode, &worst);
         router_case(r, 512, 16, 3, mode, &worst);
     }
     MEASURE("router E 512/16/128 k 10/4/8/16 (random, 9-level ties, all equal, 40-level "
-            "ties, zeros): ids exact, "
+            "ties, zeros, the largest in two lanes): ids exact, "
             "max weight rel err %.3g",
             worst);
 }
