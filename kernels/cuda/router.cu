@@ -14,11 +14,12 @@
  * the top-k (the larger probability first, the lower id among equal ones)
  * takes the k-th of the 32 lane bests as a floor; the probabilities at or
  * above it, when at most 32, are placed by counting, one per lane, against
- * each other. Past 32 (many equal values) it runs k rounds of a warp
- * arg-max, whose winner's owner retires it and finds its next best by a
- * tree. Both give the same picks. Probabilities are computed by the CPU's formula, so equal
- * logits give equal probabilities and the same tie order as the CPU; expf
- * may differ from the CPU's by an ulp, so weights agree to ~1e-7 relative.
+ * each other. Past 32 (the largest crowded into a few lanes) it runs k
+ * rounds of a warp arg-max, whose winner's owner retires it and finds its
+ * next best by a tree. Both give the same picks. Probabilities are
+ * computed by the CPU's formula, so equal logits give equal probabilities
+ * and the same tie order as the CPU; expf may differ from the CPU's by an
+ * ulp, so weights agree to ~1e-7 relative.
  */
 #include "kernels/cuda/ops.h"
 

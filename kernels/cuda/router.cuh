@@ -126,8 +126,8 @@ static __device__ __forceinline__ uint32_t router_rank(const uint64_t *s, uint32
  * counts its place against the others and the first k take their slots.
  * Lane r < k gets the r-th pick (or -INFINITY and INT32_MAX where fewer
  * than k keys are > 0, as the rounds give). s: 32 entries of the warp's own.
- * Returns false, for the whole warp, when the keys are more than 32 (many
- * equal probabilities): the caller runs the rounds. */
+ * Returns false, for the whole warp, when the keys are more than 32 (the
+ * largest crowded into a few lanes): the caller runs the rounds. */
 static __device__ __forceinline__ bool router_pick_ranked(const uint32_t (&key)[ROUTER_PER_LANE],
                                                           uint32_t lk, uint32_t li, uint32_t k,
                                                           uint64_t *s, float &my_w,
@@ -222,8 +222,8 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
 
     float my_w = 0.0f; /* lane r keeps the r-th pick */
     int32_t my_id = 0;
-    /* the probabilities are >= 0 (or NaN, never picked, as the comparisons
-     * of the rounds below never pick it), so their bits order as they do;
+    /* the probabilities are >= 0 (or NaN, never picked: key 0, and the
+     * rounds' comparisons never pick it), so their bits order as they do;
      * key 0 is no candidate. Each lane's best: the lowest i among equal
      * values. */
     uint32_t key[ROUTER_PER_LANE];
