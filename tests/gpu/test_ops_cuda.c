@@ -714,9 +714,10 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
 {
     /* mode 0: continuous logits; 1: 9 levels (many exact ties); 2: all
      * equal; 3: 40 levels; 4: most probabilities 0 (logits far below the
-     * max, some -inf), so the top k ends in equal zeros; 5: the 32 largest
-     * in lanes 0 and 1 (experts e with e % 32 < 2), so that more than 32
-     * keys reach the counted places' floor and the rounds pick */
+     * max, some -inf), so the top k ends in equal zeros; 5: the largest in
+     * lanes 0 and 1 (experts e with e % 32 < 2): at E 512, 32 of them, so
+     * that more than 32 keys reach the counted places' floor and the rounds
+     * pick (router_timing's cycles show it) */
     float *x = xmalloc((size_t)S * E * 4), *scratch = xmalloc(E * 4);
     for (size_t i = 0; i < (size_t)S * E; i++) {
         const uint32_t u = rng_next(r);
