@@ -273,6 +273,8 @@ struct backend_cuda {
     bool decoding;                    /* the layers being enqueued are a one-token step */
     bool prefetch;                    /* decode: gate/up asks for the down experts in L2
                                        * (LAMINA_CUDA_PF) */
+    bool pf_after;                    /* ... each block after its own rows, not before them
+                                       * (LAMINA_CUDA_PF=before: before) */
     bool early;                       /* decode: the down product reads the router's ids and
                                        * its weights, the combine its gate's input, before
                                        * their PDL waits (LAMINA_CUDA_EARLY) */
@@ -1477,7 +1479,8 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
                                             P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
                                             ly->down_exps.mat_bytes, c->hp->n_expert + 1,
                                             c->early && !c->skip && c->x_early, xq,
-                                            c->ids_poll && (c->tails & CB_TAIL_TOPK), c->stream));
+                                            c->ids_poll && (c->tails & CB_TAIL_TOPK),
+                                            c->pf_after, c->stream));
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }
@@ -2204,6 +2207,7 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->tails = ta ? cb_tail_mask(ta) : CB_TAIL_NORM | CB_TAIL_TOPK;
     const char *pf = getenv("LAMINA_CUDA_PF");
     c->prefetch = !(pf && !strcmp(pf, "0"));
+    c->pf_after = !(pf && !strcmp(pf, "before"));
     const char *early = getenv("LAMINA_CUDA_EARLY");
     c->early = !(early && !strcmp(early, "0"));
     const char *xe = getenv("LAMINA_CUDA_X_EARLY");

@@ -83,6 +83,9 @@ struct MvqArgs {
     TailArgs tail;                /* run by the launch's last block (tail.cuh) */
     const void *const *pf_addr;   /* experts: the next product's table (L2 prefetch), or NULL */
     size_t pf_bytes;              /* bytes of one of its experts */
+    bool pf_after;                /* experts: that prefetch issued after the block's own rows
+                                   * (their weights arrived), not before them, so that the
+                                   * product's own stream comes first in DRAM */
     uint32_t n_table;             /* experts: entries of addr and pf_addr to ask for in L2
                                    * before the wait (0: none) */
     bool ids_poll;                /* experts (not early): before the wait, thread 0 polls
@@ -303,8 +306,9 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         if (again)
             issue(sub);
         /* the next product reads this expert's other matrix: the pair's
-         * blocks ask for a share of it each, in L2 beside this product */
-        if (a.pf_addr && threadIdx.x == 0) {
+         * blocks ask for a share of it each, in L2 beside this product
+         * (pf_after: at the block's end) */
+        if (a.pf_addr && !a.pf_after && threadIdx.x == 0) {
             const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[e]);
             const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
             const size_t off = static_cast<size_t>(blockIdx.x) * share;
@@ -364,6 +368,14 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
             out = sub == r ? acc[r] : out;
         y[row0 + sub] = out;
     }
+    }
+    if (a.pf_after && a.pf_addr && a.ids && threadIdx.x == 0) { /* the id read again: not
+                                                                  * kept live over the loop */
+        const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[__ldcg(a.ids + job)]);
+        const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
+        const size_t off = static_cast<size_t>(blockIdx.x) * share;
+        if (p && off < a.pf_bytes)
+            pdl_prefetch_l2(p + off, a.pf_bytes - off < share ? a.pf_bytes - off : share);
     }
     if constexpr (TAIL) /* its own instantiation: the others keep their registers */
         tail_finish<true>(a.tail, gs, a.early);
@@ -679,7 +691,7 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          size_t ldx, uint32_t x_div, float *d_Y, size_t ldy,
                                          const void *const *d_next_addr, size_t next_bytes,
                                          uint32_t n_table, bool x_early, const int8_t *d_xq,
-                                         bool ids_poll, cudaStream_t stream)
+                                         bool ids_poll, bool pf_after, cudaStream_t stream)
 {
     MvqArgs a;
     if (d_xq && (reinterpret_cast<uintptr_t>(d_xq) % 16 || n_pairs > x_div))
@@ -690,6 +702,7 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
     a.xq = d_xq;
     a.pf_addr = d_next_addr;
     a.pf_bytes = d_next_addr ? next_bytes : 0;
+    a.pf_after = pf_after;
     a.n_table = n_table;
     a.x_early = x_early;
     a.ids_poll = ids_poll && n_table;

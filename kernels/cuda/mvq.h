@@ -87,13 +87,15 @@ bool cuda_mvq_pays(uint64_t n, uint64_t n_rows);
  * (cuda_tail.mark_ids; 200 rounds at most) and asks for that expert's
  * weights; after the wait it reads the id again and asks again where it
  * differs (a launch before's id read early), so the outputs never depend
- * on the poll. */
+ * on the poll. pf_after: each block asks for its share of the second table's
+ * expert once its own rows are done (their weights arrived) instead of
+ * before them, so that this product's weights come first from DRAM. */
 int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t row_bytes,
                               uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_pairs,
                               const float *d_X, size_t ldx, uint32_t x_div, float *d_Y,
                               size_t ldy, const void *const *d_next_addr, size_t next_bytes,
                               uint32_t n_table, bool x_early, const int8_t *d_xq,
-                              bool ids_poll, cudaStream_t stream);
+                              bool ids_poll, bool pf_after, cudaStream_t stream);
 
 /* cuda_matvec_norm (matvec.h) through these kernels; -ENOTSUP where
  * cuda_mvq_norm_ok is false. */

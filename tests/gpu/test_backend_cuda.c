@@ -35,8 +35,10 @@
  *     one block instead of a cluster (LAMINA_CUDA_COMBINE_CLUSTER=0):
  *     byte-identical;
  *   - the same without the down experts' L2 prefetch in the decode gate/up
- *     product (LAMINA_CUDA_PF=0), and with the down product reading the
- *     router's ids after its PDL wait (LAMINA_CUDA_EARLY=0): byte-identical;
+ *     product (LAMINA_CUDA_PF=0) or with it asked for before each block's
+ *     own rows instead of after them (LAMINA_CUDA_PF=before), and with the
+ *     down product reading the router's ids after its PDL wait
+ *     (LAMINA_CUDA_EARLY=0): byte-identical;
  *   - the same without the router marking the ids it picks and the decode
  *     gate/up product polling them before its PDL wait
  *     (LAMINA_CUDA_IDS_POLL=0): byte-identical;
@@ -666,6 +668,7 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_TAIL", "0", "without product tails"},
                 {"LAMINA_CUDA_TAIL", "1", "with every product tail"},
                 {"LAMINA_CUDA_PF", "0", "without expert prefetch"},
+                {"LAMINA_CUDA_PF", "before", "with the expert prefetch first"},
                 {"LAMINA_CUDA_DN_SPLIT", "0", "without DeltaNet head split"},
                 {"LAMINA_CUDA_TAIL", "norm,topk,cols", "with the combine over columns"},
                 {"LAMINA_CUDA_EARLY", "0", "without early expert ids"},

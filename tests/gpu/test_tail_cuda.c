@@ -29,6 +29,10 @@
  *   - cuda_matvec_norm (the norm inside the input product) against
  *     cuda_rmsnorm_wide then cuda_matvec, Q4_0 and Q8_0, with and without
  *     norm weights: y; -ENOTSUP where the kernels do not take it;
+ *   - cuda_mvq_experts_prefetch (the decode gate/up product) against
+ *     cuda_mvq_experts, tables of 64 to 1100 entries, the ids read after
+ *     the wait or polled, a second table's L2 prefetch off, before or after
+ *     each block's rows: the rows byte for byte, a pair of id -1 untouched;
  * at hidden sizes whose stand-alone block widths differ (32 up to 1024
  * threads), each fused launch three times in a row (the counter must come
  * back to 0, checked after). Bad tails are refused (-EINVAL).
@@ -643,13 +647,16 @@ static void test_matvec_norm(uint32_t type, uint32_t rows, uint32_t n, bool weig
 
 /* cuda_mvq_experts_prefetch (the decode gate/up product: ids after the wait, the table of
  * E entries asked for in L2 before it) over k pairs of one activation row against
- * cuda_mvq_experts: the same rows, byte for byte; the pair of id -1 left alone. */
+ * cuda_mvq_experts: the same rows, byte for byte; the pair of id -1 left alone. With
+ * pf (0: none), each pair's expert of a second table (the same experts, as the down
+ * product's would be) asked for in L2 too, before (1) or after (2) each block's rows. */
 static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F, uint32_t k,
-                               bool poll, struct rng *r)
+                               bool poll, int pf, struct rng *r)
 {
-    char what[112];
-    snprintf(what, sizeof(what), "experts table %s E %u n %u F %u k %u%s", quant_type_name(type),
-             E, n, F, k, poll ? ", ids polled" : "");
+    char what[128];
+    static const char *pfs[] = {"", ", down prefetch before", ", down prefetch after"};
+    snprintf(what, sizeof(what), "experts table %s E %u n %u F %u k %u%s%s",
+             quant_type_name(type), E, n, F, k, poll ? ", ids polled" : "", pfs[pf]);
     struct experts x = make_experts_of(type, E, 2 * F, n, r);
     int32_t *ids = dev_ids(E, k, r);
     const int32_t none = -1, mark = INT32_MIN;
@@ -667,9 +674,11 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
     }
     int rc = cuda_mvq_experts(type, (const void *const *)x.d_tab, x.rb, 2 * F, n, ids, k, X, n,
                               k, Y[0], 2 * F, 0);
+    const void *const *next = pf ? (const void *const *)x.d_tab : NULL;
     rc = rc ? rc : cuda_mvq_experts_prefetch(type, (const void *const *)x.d_tab, x.rb, 2 * F, n,
-                                             ids, k, X, n, k, Y[1], 2 * F, NULL, 0, E, false,
-                                             NULL, poll, 0);
+                                             ids, k, X, n, k, Y[1], 2 * F, next,
+                                             pf ? (size_t)2 * F * x.rb : 0, E, false, NULL,
+                                             poll, pf == 2, 0);
     CHECK(rc == 0, "%s: rc %d", what, rc);
     CU(cudaDeviceSynchronize());
     const bool ok = same(Y[0], Y[1], bytes, what);
@@ -744,7 +753,7 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
             rc = rc ? rc
                     : cuda_mvq_experts_prefetch(type, (const void *const *)X.d_tab, X.rb, 2 * F,
                                                 n, ids[i], k, x, n, k, Y[i], 2 * F, NULL, 0, E,
-                                                false, rW ? NULL : xq, i == 1, st);
+                                                false, rW ? NULL : xq, i == 1, true, st);
         }
         CU(cudaStreamSynchronize(st));
         CHECK(rc == 0, "ids_poll E %u: rc %d", E, rc);
@@ -1101,13 +1110,14 @@ int main(void)
     test_matvec_norm(QUANT_TYPE_Q8_0, 24576, 3072, true, &r);
     test_matvec_norm(QUANT_TYPE_Q4_0, 32768, 4096, true, &r);
     /* tables of 64, 513 (the 80b shape's experts and shared expert), 1024 and 1100
-     * entries */
-    for (int poll = 0; poll < 2; poll++) {
-        test_experts_table(QUANT_TYPE_Q4_0, 513, 2048, 512, 11, poll, &r);
-        test_experts_table(QUANT_TYPE_Q8_0, 64, 1024, 256, 9, poll, &r);
-        test_experts_table(QUANT_TYPE_Q4_0, 1024, 512, 128, 16, poll, &r);
-        test_experts_table(QUANT_TYPE_Q4_0, 1100, 512, 128, 8, poll, &r);
-    }
+     * entries; the second table's L2 prefetch off, before and after each block's rows */
+    for (int poll = 0; poll < 2; poll++)
+        for (int pf = 0; pf < 3; pf++) {
+            test_experts_table(QUANT_TYPE_Q4_0, 513, 2048, 512, 11, poll, pf, &r);
+            test_experts_table(QUANT_TYPE_Q8_0, 64, 1024, 256, 9, poll, pf, &r);
+            test_experts_table(QUANT_TYPE_Q4_0, 1024, 512, 128, 16, poll, pf, &r);
+            test_experts_table(QUANT_TYPE_Q4_0, 1100, 512, 128, 8, poll, pf, &r);
+        }
     test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_F32, 512, 10, 2048, 512, ctr, &r);
     test_ids_poll(QUANT_TYPE_Q8_0, QUANT_TYPE_F32, 128, 8, 1024, 256, ctr, &r);
     test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_F32, 64, 16, 512, 128, ctr, &r);
