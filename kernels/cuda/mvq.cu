@@ -369,8 +369,9 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         y[row0 + sub] = out;
     }
     }
-    if (a.pf_after && a.pf_addr && a.ids && threadIdx.x == 0) { /* the id read again: not
-                                                                  * kept live over the loop */
+    /* pf_after: the next product's share asked for now, the id read again (kept live over
+     * the loop, it cost the gate/up instantiation spills) */
+    if (a.pf_after && a.pf_addr && a.ids && threadIdx.x == 0) {
         const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[__ldcg(a.ids + job)]);
         const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
         const size_t off = static_cast<size_t>(blockIdx.x) * share;
