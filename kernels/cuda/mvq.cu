@@ -122,6 +122,18 @@ __device__ __forceinline__ void prefetch_rows(const MvqArgs &a, uint32_t rows_pe
     }
 }
 
+/* The next product reads expert e's other matrix (pf_addr): the pair's
+ * blocks ask for a share of it each in L2, beside this product (pf_after:
+ * once the block's own rows are done). */
+__device__ __forceinline__ void prefetch_next(const MvqArgs &a, int32_t e)
+{
+    const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[e]);
+    const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
+    const size_t off = static_cast<size_t>(blockIdx.x) * share;
+    if (p && off < a.pf_bytes)
+        pdl_prefetch_l2(p + off, a.pf_bytes - off < share ? a.pf_bytes - off : share);
+}
+
 /* ids_poll: the pair's id once it is no longer the router's mark (tail.cuh's
  * kIdsMark), or -1 after 200 rounds (at most about 0.2 ms; then the block
  * reads it after its wait). A hint: the value read may be the launch
@@ -305,16 +317,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         }
         if (again)
             issue(sub);
-        /* the next product reads this expert's other matrix: the pair's
-         * blocks ask for a share of it each, in L2 beside this product
-         * (pf_after: at the block's end) */
-        if (a.pf_addr && !a.pf_after && threadIdx.x == 0) {
-            const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[e]);
-            const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
-            const size_t off = static_cast<size_t>(blockIdx.x) * share;
-            if (p && off < a.pf_bytes)
-                pdl_prefetch_l2(p + off, a.pf_bytes - off < share ? a.pf_bytes - off : share);
-        }
+        if (a.pf_addr && !a.pf_after && threadIdx.x == 0)
+            prefetch_next(a, e);
     }
 
     if (a.xq) { /* levels, scales, sums: the layout of s_q, s_d, s_s */
@@ -369,15 +373,10 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         y[row0 + sub] = out;
     }
     }
-    /* pf_after: the next product's share asked for now, the id read again (kept live over
-     * the loop, it cost the gate/up instantiation spills) */
-    if (a.pf_after && a.pf_addr && a.ids && threadIdx.x == 0) {
-        const uint8_t *p = static_cast<const uint8_t *>(a.pf_addr[__ldcg(a.ids + job)]);
-        const size_t share = (a.pf_bytes + gridDim.x - 1) / gridDim.x;
-        const size_t off = static_cast<size_t>(blockIdx.x) * share;
-        if (p && off < a.pf_bytes)
-            pdl_prefetch_l2(p + off, a.pf_bytes - off < share ? a.pf_bytes - off : share);
-    }
+    /* pf_after: the id read again (kept live over the loop, it cost the gate/up
+     * instantiation spills) */
+    if (a.pf_after && a.pf_addr && a.ids && threadIdx.x == 0)
+        prefetch_next(a, __ldcg(a.ids + job));
     if constexpr (TAIL) /* its own instantiation: the others keep their registers */
         tail_finish<true>(a.tail, gs, a.early);
 }
