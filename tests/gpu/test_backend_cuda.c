@@ -686,15 +686,12 @@ static void tbc_arch_run(struct tbc_arch *a)
         CHECK(!memcmp(gpu, tmp, sz), "%s: cuda %s differs (max %.3g)", a->name,
               offs[k].what, tbc_maxdiff(gpu, tmp, a->rows * a->V));
     }
-    MEASURE("%s decode ms/token (layers only, mean of %d): cpu %.3f, cuda graph %.3f, cuda "
-            "without graph %.3f, cuda graph without PDL %.3f, without fusions %.3f, without "
-            "tails %.3f, with every tail %.3f, without prefetch %.3f, without head split %.3f, "
-            "combine over columns %.3f, without early ids %.3f, down + combine by rows %.3f, "
-            "combine in one block %.3f, add + norm as a tail %.3f, without the ids polled "
-            "%.3f, top-k by rounds %.3f",
-            a->name, TBC_TIMED, ms_cpu, ms_graph, ms_off[0], ms_off[1], ms_off[2], ms_off[3],
-            ms_off[4], ms_off[5], ms_off[6], ms_off[7], ms_off[8], ms_off[9], ms_off[10],
-            ms_off[11], ms_off[12], ms_off[13]);
+    char line[2048];
+    int at = snprintf(line, sizeof(line), "%s decode ms/token (layers only, mean of %d): cpu %.3f, "
+                      "cuda graph %.3f", a->name, TBC_TIMED, ms_cpu, ms_graph);
+    for (int k = 0; k < N_OFFS && at > 0 && (size_t)at < sizeof(line); k++)
+        at += snprintf(line + at, sizeof(line) - (size_t)at, ", %s %.3f", offs[k].what, ms_off[k]);
+    MEASURE("%s", line);
     tbc_half(a, tok, tmp);
     tbc_split(a, tok, gpu, tmp);
     struct backend_config f16 = tbc_config(a, 0, L, 1);
