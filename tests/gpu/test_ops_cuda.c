@@ -709,6 +709,21 @@ static void test_attention_timing(struct rng *r, const char *pool)
 
 /* ---- router ---- */
 
+/* Logit e (of a row of E) of a router case: u a fresh random word, mode as
+ * router_case's (0 continuous, 1 9 levels, 2 all equal, 3 40 levels, 4 most
+ * probabilities 0, 5 the largest in lanes 0 and 1). */
+static float router_logit(struct rng *r, uint32_t u, int mode, uint32_t e)
+{
+    return mode == 0   ? rng_uniform(r, -4.0f, 4.0f)
+           : mode == 1 ? 0.5f * (float)(u % 9) - 2.0f
+           : mode == 2 ? 0.25f
+           : mode == 3 ? 0.05f * (float)(u % 40)
+           : mode == 5 ? rng_uniform(r, -4.0f, 0.0f) + (e % 32 < 2 ? 8.0f : 0.0f)
+           : u % 64 == 0 ? rng_uniform(r, -2.0f, 2.0f)
+           : u % 64 == 1 ? -INFINITY
+                         : rng_uniform(r, -300.0f, -120.0f);
+}
+
 static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int mode,
                         double *worst)
 {
@@ -721,14 +736,7 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
     float *x = xmalloc((size_t)S * E * 4), *scratch = xmalloc(E * 4);
     for (size_t i = 0; i < (size_t)S * E; i++) {
         const uint32_t u = rng_next(r);
-        x[i] = mode == 0   ? rng_uniform(r, -4.0f, 4.0f)
-               : mode == 1 ? 0.5f * (float)(u % 9) - 2.0f
-               : mode == 2 ? 0.25f
-               : mode == 3 ? 0.05f * (float)(u % 40)
-               : mode == 5 ? rng_uniform(r, -4.0f, 0.0f) + ((i % E) % 32 < 2 ? 8.0f : 0.0f)
-               : u % 64 == 0 ? rng_uniform(r, -2.0f, 2.0f)
-               : u % 64 == 1 ? -INFINITY
-                             : rng_uniform(r, -300.0f, -120.0f);
+        x[i] = router_logit(r, u, mode, (uint32_t)(i % E));
     }
     int32_t *ids_ref = xmalloc(S * k * 4), *ids[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
     float *w_ref = xmalloc(S * k * 4), *w[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
@@ -771,15 +779,16 @@ static void router_timing(struct rng *r)
 {
     enum { E = 512, K = 10, RUNS = 26 };
     static const char *what[] = {"continuous logits", "9 levels", "the largest in two lanes"};
+    static const int modes[] = {0, 1, 5}; /* router_case's */
     int clk_khz = 0, dev = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, dev);
     for (int mode = 0; mode < 3; mode++) {
         float x[E];
-        for (int i = 0; i < E; i++)
-            x[i] = mode == 0   ? rng_uniform(r, -4.0f, 4.0f)
-                   : mode == 1 ? 0.5f * (float)(rng_next(r) % 9) - 2.0f
-                               : rng_uniform(r, -4.0f, 0.0f) + (i % 32 < 2 ? 8.0f : 0.0f);
+        for (int i = 0; i < E; i++) {
+            const uint32_t u = rng_next(r);
+            x[i] = router_logit(r, u, modes[mode], (uint32_t)i);
+        }
         float *dx = dev_upload(x, sizeof(x)), *dw = dev_alloc(K * 4);
         int32_t *di = dev_alloc(K * 4);
         long long *dc = dev_alloc(4 * sizeof(long long));
