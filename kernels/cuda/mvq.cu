@@ -22,7 +22,9 @@
  * of loads in flight before any arithmetic; a row of up to 8G blocks is
  * read in one pass). A weight block starts 2-byte aligned; each lane reads the
  * 4-byte words around it (5 for Q4_0, 9 for Q8_0, never crossing a word
- * that holds none of its bytes) and shifts the bytes into place. The
+ * that holds none of its bytes) and shifts the bytes into place: from global
+ * memory, or (ST, sm_90, the decode gate/up product: tma_wanted) from a copy
+ * of the block's tile of rows that one thread asked for by one bulk copy. The
  * weight loads of the first pass are issued before the activations are
  * rounded, so the two latencies overlap. The rounding is most of a
  * block's work after its PDL wait, so it leaves that path where it can:
@@ -42,6 +44,8 @@
 #include "kernels/cuda/mvq.h"
 
 #include <errno.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cuda_fp16.h>
 
@@ -134,6 +138,70 @@ __device__ __forceinline__ void prefetch_next(const MvqArgs &a, int32_t e)
         pdl_prefetch_l2(p + off, a.pf_bytes - off < share ? a.pf_bytes - off : share);
 }
 
+/* tma (sm_90): a block's tile of rows (rows_per_tile consecutive rows, one
+ * run of bytes) comes into shared memory by one bulk copy that a single
+ * thread issues (cp.async.bulk, completion counted in bytes on an mbarrier),
+ * instead of every lane loading the five or nine 4-byte words around each of
+ * its blocks from global memory (about five L1 requests per word of weight,
+ * the words of neighbouring blocks overlapping). The lanes then read the same
+ * words from shared memory: the same values, so the same bits. */
+__device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void tma_bar_init(uint64_t *bar)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+    (void)bar;
+#endif
+}
+
+/* One thread: [src, src + bytes) into dst (16-byte aligned, bytes a
+ * multiple of 16), completing the barrier's current phase. The generic
+ * proxy's reads of dst before it (ordered by a barrier of the block) are
+ * ordered before the copy's writes by the proxy fence. */
+__device__ __forceinline__ void tma_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+#else
+    (void)dst;
+    (void)src;
+    (void)bytes;
+    (void)bar;
+#endif
+}
+
+/* Waits until the barrier's phase of this parity has completed. */
+__device__ __forceinline__ void tma_wait(uint64_t *bar, uint32_t parity)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t done = 0;
+    while (!done)
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done)
+                     : "r"(smem_u32(bar)), "r"(parity)
+                     : "memory");
+#else
+    (void)bar;
+    (void)parity;
+#endif
+}
+
 /* ids_poll: the pair's id once it is no longer the router's mark (tail.cuh's
  * kIdsMark), or -1 after 200 rounds (at most about 0.2 ms; then the block
  * reads it after its wait). A hint: the value read may be the launch
@@ -152,9 +220,15 @@ __device__ __forceinline__ int32_t poll_id(const int32_t *id)
 
 /* MINB: blocks per SM the registers must allow (3 for expert products: the
  * decode's pairs then fit one wave on an H200, 2 blocks per SM took two). */
-template <int TYPE, int G, int U, int R, bool TAIL, int MINB>
+template <int TYPE, int G, int U, int R, bool TAIL, int MINB, bool ST>
 __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    if constexpr (ST) { /* launched on sm_90 and later only (tma_wanted) */
+        __trap();
+        return;
+    }
+#endif
     extern __shared__ int4 s_dyn[];
     int8_t *s_q = reinterpret_cast<int8_t *>(s_dyn);          /* n levels */
     float *s_d = reinterpret_cast<float *>(s_q + a.nb * 32);  /* nb scales */
@@ -170,6 +244,30 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     const uint32_t n_tiles = (a.n_rows + (kThreads / G) * R - 1) / ((kThreads / G) * R);
     uint32_t tile = blockIdx.x;
     uint32_t row0 = (tile * (kThreads / G) + grp) * R;
+    /* ST: the tile after the activations' levels, scales and sums, copied
+     * from the 16-byte boundary at or before its first byte (so its bytes
+     * keep their place modulo 16, and each lane's words and shifts are those
+     * of the global rows) to the one after its last */
+    uint8_t *s_w = reinterpret_cast<uint8_t *>(s_dyn) + (a.nb * 40 + 15) / 16 * 16;
+    __shared__ uint64_t s_bar;
+    uint32_t phase = 0;    /* parity of the barrier phase the next wait waits for */
+    bool inflight = false; /* a copy issued and not yet waited for (block-uniform) */
+    if (ST && threadIdx.x == 0)
+        tma_bar_init(&s_bar);
+    auto tile_src = [&](const uint8_t *base, uint32_t t) {
+        return base + static_cast<size_t>(t) * ((kThreads / G) * R) * a.row_bytes;
+    };
+    /* thread 0: tile t of the matrix at base into s_w */
+    auto tma_issue = [&](const uint8_t *base, uint32_t t) {
+        const uint32_t rpt = (kThreads / G) * R, r0 = t * rpt;
+        const uint32_t n = a.n_rows - r0 < rpt ? a.n_rows - r0 : rpt;
+        const uintptr_t src = reinterpret_cast<uintptr_t>(tile_src(base, t));
+        const uintptr_t lo = src & ~static_cast<uintptr_t>(15);
+        const uintptr_t hi = (src + static_cast<size_t>(n) * a.row_bytes + 15) &
+                             ~static_cast<uintptr_t>(15);
+        tma_copy(s_w, reinterpret_cast<const void *>(lo), static_cast<uint32_t>(hi - lo),
+                 &s_bar);
+    };
 
     /* a pass: blocks b0 + u*G (u < U) of the group's R rows, all loads
      * issued before any is used; the first pass before the activations */
@@ -252,17 +350,27 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
      * that completed before the one just before this started: through L2) */
     int32_t e = -1;
     bool polled = false; /* ids_poll: e and w from before the wait, loads issued */
+    /* the first tile's loads: one copy (ST), or lane by lane */
+    auto issue_first = [&]() {
+        if constexpr (ST) {
+            if (threadIdx.x == 0)
+                tma_issue(w, tile);
+            inflight = true;
+        } else {
+            issue(sub);
+        }
+    };
     if (!a.ids) {
         if (threadIdx.x == 0)
             prefetch_rows(a, (kThreads / G) * R, n_tiles);
-        issue(sub);
+        issue_first();
     } else if (a.early) {
         e = __ldcg(a.ids + job);
         w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
                 ? static_cast<const uint8_t *>(a.addr[e])
                 : nullptr;
         if (w)
-            issue(sub);
+            issue_first();
     } else {
         if (a.n_table && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
             /* the address tables: the ids pick their entries after the wait */
@@ -272,16 +380,27 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         }
         if (a.ids_poll) { /* the id as soon as the router writes it: its weights asked for */
             __shared__ int32_t s_id;
-            if (threadIdx.x == 0)
+            if (threadIdx.x == 0) {
                 s_id = poll_id(a.ids + job);
+                const int32_t e0 = s_id; /* ST: the copy issued before the barrier */
+                const uint8_t *w0 = e0 >= 0 && static_cast<uint32_t>(e0) < a.n_table
+                                        ? static_cast<const uint8_t *>(a.addr[e0])
+                                        : nullptr;
+                if (ST && w0)
+                    tma_issue(w0, tile);
+            }
             __syncthreads();
             e = s_id;
             w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
                     ? static_cast<const uint8_t *>(a.addr[e])
                     : nullptr;
             polled = w != nullptr;
-            if (polled)
-                issue(sub);
+            if (polled) {
+                if constexpr (ST)
+                    inflight = true;
+                else
+                    issue(sub);
+            }
         }
     }
     float gs = 1.0f; /* a COMBINE_COLS tail's gate, early: before the wait too */
@@ -310,13 +429,19 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                 w = e >= 0 ? static_cast<const uint8_t *>(a.addr[e]) : nullptr;
             }
         }
+        if (again && inflight) { /* the polled copy lands before another into its place */
+            if (threadIdx.x == 0)
+                tma_wait(&s_bar, phase);
+            phase ^= 1;
+            inflight = false;
+        }
         if (!w) { /* the whole block: the pair runs elsewhere */
             if constexpr (TAIL)
                 tail_finish<true>(a.tail, gs, a.early);
             return;
         }
         if (again)
-            issue(sub);
+            issue_first();
         if (a.pf_addr && !a.pf_after && threadIdx.x == 0)
             prefetch_next(a, e);
     }
@@ -333,6 +458,14 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 
     for (; tile < n_tiles; tile += gridDim.x) {
     row0 = (tile * (kThreads / G) + grp) * R;
+    const uint8_t *s_rows = s_w; /* ST: the group's first row in shared memory */
+    if constexpr (ST) {
+        tma_wait(&s_bar, phase);
+        phase ^= 1;
+        inflight = false;
+        s_rows = s_w + (reinterpret_cast<uintptr_t>(tile_src(w, tile)) & 15) +
+                 static_cast<size_t>(grp * R) * a.row_bytes;
+    }
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -347,10 +480,21 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
             const int4 xa = xq[0], xb = xq[1];
             const float dx = s_d[b], sx = s_s[b];
 #pragma unroll
-            for (int r = 0; r < R; r++)
-                if (row0 + r < a.n_rows)
+            for (int r = 0; r < R; r++) {
+                if (row0 + r >= a.n_rows)
+                    continue;
+                if constexpr (ST) { /* the words read from the tile as they are used */
+                    uint32_t vs[9], shs;
+                    mvq::load_block_shared<TYPE>(s_rows + static_cast<size_t>(r) * a.row_bytes,
+                                                 b, vs, &shs);
+                    acc[r] += block_dot<TYPE>(vs, shs, xa, xb, dx, sx);
+                } else {
                     acc[r] += block_dot<TYPE>(v[u][r], sh[u][r], xa, xb, dx, sx);
+                }
+            }
         }
+        if constexpr (ST) /* one pass, one tile a block */
+            continue;
         if (b0 + U * G < a.nb)
             issue(b0 + U * G);
         else if (tile + gridDim.x < n_tiles) { /* the next tile's first pass */
@@ -397,6 +541,32 @@ uint32_t want_blocks()
     return 2u * static_cast<uint32_t>(sms);
 }
 
+/* Which expert products copy their tiles by tma (ST): on devices of compute
+ * capability 9.0 or later, by LAMINA_CUDA_TMA: unset, those that poll the
+ * router's ids (the decode gate/up product, whose experts come from DRAM
+ * once the ids are known: 8.96 -> 8.10 us a layer on an H200); "all", every
+ * expert product without a tail (tests); "0", none. Plain products and the
+ * down products read weights already asked for in L2 or in registers before
+ * their PDL wait, and were slower so (docs/perf.md). Read at each launch. */
+bool tma_wanted(const MvqArgs &a)
+{
+    const char *env = getenv("LAMINA_CUDA_TMA");
+    if (env && env[0] == '0')
+        return false;
+    const bool all = env && !strcmp(env, "all");
+    if (!a.ids || a.tail.t.kind != CUDA_TAIL_NONE || (!all && !a.ids_poll))
+        return false;
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+               cudaSuccess &&
+           major >= 9;
+}
+
+/* Whether the last product this thread launched copied its tiles by tma
+ * (cuda_mvq_last_tma; tests). */
+thread_local bool last_tma = false;
+
 template <int TYPE, int G, int U, int R>
 int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
 {
@@ -410,16 +580,29 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
     a.tail.n_tiles = tiles;
     if (a.tail.t.kind == CUDA_TAIL_COMBINE_COLS && grid.x > CUDA_TAIL_COLS_MAX)
         return -ENOTSUP;
-    const size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
+    size_t smem = static_cast<size_t>(a.nb) * 32 + 2 * sizeof(float) * a.nb;
+    /* ST (tma): expert products (one tile a block) as tma_wanted says, a row
+     * read in one pass, the tile (with up to 15 bytes each side to the
+     * 16-byte boundaries, and the last block's words past it) within the
+     * default 48 KiB */
+    const size_t x_bytes = (static_cast<size_t>(a.nb) * 40 + 15) / 16 * 16;
+    const size_t tile_bytes = static_cast<size_t>(rows_per_block) * a.row_bytes + 48;
+    const bool st = jobs > 1 && tma_wanted(a) && a.nb <= static_cast<uint32_t>(U * G) &&
+                    x_bytes + tile_bytes <= 48 * 1024;
+    if (st)
+        smem = x_bytes + tile_bytes;
+    last_tma = st;
     const bool tail = a.tail.t.kind != CUDA_TAIL_NONE;
-    if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
-        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3>, grid, kThreads, smem, stream, a);
+    if (st)
+        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, true>, grid, kThreads, smem, stream, a);
+    else if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
+        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3, false>, grid, kThreads, smem, stream, a);
     else if (jobs > 1)
-        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3>, grid, kThreads, smem, stream, a);
+        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, false>, grid, kThreads, smem, stream, a);
     else if (tail)
-        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 1>, grid, kThreads, smem, stream, a);
+        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 1, false>, grid, kThreads, smem, stream, a);
     else
-        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 1>, grid, kThreads, smem, stream, a);
+        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 1, false>, grid, kThreads, smem, stream, a);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda mvq: kernel launch failed: %s", cudaGetErrorString(e));
@@ -612,6 +795,11 @@ extern "C" int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uin
     if (!cuda_mvq_pays(n, n_rows))
         return -ENOTSUP;
     return cuda_mvq_xq_tail(type, d_w, row_bytes, n_rows, n, d_xq, d_y, NULL, stream);
+}
+
+extern "C" bool cuda_mvq_last_tma(void)
+{
+    return last_tma;
 }
 
 extern "C" size_t cuda_mvq_xq_bytes(uint64_t n)

@@ -47,6 +47,21 @@ __device__ __forceinline__ void load_block(const uint8_t *row, uint32_t b, uint3
         v[i] = __ldg(p + i);
 }
 
+/* load_block from a copy of the row in shared memory that keeps its bytes'
+ * places modulo 4: the same words and shift. */
+template <int TYPE>
+__device__ __forceinline__ void load_block_shared(const uint8_t *row, uint32_t b,
+                                                  uint32_t (&v)[9], uint32_t *shift)
+{
+    const uintptr_t at =
+        reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(b) * Blk<TYPE>::BYTES;
+    const uint32_t *p = reinterpret_cast<const uint32_t *>(at & ~static_cast<uintptr_t>(3));
+    *shift = static_cast<uint32_t>(at & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < Blk<TYPE>::WORDS; i++)
+        v[i] = p[i];
+}
+
 /* Integer part and scale of one block dot: returns dw * (dx * isum - c * s). */
 template <int TYPE>
 __device__ __forceinline__ float block_dot(const uint32_t (&v)[9], uint32_t shift,

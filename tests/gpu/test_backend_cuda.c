@@ -885,6 +885,14 @@ static void tbc_shpair(void)
             CHECK(a && b && !memcmp(a, b, sz), "%s: the gate/up activations rounded after the "
                   "wait differ from the default (max %.3g)", quant_type_name(types[t]),
                   a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+            /* the int8 products' tiles loaded lane by lane instead of by one bulk copy
+             * a block (LAMINA_CUDA_TMA=0): the same bits */
+            setenv("LAMINA_CUDA_TMA", "0", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, tiles loaded lane by lane");
+            unsetenv("LAMINA_CUDA_TMA");
+            CHECK(a && b && !memcmp(a, b, sz), "%s: the tiles loaded lane by lane differ from "
+                  "the default (max %.3g)", quant_type_name(types[t]),
+                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
             /* LAMINA_CUDA_SKIP (timing experiments): the named decode kernels are not
              * launched, so the decode steps change and the prompt does not */
             setenv("LAMINA_CUDA_SKIP", "moe.down,moe.combine", 1);

@@ -707,6 +707,111 @@ static void test_glu(struct rng *r)
     }
 }
 
+/* The expert products' tiles copied into shared memory by one bulk copy a
+ * block (tma, sm_90; LAMINA_CUDA_TMA=all takes it for every expert product
+ * without a tail) against the lanes' own loads (LAMINA_CUDA_TMA=0): the same
+ * bits, with experts at offsets that are not 16-byte aligned, rows padded, an
+ * absent expert and a skipped pair. On compute capability 9.0 the tma form
+ * must have run where the shape allows it. */
+struct tma_case {
+    uint32_t type;
+    uint64_t rows, n;
+    size_t pad;
+    bool want; /* tma expected on sm_90 */
+};
+
+static bool tma_run(const struct tma_case *c, const void *const *d_addr, const int32_t *d_ids,
+                    const float *d_x, float *d_y, float *y, size_t ny, uint32_t pairs)
+{
+    const size_t rb = quant_row_size(c->type, c->n) + c->pad;
+    CU(cudaMemset(d_y, 0xFF, ny * sizeof(float)));
+    int rc = cuda_mvq_experts(c->type, d_addr, rb, c->rows, c->n, d_ids, pairs, d_x, c->n, 1,
+                              d_y, c->rows, 0);
+    CHECK(rc == 0, "tma case %s %llux%llu: rc %d", quant_type_name(c->type),
+          (unsigned long long)c->rows, (unsigned long long)c->n, rc);
+    const bool used = cuda_mvq_last_tma();
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(y, d_y, ny * sizeof(float), cudaMemcpyDeviceToHost));
+    return used;
+}
+
+static void test_tma(struct rng *r)
+{
+    static const struct tma_case cases[] = {
+        {QUANT_TYPE_Q4_0, 1024, 2048, 0, true}, /* 80b-a3b gate|up */
+        {QUANT_TYPE_Q4_0, 2048, 512, 0, true},  /* 80b-a3b down */
+        {QUANT_TYPE_Q8_0, 2048, 512, 0, true},
+        {QUANT_TYPE_Q4_0, 700, 2048, 6, true},  /* rows of 1158 bytes, a partial tile */
+        {QUANT_TYPE_Q4_0, 96, 8192, 0, true},   /* a row in one pass of 8 blocks a lane */
+        {QUANT_TYPE_Q8_0, 1024, 2048, 0, false}, /* a tile over 48 KiB: lane loads */
+        {QUANT_TYPE_Q4_0, 64, 16384, 0, false}, /* two passes a row: lane loads */
+    };
+    const uint32_t E = 12, P = 11;
+    int dev = 0, major = 0;
+    CU(cudaGetDevice(&dev));
+    CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    int n_tma = 0;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const struct tma_case *c = &cases[i];
+        const size_t rb = quant_row_size(c->type, c->n) + c->pad, bytes = c->rows * rb;
+        const size_t stride = bytes + 32; /* expert e at e * stride + (6e mod 16) */
+        /* each expert's rows of valid blocks (sane scales), the pads and gaps garbage */
+        uint8_t *h = xmalloc(stride * E), *d_w;
+        memset(h, 0xA5, stride * E);
+        for (uint32_t e = 0; e < E; e++)
+            for (uint64_t row = 0; row < c->rows; row++)
+                fill_random_blocks(c->type, h + (size_t)e * stride + (6 * e) % 16 + row * rb,
+                                   quant_row_size(c->type, c->n), r);
+        CU(cudaMalloc((void **)&d_w, stride * E + 16));
+        CU(cudaMemcpy(d_w, h, stride * E, cudaMemcpyHostToDevice));
+        const void *addr[12];
+        for (uint32_t e = 0; e < E; e++)
+            addr[e] = e == 5 ? NULL : d_w + (size_t)e * stride + (6 * e) % 16;
+        int32_t ids[11];
+        for (uint32_t p = 0; p < P; p++) {
+            ids[p] = (int32_t)(rng_next(r) % E);
+            ids[p] = ids[p] == 5 ? 4 : ids[p];
+        }
+        ids[2] = 5;  /* absent */
+        ids[7] = -1; /* skipped */
+        void *d_addr;
+        int32_t *d_ids;
+        CU(cudaMalloc(&d_addr, sizeof(addr)));
+        CU(cudaMalloc((void **)&d_ids, sizeof(ids)));
+        CU(cudaMemcpy(d_addr, addr, sizeof(addr), cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+        float *x = rand_floats(c->n, r), *d_x = dev_floats(x, c->n), *d_y;
+        const size_t ny = P * c->rows + 8;
+        float *y1 = xmalloc(ny * sizeof(float)), *y2 = xmalloc(ny * sizeof(float));
+        CU(cudaMalloc((void **)&d_y, ny * sizeof(float)));
+        const void *const *da = (const void *const *)d_addr;
+        setenv("LAMINA_CUDA_TMA", "all", 1);
+        const bool used = tma_run(c, da, d_ids, d_x, d_y, y1, ny, P);
+        setenv("LAMINA_CUDA_TMA", "0", 1);
+        const bool used_off = tma_run(c, da, d_ids, d_x, d_y, y2, ny, P);
+        unsetenv("LAMINA_CUDA_TMA");
+        CHECK(!memcmp(y1, y2, ny * sizeof(float)),
+              "tma case %zu (%s %llux%llu): tiles by tma differ from lane loads", i,
+              quant_type_name(c->type), (unsigned long long)c->rows, (unsigned long long)c->n);
+        CHECK(!used_off, "tma case %zu: LAMINA_CUDA_TMA=0 still copied tiles by tma", i);
+        CHECK(used == (major >= 9 && c->want), "tma case %zu: tma %s on compute capability %d",
+              i, used ? "used" : "not used", major);
+        CHECK(is_poison(y1[2 * c->rows]) && is_poison(y1[7 * c->rows + c->rows - 1]),
+              "tma case %zu: a pair of an absent expert or a skipped pair was written", i);
+        for (uint32_t p = 0; p < P; p++)
+            if (p != 2 && p != 7)
+                CHECK(!is_poison(y1[p * c->rows]) && !is_poison(y1[p * c->rows + c->rows - 1]),
+                      "tma case %zu: pair %u was not written", i, p);
+        CHECK(is_poison(y1[P * c->rows]), "tma case %zu: written past the last pair", i);
+        n_tma += used;
+        cudaFree(d_w), cudaFree(d_addr), cudaFree(d_ids), cudaFree(d_x), cudaFree(d_y);
+        free(h), free(x), free(y1), free(y2);
+    }
+    MEASURE("expert products, tiles by tma against lane loads: byte-identical in %zu cases (%d "
+            "of them by tma on compute capability %d)",
+            sizeof(cases) / sizeof(cases[0]), n_tma, major);
+}
+
 /* The PDL chain: per layer x = norm(h); a = Wa x (4096 x 2048, int8 path);
  * b = Wb a (2048 x 4096, f32 path); logits = Wr b (F32, 16 x 2048); top-2 of
  * them; Y = the two picked experts (2048 x 2048 Q4_0) times b; h += w Y. */
@@ -847,6 +952,7 @@ int main(void)
     test_matmul(&r, &ts);
     test_experts(&r, &ts);
     test_glu(&r);
+    test_tma(&r);
     test_pdl_chain(&r);
     MEASURE("largest difference from the CPU twin (matvec_rows, matvec_rows_batch): %.3g of "
             "sum |w x| (it may round activations to int8; the exact dot is held to %.0e)",
