@@ -554,13 +554,7 @@ bool tma_wanted(const MvqArgs &a)
     if (env && env[0] == '0')
         return false;
     const bool all = env && !strcmp(env, "all");
-    if (!a.ids || a.tail.t.kind != CUDA_TAIL_NONE || (!all && !a.ids_poll))
-        return false;
-    int dev = 0, major = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
-               cudaSuccess &&
-           major >= 9;
+    return a.ids && a.tail.t.kind == CUDA_TAIL_NONE && (all || a.ids_poll) && device_sm90();
 }
 
 /* Whether the last product this thread launched copied its tiles by tma

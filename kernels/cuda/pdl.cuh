@@ -73,6 +73,16 @@ static __device__ __forceinline__ void pdl_prefetch_l2(const void *p, size_t byt
 #endif
 }
 
+/* Whether the current device has compute capability 9.0 or later. */
+static inline bool device_sm90()
+{
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+               cudaSuccess &&
+           major >= 9;
+}
+
 /* Whether launches on the current device use PDL: compute capability 9.0 or
  * later and LAMINA_CUDA_PDL not "0" (read at each launch, so that a test
  * can compare both ways in one process). */
@@ -81,11 +91,7 @@ static inline bool pdl_on()
     const char *env = getenv("LAMINA_CUDA_PDL");
     if (env && env[0] == '0')
         return false;
-    int dev = 0, major = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
-               cudaSuccess &&
-           major >= 9;
+    return device_sm90();
 }
 
 /* Launches kernel<<<grid, block, smem, stream>>>(args...) through

@@ -61,13 +61,19 @@ static inline float *rand_floats(size_t count, struct rng *r)
     return x;
 }
 
+/* A device copy of bytes bytes at h (16 bytes of slack after it). */
+static inline void *dev_bytes(const void *h, size_t bytes)
+{
+    void *d;
+    CU(cudaMalloc(&d, bytes + 16));
+    CU(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    return d;
+}
+
 /* A device copy of h[0 .. count) (16 bytes of slack after it). */
 static inline float *dev_floats(const float *h, size_t count)
 {
-    float *d;
-    CU(cudaMalloc((void **)&d, count * sizeof(float) + 16));
-    CU(cudaMemcpy(d, h, count * sizeof(float), cudaMemcpyHostToDevice));
-    return d;
+    return (float *)dev_bytes(h, count * sizeof(float));
 }
 
 #endif

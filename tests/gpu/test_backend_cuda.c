@@ -773,6 +773,19 @@ static int tbc_greedy16(const struct arch_model *m, float *out)
     return tbc_greedy16_on("cuda", m, out);
 }
 
+/* The 16 x V logits of m with env set to value (then unset) into b, checked
+ * byte-identical to the default's a; what names the setting in messages. */
+static void tbc_same_bits(const struct arch_model *m, uint32_t type, const float *a, float *b,
+                          const char *env, const char *value, const char *what)
+{
+    const size_t n = 16 * (size_t)m->hp.n_vocab;
+    setenv(env, value, 1);
+    CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, %s", what);
+    unsetenv(env);
+    CHECK(a && b && !memcmp(a, b, n * sizeof(float)), "%s: %s differs from the default (max %.3g)",
+          quant_type_name(type), what, a && b ? tbc_maxdiff(a, b, n) : 0.0);
+}
+
 /* Rows of two 16 x V logit sets compared against a reference: up to and
  * including the first row where either's arg-max leaves the reference's
  * (the tokens fed after it may differ). */
@@ -817,12 +830,8 @@ static void tbc_shpair(void)
             const size_t sz = 16 * (size_t)m->hp.n_vocab * sizeof(float);
             float *a = malloc(sz), *b = malloc(sz);
             CHECK(a && b && tbc_greedy16(m, a) == 0, "cuda run, shared pair");
-            setenv("LAMINA_CUDA_SHPAIR", "0", 1);
-            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, shared branch");
-            unsetenv("LAMINA_CUDA_SHPAIR");
-            CHECK(a && b && !memcmp(a, b, sz), "%s: the shared expert as a pair differs from "
-                  "its branch (max %.3g)", quant_type_name(types[t]),
-                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+            tbc_same_bits(m, types[t], a, b, "LAMINA_CUDA_SHPAIR", "0",
+                          "the shared expert on its own branch (not as a pair)");
             MEASURE("shared expert as pair k (%s, tiny qwen3next, 6 prompt + 10 decode steps): "
                     "logits byte-identical to its own branch", quant_type_name(types[t]));
             /* the DeltaNet input product, conv and heads as one launch (sm_90,
@@ -879,20 +888,12 @@ static void tbc_shpair(void)
                     (unsigned long long)k_rows, (unsigned long long)k_norows);
             /* the gate/up product rounding its activations after its PDL wait instead
              * of before (LAMINA_CUDA_X_EARLY=0): the same bits */
-            setenv("LAMINA_CUDA_X_EARLY", "0", 1);
-            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, activations rounded late");
-            unsetenv("LAMINA_CUDA_X_EARLY");
-            CHECK(a && b && !memcmp(a, b, sz), "%s: the gate/up activations rounded after the "
-                  "wait differ from the default (max %.3g)", quant_type_name(types[t]),
-                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
-            /* the int8 products' tiles loaded lane by lane instead of by one bulk copy
-             * a block (LAMINA_CUDA_TMA=0): the same bits */
-            setenv("LAMINA_CUDA_TMA", "0", 1);
-            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, tiles loaded lane by lane");
-            unsetenv("LAMINA_CUDA_TMA");
-            CHECK(a && b && !memcmp(a, b, sz), "%s: the tiles loaded lane by lane differ from "
-                  "the default (max %.3g)", quant_type_name(types[t]),
-                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+            tbc_same_bits(m, types[t], a, b, "LAMINA_CUDA_X_EARLY", "0",
+                          "the gate/up activations rounded after the wait");
+            /* the gate/up product's expert tiles loaded lane by lane instead of by one
+             * bulk copy a block (LAMINA_CUDA_TMA=0): the same bits */
+            tbc_same_bits(m, types[t], a, b, "LAMINA_CUDA_TMA", "0",
+                          "the gate/up tiles loaded lane by lane");
             /* LAMINA_CUDA_SKIP (timing experiments): the named decode kernels are not
              * launched, so the decode steps change and the prompt does not */
             setenv("LAMINA_CUDA_SKIP", "moe.down,moe.combine", 1);

@@ -681,12 +681,8 @@ static void test_glu(struct rng *r)
         for (uint32_t p = 0; p < P; p++)
             ids[p] = (int32_t)(rng_next(r) % E);
         ids[4] = 3;
-        void *d_addr;
-        int32_t *d_ids;
-        CU(cudaMalloc(&d_addr, sizeof(addr)));
-        CU(cudaMalloc((void **)&d_ids, sizeof(ids)));
-        CU(cudaMemcpy(d_addr, addr, sizeof(addr), cudaMemcpyHostToDevice));
-        CU(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+        void *d_addr = dev_bytes(addr, sizeof(addr));
+        int32_t *d_ids = dev_bytes(ids, sizeof(ids));
         CU(cudaMemset(d_y1, 0xFF, P * rows * 4));
         CU(cudaMemset(d_y2, 0xFF, P * rows * 4));
         CHECK(cuda_matvec_experts(type, (const void *const *)d_addr, rb, rows, F, d_ids, P, d_act,
@@ -774,12 +770,8 @@ static void test_tma(struct rng *r)
         }
         ids[2] = 5;  /* absent */
         ids[7] = -1; /* skipped */
-        void *d_addr;
-        int32_t *d_ids;
-        CU(cudaMalloc(&d_addr, sizeof(addr)));
-        CU(cudaMalloc((void **)&d_ids, sizeof(ids)));
-        CU(cudaMemcpy(d_addr, addr, sizeof(addr), cudaMemcpyHostToDevice));
-        CU(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+        void *d_addr = dev_bytes(addr, sizeof(addr));
+        int32_t *d_ids = dev_bytes(ids, sizeof(ids));
         float *x = rand_floats(c->n, r), *d_x = dev_floats(x, c->n), *d_y;
         const size_t ny = P * c->rows + 8;
         float *y1 = xmalloc(ny * sizeof(float)), *y2 = xmalloc(ny * sizeof(float));
