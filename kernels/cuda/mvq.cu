@@ -544,7 +544,7 @@ uint32_t want_blocks()
 /* Which expert products copy their tiles by tma (ST): on devices of compute
  * capability 9.0 or later, by LAMINA_CUDA_TMA: unset, those that poll the
  * router's ids (the decode gate/up product, whose experts come from DRAM
- * once the ids are known: 8.96 -> 8.10 us a layer on an H200); "all", every
+ * once the ids are known: 9.02 -> 8.64 us a layer, tg128 +2.8 % on an H200); "all", every
  * expert product without a tail (tests); "0", none. Plain products and the
  * down products read weights already asked for in L2 or in registers before
  * their PDL wait, and were slower so (docs/perf.md). Read at each launch. */

@@ -72,9 +72,11 @@ bool cuda_mvq_pays(uint64_t n, uint64_t n_rows);
 
 /* Whether the last product the calling thread launched here copied each
  * block's tile of rows into shared memory by one bulk copy (tma: compute
- * capability 9.0 or later, LAMINA_CUDA_TMA not "0", a row read in one pass
- * and the tile within 48 KiB) instead of loading its words lane by lane; the
- * outputs are the same bits either way. For tests. */
+ * capability 9.0 or later; expert products that poll the router's ids, or
+ * every expert product without a tail with LAMINA_CUDA_TMA=all, none with
+ * "0"; a row read in one pass and the tile within 48 KiB) instead of loading
+ * its words lane by lane; the outputs are the same bits either way. For
+ * tests. */
 bool cuda_mvq_last_tma(void);
 
 /* cuda_mvq_experts that also asks for the pairs' experts in a second table
