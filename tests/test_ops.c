@@ -261,9 +261,9 @@ static void ops_router_case(const char *what, const float *logits, uint32_t n, u
                             const int32_t *want_ids)
 {
     int32_t ids[64];
-    float w[64], scratch[64], copy[64];
+    float w[64], copy[64];
     memcpy(copy, logits, n * sizeof(float));
-    ops_router_topk(logits, n, k, ids, w, scratch);
+    ops_router_topk(logits, n, k, ids, w);
     CHECK(memcmp(copy, logits, n * sizeof(float)) == 0, "%s: logits modified", what);
     double mx = -INFINITY, z = 0;
     for (uint32_t i = 0; i < n; i++)
@@ -310,11 +310,29 @@ static void ops_test_router(void)
     /* k = n = 1 */
     const float e[1] = {-7.0f};
     ops_router_case("n=1", e, 1, 1, (const int32_t[]){0});
+    /* -0 equals +0 (lower id first); NaN comes after every other logit, -inf
+     * included, so that the ids stay experts */
+    const float z[4] = {-1.0f, -0.0f, 0.0f, -2.0f};
+    ops_router_case("signed zeros", z, 4, 2, (const int32_t[]){1, 2});
+    {
+        const float q[5] = {NAN, 1.0f, -INFINITY, NAN, 3.0f};
+        int32_t qi[5];
+        float qw[5];
+        ops_router_topk(q, 5, 3, qi, qw);
+        CHECK(qi[0] == 4 && qi[1] == 1 && qi[2] == 2, "NaN logits: ids %d %d %d", qi[0], qi[1],
+              qi[2]);
+        CHECK(qw[2] == 0.0f && fabsf(qw[0] + qw[1] - 1.0f) < 1e-6f,
+              "NaN logits (none picked): weights %g %g %g", qw[0], qw[1], qw[2]);
+        ops_router_topk(q, 5, 5, qi, qw);
+        CHECK(qi[3] == 0 && qi[4] == 3 && qw[0] != qw[0],
+              "NaN logits picked last, lower id first: ids %d %d, weight %g", qi[3], qi[4],
+              qw[0]);
+    }
     /* k = n: the selected mass is 1, weights are the probabilities */
     const float f[3] = {0.0f, 0.0f, 30.0f};
     int32_t ids[3];
-    float w[3], scratch[3];
-    ops_router_topk(f, 3, 3, ids, w, scratch);
+    float w[3];
+    ops_router_topk(f, 3, 3, ids, w);
     CHECK(ids[0] == 2 && ids[1] == 0 && ids[2] == 1, "k=n ids %d %d %d", ids[0], ids[1], ids[2]);
     CHECK(fabs(w[0] - 1.0) < 1e-6 && w[1] == w[2], "k=n weights %g %g %g", w[0], w[1], w[2]);
     /* The clamp: the top-k always hold at least k/n of the mass, so the sum
@@ -322,19 +340,18 @@ static void ops_test_router(void)
      * logits and k = 1 the mass is 5e-5: the weight is 5e-5 / 6.1035e-5,
      * not 1. With k = 2 the mass 1e-4 is above the clamp: weights 1/2. */
     const uint32_t big = 20000;
-    float *g = calloc(big, sizeof(float)), *gs = malloc(big * sizeof(float));
+    float *g = calloc(big, sizeof(float));
     int32_t gid[2];
     float gw[2];
-    ops_router_topk(g, big, 1, gid, gw, gs);
+    ops_router_topk(g, big, 1, gid, gw);
     const double p = 1.0 / big;
     CHECK(gid[0] == 0, "clamp case id %d", gid[0]);
     CHECK(fabs(gw[0] - p / 6.103515625e-5) < 1e-5, "clamped weight %.9g, want %.9g", gw[0],
           p / 6.103515625e-5);
-    ops_router_topk(g, big, 2, gid, gw, gs); /* mass 1e-4 > clamp: plain renormalisation */
+    ops_router_topk(g, big, 2, gid, gw); /* mass 1e-4 > clamp: plain renormalisation */
     CHECK(gid[0] == 0 && gid[1] == 1 && fabs(gw[0] - 0.5) < 1e-6 && fabs(gw[1] - 0.5) < 1e-6,
           "unclamped pair: ids %d %d weights %g %g", gid[0], gid[1], gw[0], gw[1]);
     free(g);
-    free(gs);
 
     /* random logits, k = 4 of 16, against a sort in double */
     int bad = 0;
@@ -352,8 +369,8 @@ static void ops_test_router(void)
                 want[j - 1] = t;
             }
         int32_t got[4];
-        float gw4[4], sc[16];
-        ops_router_topk(l, 16, 4, got, gw4, sc);
+        float gw4[4];
+        ops_router_topk(l, 16, 4, got, gw4);
         bad += memcmp(got, want, sizeof(got)) != 0;
     }
     CHECK(bad == 0, "random router cases with ties: %d of 200 differ from a stable sort", bad);

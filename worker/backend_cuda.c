@@ -267,6 +267,9 @@ struct backend_cuda {
                                        * asking for their expert's weights once picked */
     bool topk_rounds;                 /* LAMINA_CUDA_TOPK_ROUNDS=1: the top-k tail picks by k
                                        * rounds, not by counting places (the same picks) */
+    bool topk_softmax;                /* LAMINA_CUDA_TOPK_SOFTMAX=1: the top-k tail by the full
+                                       * softmax first (a baseline for measurements; weights
+                                       * within an ulp or two) */
     int32_t *d_argmax;                /* greedy ids of the head's rows (CB_LOGIT_ROWS) */
     const char *skip;                 /* LAMINA_CUDA_SKIP: labels of decode kernels not launched
                                        * (timing experiments; the outputs are wrong) */
@@ -1690,7 +1693,8 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     if (topk_tail) {
         const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
                                      .k = (uint32_t)k, .ids = pr.ids, .w = c->w,
-                                     .mark_ids = c->ids_poll, .topk_rounds = c->topk_rounds};
+                                     .mark_ids = c->ids_poll, .topk_rounds = c->topk_rounds,
+                                     .topk_softmax = c->topk_softmax};
         const struct cb_mat *r = &L->router;
         rc = rc ? rc
              : nin ? CB_K(c, "moe.router", cuda_matvec_tail_norm_in(r->type, r->d, r->row_bytes,
@@ -2224,6 +2228,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->ids_poll = !(ip && !strcmp(ip, "0"));
     const char *tr = getenv("LAMINA_CUDA_TOPK_ROUNDS");
     c->topk_rounds = tr && !strcmp(tr, "1");
+    const char *ts = getenv("LAMINA_CUDA_TOPK_SOFTMAX");
+    c->topk_softmax = ts && !strcmp(ts, "1");
     c->skip = getenv("LAMINA_CUDA_SKIP");
     if (c->skip && !*c->skip)
         c->skip = NULL;

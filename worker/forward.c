@@ -420,7 +420,7 @@ static uint32_t fw_route(struct forward *fw, uint32_t l, uint32_t S)
     memset(fw->cnt, 0, E * sizeof(uint32_t));
     for (uint32_t s = 0; s < S; s++) {
         ops_router_topk(fw->rl + (size_t)s * E, E, k, fw->ids + (size_t)s * k,
-                        fw->wts + (size_t)s * k, fw->tscratch);
+                        fw->wts + (size_t)s * k);
         for (uint32_t i = 0; i < k; i++)
             fw->cnt[fw->ids[(size_t)s * k + i]]++;
     }
@@ -668,7 +668,7 @@ static int fw_alloc_scratch(struct forward *fw)
     const size_t vd = (size_t)hp->ssm_nv * hp->ssm_dv, kd = (size_t)hp->ssm_nk * hp->ssm_dk;
     const size_t E = hp->n_expert, k = hp->n_expert_used, F = hp->n_ff_exp;
     const size_t Fs = hp->n_ff_shexp;
-    size_t ts = fw->n_ctx + E + 64;
+    size_t ts = fw->n_ctx + 64;
     if (cd) {
         size_t dn = B * (2 * (size_t)hp->ssm_dk + hp->ssm_dv + 2) +
                     deltanet_chunk_scratch(hp->ssm_dk, hp->ssm_dv) + 64;

@@ -76,30 +76,56 @@ float ops_softplus(float x)
     return x > 20.0f ? x : log1pf(expf(x));
 }
 
-void ops_router_topk(const float *logits, uint32_t n, uint32_t k, int32_t *ids, float *w,
-                     float *scratch)
+/* A logit's place in the router's order as one number (kernels/cuda/router.cuh's
+ * router_key): larger logits larger, -0 as +0, NaN the smallest (1). */
+static uint32_t router_key(float x)
 {
-    memcpy(scratch, logits, n * sizeof(float));
-    ops_softmax(scratch, n);
-    /* selection by insertion into a sorted list of k: k is small (<= 16 typically) */
+    if (x != x)
+        return 1u;
+    const float z = x + 0.0f; /* -0 + 0 is +0 */
+    uint32_t b;
+    memcpy(&b, &z, sizeof(b));
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+
+void ops_router_topk(const float *logits, uint32_t n, uint32_t k, int32_t *ids, float *w)
+{
+    /* selection by insertion into a sorted list of k: k is small (<= 16 typically);
+     * strict >: among equal keys the lower id first */
     uint32_t have = 0;
     for (uint32_t e = 0; e < n; e++) {
-        const float p = scratch[e];
-        if (have == k && !(p > w[k - 1]))
+        const uint32_t key = router_key(logits[e]);
+        if (have == k && !(key > router_key(logits[ids[k - 1]])))
             continue;
         uint32_t j = have < k ? have++ : k - 1;
-        while (j > 0 && p > w[j - 1]) {
-            w[j] = w[j - 1];
+        while (j > 0 && key > router_key(logits[ids[j - 1]])) {
             ids[j] = ids[j - 1];
             j--;
         }
-        w[j] = p;
         ids[j] = (int32_t)e;
     }
-    float sum = 0.0f;
     for (uint32_t i = 0; i < k; i++)
+        w[i] = logits[ids[i]];
+    /* e_i = expf(x_i - max x), the first pick holding the max; the softmax's
+     * weights p_i / max(sum p_i, c) are e_i / max(sum e_i, c S), S the sum of
+     * every expf(x - max x). sum e_i >= 1 and S <= n, so the clamp binds only
+     * for n > 1 / c = 16384: only then is S needed (in double, as a softmax
+     * sums). */
+    const float mx = w[0];
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < k; i++) {
+        w[i] = expf(w[i] - mx);
         sum += w[i];
-    const float denom = sum > 6.103515625e-5f ? sum : 6.103515625e-5f;
+    }
+    float denom = sum;
+    if (n > 16384) {
+        double S = 0.0;
+        for (uint32_t e = 0; e < n; e++)
+            if (logits[e] == logits[e])
+                S += expf(logits[e] - mx);
+        const float c = (float)(6.103515625e-5 * S);
+        denom = sum > c ? sum : c;
+    }
     for (uint32_t i = 0; i < k; i++)
         w[i] /= denom;
 }

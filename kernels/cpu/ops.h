@@ -33,9 +33,12 @@ float ops_softplus(float x);
 
 /* MoE router: softmax over the n logits, the k largest probabilities in
  * descending order (ties: lower id first) into ids, their weights divided by
- * max(sum, 6.103515625e-5) into w. logits is left unchanged; scratch holds n
- * floats. */
-void ops_router_topk(const float *logits, uint32_t n, uint32_t k, int32_t *ids, float *w,
-                     float *scratch);
+ * max(sum, 6.103515625e-5) into w (llama.cpp's qwen3next clamp), computed as
+ * the k largest logits (NaN below every other, weights NaN where one is
+ * picked) and their expf(x - max) over those expf's sum, the clamp as the full
+ * softmax sets it (it binds only for n > 16384; kernels/cuda/router.cu). The
+ * weights equal the softmax's to rounding; the picks are the logits' order,
+ * which a softmax's rounding can merge into ties. logits is left unchanged. */
+void ops_router_topk(const float *logits, uint32_t n, uint32_t k, int32_t *ids, float *w);
 
 #endif

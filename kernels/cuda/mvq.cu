@@ -145,10 +145,12 @@ __device__ __forceinline__ void prefetch_next(const MvqArgs &a, int32_t e)
  * its blocks from global memory (about five L1 requests per word of weight,
  * the words of neighbouring blocks overlapping). The lanes then read the same
  * words from shared memory: the same values, so the same bits. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ uint32_t smem_u32(const void *p)
 {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+#endif
 
 __device__ __forceinline__ void tma_bar_init(uint64_t *bar)
 {
@@ -485,8 +487,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                     continue;
                 if constexpr (ST) { /* the words read from the tile as they are used */
                     uint32_t vs[9], shs;
-                    mvq::load_block_shared<TYPE>(s_rows + static_cast<size_t>(r) * a.row_bytes,
-                                                 b, vs, &shs);
+                    mvq::load_block<TYPE, true>(s_rows + static_cast<size_t>(r) * a.row_bytes,
+                                                b, vs, &shs);
                     acc[r] += block_dot<TYPE>(vs, shs, xa, xb, dx, sx);
                 } else {
                     acc[r] += block_dot<TYPE>(v[u][r], sh[u][r], xa, xb, dx, sx);

@@ -33,8 +33,11 @@ struct Blk<QUANT_TYPE_Q8_0> {
     static constexpr int BYTES = 34, WORDS = 9;
 };
 
-/* The words around weight block b of a row: base aligned down to 4 bytes. */
-template <int TYPE>
+/* The words around weight block b of a row: base aligned down to 4 bytes.
+ * SHARED: the row is a copy in shared memory that keeps its bytes' places
+ * modulo 4 (the same words and shift), read by plain loads; otherwise the
+ * row is in global memory, read through the read-only path. */
+template <int TYPE, bool SHARED = false>
 __device__ __forceinline__ void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[9],
                                            uint32_t *shift)
 {
@@ -44,22 +47,7 @@ __device__ __forceinline__ void load_block(const uint8_t *row, uint32_t b, uint3
     *shift = static_cast<uint32_t>(at & 3) * 8;
 #pragma unroll
     for (int i = 0; i < Blk<TYPE>::WORDS; i++)
-        v[i] = __ldg(p + i);
-}
-
-/* load_block from a copy of the row in shared memory that keeps its bytes'
- * places modulo 4: the same words and shift. */
-template <int TYPE>
-__device__ __forceinline__ void load_block_shared(const uint8_t *row, uint32_t b,
-                                                  uint32_t (&v)[9], uint32_t *shift)
-{
-    const uintptr_t at =
-        reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(b) * Blk<TYPE>::BYTES;
-    const uint32_t *p = reinterpret_cast<const uint32_t *>(at & ~static_cast<uintptr_t>(3));
-    *shift = static_cast<uint32_t>(at & 3) * 8;
-#pragma unroll
-    for (int i = 0; i < Blk<TYPE>::WORDS; i++)
-        v[i] = p[i];
+        v[i] = SHARED ? p[i] : __ldg(p + i);
 }
 
 /* Integer part and scale of one block dot: returns dw * (dx * isum - c * s). */

@@ -113,17 +113,21 @@ int cuda_attn_prep(float *d_q, size_t q_tok_stride, size_t q_head_stride, uint32
                    uint32_t S, uint32_t pos0, const uint32_t *d_pos, cudaStream_t stream);
 
 /* MoE router for S tokens: softmax over E logits, top-k (ties: lower id),
- * weights renormalised by max(sum, 6.103515625e-5) (ops_router_topk). */
+ * weights renormalised by max(sum, 6.103515625e-5) (ops_router_topk), by
+ * the top k logits and their expf only (router.cu). */
 int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, uint32_t S, int32_t *d_ids,
                      float *d_w, cudaStream_t stream);
 
 /* cuda_router_topk of one token by one warp of one block, timed: d_cycles[0..3] get the SM
- * clock cycles from the warp's start to the logits' max (their loads through L2 included),
- * the softmax's scale, the picks and the last store issued.
+ * clock cycles from the warp's start to the logits' loads through L2, their keys, the picks
+ * and the last store issued.
  * rounds: the picks by k rounds of a warp arg-max instead of by counted places (the same
- * picks). For tests and benchmarks. */
+ * picks). softmax: the keys are the probabilities of the full softmax (max, expf of every
+ * logit, the sum in double), the form before 2026-12-04, its weights renormalised with
+ * llama.cpp's clamp: the same ids where no two logits round to one probability, weights
+ * within an ulp or two. For tests and benchmarks. */
 int cuda_router_topk_cycles(const float *d_logits, uint32_t E, uint32_t k, bool rounds,
-                            int32_t *d_ids, float *d_w, long long *d_cycles,
+                            bool softmax, int32_t *d_ids, float *d_w, long long *d_cycles,
                             cudaStream_t stream);
 
 /* act[r][j] = silu(gu[r][j]) * gu[r][F + j] for rows r < rows (gate | up rows of 2F). */

@@ -3,23 +3,28 @@
  * kernels/cpu/ops.c).
  *
  * Maths, per token s with logits x[s][0..E-1]:
- *   p_e = expf(x_e - max x) * (float)(1 / sum_e expf(x_e - max x))  (sum in double)
- *   ids[s][0..k-1] = the k largest p_e, descending, ties lower id first
- *   w[s][i] = p_ids[i] / max(sum_{i<k} p_ids[i], 6.103515625e-5)  (sum in f32, in order)
+ *   ids[s][0..k-1] = the k largest x_e, descending, ties lower id first
+ *     (NaN below every other logit; -0 equals +0)
+ *   e_i = expf(x_ids[i] - x_ids[0])   (x_ids[0] = max x)
+ *   w[s][i] = e_i / sum_{i<k} e_i     (sum in f32, in order)
+ * which is softmax, top-k of the probabilities, renormalised by
+ * max(sum, 6.103515625e-5) (llama.cpp's qwen3next clamp) without the full
+ * softmax: p_e = e_e / S with S the sum of all expf(x - max), so the
+ * weights are e_i / max(sum e_i, 6.103515625e-5 S); sum e_i >= e_0 = 1 and
+ * S <= E <= 512, so the clamp never binds here (the CPU twin applies it
+ * for E > 16384). Picking by the logits is picking by the probabilities,
+ * but where two logits round to one probability.
  * Shapes: logits S x E f32; ids S x k int32; w S x k f32; E <= 512, k <= min(E, 16).
  *
  * Ownership: one warp per token (4 tokens per block). Lane L holds experts
- * L, L + 32, ... (up to 16) in registers. Max and sum are trees over the
- * lane's values, then warp butterflies (the sum in double, as on the CPU);
- * the top-k (the larger probability first, the lower id among equal ones)
- * takes the k-th of the 32 lane bests as a floor; the probabilities at or
- * above it, when at most 32, are placed by counting, one per lane, against
- * each other. Past 32 (the largest crowded into a few lanes) it runs k
- * rounds of a warp arg-max, whose winner's owner retires it and finds its
- * next best by a tree. Both give the same picks. Probabilities are
- * computed by the CPU's formula, so equal logits give equal probabilities
- * and the same tie order as the CPU; expf may differ from the CPU's by an
- * ulp, so weights agree to ~1e-7 relative.
+ * L, L + 32, ... (up to 16) in registers as order-keeping keys of the
+ * logits; the top-k (the larger key first, the lower id among equal ones)
+ * takes the k-th of the 32 lane bests as a floor; the keys at or above it,
+ * when at most 32, are placed by counting, one per lane, against each
+ * other. Past 32 (the largest crowded into a few lanes) it runs k rounds of
+ * a warp arg-max, whose winner's owner retires it and finds its next best
+ * by a tree. Both give the same picks, the CPU's. expf may differ from the
+ * CPU's by an ulp, so weights agree to ~1e-7 relative.
  */
 #include "kernels/cuda/ops.h"
 
@@ -62,20 +67,20 @@ extern "C" int cuda_router_topk(const float *d_logits, uint32_t E, uint32_t k, u
 }
 
 static __global__ void router_topk_cycles_kernel(const float *logits, uint32_t E, uint32_t k,
-                                                 bool rounds, int32_t *ids, float *w,
-                                                 long long *cycles)
+                                                 bool rounds, bool softmax, int32_t *ids,
+                                                 float *w, long long *cycles)
 {
     __shared__ uint64_t s_pick[32];
     long long clk[4];
     const long long t0 = clock64();
-    router_topk_warp<true>(logits, E, k, ids, w, s_pick, rounds, clk);
+    router_topk_warp<true>(logits, E, k, ids, w, s_pick, rounds, clk, softmax);
     if (threadIdx.x == 0)
         for (int i = 0; i < 4; i++)
             cycles[i] = clk[i] - t0;
 }
 
 extern "C" int cuda_router_topk_cycles(const float *d_logits, uint32_t E, uint32_t k,
-                                       bool rounds, int32_t *d_ids, float *d_w,
+                                       bool rounds, bool softmax, int32_t *d_ids, float *d_w,
                                        long long *d_cycles, cudaStream_t stream)
 {
     if (!d_logits || !d_ids || !d_w || !d_cycles || E == 0 || E > ROUTER_MAX_E || k == 0 ||
@@ -83,7 +88,7 @@ extern "C" int cuda_router_topk_cycles(const float *d_logits, uint32_t E, uint32
         log_error("cuda_router_topk_cycles: bad arguments (E %u, k %u)", E, k);
         return -EINVAL;
     }
-    router_topk_cycles_kernel<<<1, 32, 0, stream>>>(d_logits, E, k, rounds, d_ids, d_w,
-                                                    d_cycles);
+    router_topk_cycles_kernel<<<1, 32, 0, stream>>>(d_logits, E, k, rounds, softmax, d_ids,
+                                                    d_w, d_cycles);
     return OPS_LAUNCH_CHECK("cuda_router_topk_cycles");
 }

@@ -42,12 +42,12 @@ static __device__ __forceinline__ void router_lane_best(const uint32_t (&key)[RO
 }
 
 /* The k picks in k rounds of a warp arg-max, whatever the keys (lane r < k
- * gets the r-th pick): p, the probabilities (-INFINITY past E); key, their
- * keys (router_topk_warp); lk, li: the lane's best key and its i. */
-static __device__ __forceinline__ void router_pick_rounds(float (&p)[ROUTER_PER_LANE],
-                                                          uint32_t (&key)[ROUTER_PER_LANE],
+ * gets the r-th pick's key and id, or 0 and INT32_MAX where fewer than k
+ * keys are > 0): key, the keys (router_topk_warp; 0 is no candidate); lk,
+ * li: the lane's best key and its i. */
+static __device__ __forceinline__ void router_pick_rounds(uint32_t (&key)[ROUTER_PER_LANE],
                                                           uint32_t lk, uint32_t li, uint32_t k,
-                                                          float &my_w, int32_t &my_id)
+                                                          uint32_t &my_key, int32_t &my_id)
 {
     const int lane = threadIdx.x & 31;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -58,7 +58,7 @@ static __device__ __forceinline__ void router_pick_rounds(float (&p)[ROUTER_PER_
         const uint32_t id = __reduce_min_sync(
             OPS_FULL_MASK, best && lk == best ? (uint32_t)lane + 32u * li : 0xFFFFFFFFu);
         if ((uint32_t)lane == r) {
-            my_w = best ? __uint_as_float(best - 1u) : -INFINITY;
+            my_key = best;
             my_id = best ? (int32_t)id : INT32_MAX;
         }
         if (best && (uint32_t)lane == id % 32u) { /* the pick's lane: its next best */
@@ -70,19 +70,21 @@ static __device__ __forceinline__ void router_pick_rounds(float (&p)[ROUTER_PER_
         }
     }
 #else
+    (void)lk;
+    (void)li;
     for (uint32_t r = 0; r < k; r++) {
-        float bv = -INFINITY;
+        uint32_t bv = 0u;
         int32_t bi = INT32_MAX;
 #pragma unroll
         for (int i = 0; i < ROUTER_PER_LANE; i++) {
-            if (p[i] > bv) { /* ids rise with i: strict keeps the lower id */
-                bv = p[i];
+            if (key[i] > bv) { /* ids rise with i: strict keeps the lower id */
+                bv = key[i];
                 bi = lane + 32 * i;
             }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(OPS_FULL_MASK, bv, o);
+            const uint32_t ov = __shfl_xor_sync(OPS_FULL_MASK, bv, o);
             const int32_t oi = __shfl_xor_sync(OPS_FULL_MASK, bi, o);
             if (ov > bv || (ov == bv && oi < bi)) {
                 bv = ov;
@@ -92,9 +94,9 @@ static __device__ __forceinline__ void router_pick_rounds(float (&p)[ROUTER_PER_
 #pragma unroll
         for (int i = 0; i < ROUTER_PER_LANE; i++)
             if (lane + 32 * i == bi)
-                p[i] = -INFINITY;
+                key[i] = 0u;
         if ((uint32_t)lane == r) {
-            my_w = bv;
+            my_key = bv;
             my_id = bi;
         }
     }
@@ -124,13 +126,13 @@ static __device__ __forceinline__ uint32_t router_rank(const uint64_t *s, uint32
  * the lane best placed k-1 among them, so the top k are among the keys at
  * or above it; when those (the keys > 0 among them) are at most 32, each
  * counts its place against the others and the first k take their slots.
- * Lane r < k gets the r-th pick (or -INFINITY and INT32_MAX where fewer
- * than k keys are > 0, as the rounds give). s: 32 entries of the warp's own.
+ * Lane r < k gets the r-th pick's key and id (or 0 and INT32_MAX where
+ * fewer than k keys are > 0, as the rounds give). s: 32 entries of the warp's own.
  * Returns false, for the whole warp, when the keys are more than 32 (the
  * largest crowded into a few lanes): the caller runs the rounds. */
 static __device__ __forceinline__ bool router_pick_ranked(const uint32_t (&key)[ROUTER_PER_LANE],
                                                           uint32_t lk, uint32_t li, uint32_t k,
-                                                          uint64_t *s, float &my_w,
+                                                          uint64_t *s, uint32_t &my_key,
                                                           int32_t &my_id)
 {
     const uint32_t lane = threadIdx.x & 31;
@@ -165,91 +167,125 @@ static __device__ __forceinline__ bool router_pick_ranked(const uint32_t (&key)[
     if (lane < k) {
         const uint64_t p = lane < n ? s[lane] : 0u;
         const uint32_t pk = static_cast<uint32_t>(p >> 32);
-        my_w = pk ? __uint_as_float(pk - 1u) : -INFINITY;
+        my_key = pk;
         my_id = pk ? static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(p)) : INT32_MAX;
     }
     return true;
 }
 
+/* A logit's key: larger logits have larger keys, -0 and +0 the same one,
+ * NaN the smallest (1: picked after every other logit, so that the ids stay
+ * experts whatever the logits; kernels/cpu/ops.c's twin). */
+static __device__ __forceinline__ uint32_t router_key(float x)
+{
+    const uint32_t b = __float_as_uint(x + 0.0f); /* -0 + 0 is +0 */
+    return x != x ? 1u : (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+
+/* router_key's logit (key 1: a NaN). */
+static __device__ __forceinline__ float router_unkey(uint32_t key)
+{
+    return __uint_as_float((key & 0x80000000u) ? key & 0x7FFFFFFFu : ~key);
+}
+
 /* The top-k of one token's E logits x by one whole warp: ids[0..k-1] and
- * w[0..k-1]. x is read through L2 (__ldcg): the router kernel's logits and
- * those another block of a product just wrote (cuda tail) alike. s: 32
- * entries of shared memory of the warp's own. rounds: the picks by
- * router_pick_rounds only (the same picks). CLK (timing only): lane 0
- * stores clock64() into clk[0..3] after the max, the softmax's scale, the
- * picks and the stores. */
+ * w[0..k-1] (router.cu's maths). x is read through L2 (__ldcg): the router
+ * kernel's logits and those another block of a product just wrote (cuda
+ * tail) alike. s: 32 entries of shared memory of the warp's own. rounds:
+ * the picks by router_pick_rounds only (the same picks). softmax (a
+ * baseline for measurements): the picks and weights by the full softmax
+ * first, as before 2026-12-04: the same ids where no two logits round to
+ * one probability, weights within an ulp or two. CLK (timing only): lane 0
+ * stores clock64() into clk[0..3] after the loads, the keys, the picks and
+ * the stores. */
 template <bool CLK = false>
 static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t E, uint32_t k,
                                                         int32_t *ids, float *w, uint64_t *s,
-                                                        bool rounds, long long *clk = nullptr)
+                                                        bool rounds, long long *clk = nullptr,
+                                                        bool softmax = false)
 {
     const int lane = threadIdx.x & 31;
-    /* the lane's max and sum as trees (depth 4, not a chain of 16) */
-    float p[ROUTER_PER_LANE], t[ROUTER_PER_LANE];
+    float p[ROUTER_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++) {
         const uint32_t e = lane + 32 * i;
-        p[i] = t[i] = e < E ? __ldcg(x + e) : -INFINITY;
+        p[i] = e < E ? __ldcg(x + e) : -INFINITY;
     }
-#pragma unroll
-    for (int w = 1; w < ROUTER_PER_LANE; w *= 2)
-#pragma unroll
-        for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w)
-            t[j] = fmaxf(t[j], t[j + w]);
-    const float mx = ops_warp_max(t[0]);
     if constexpr (CLK)
         if (lane == 0)
-            clk[0] = clock64() + (mx != mx); /* after mx (the term keeps the order) */
-    double ds[ROUTER_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; i++) {
-        const bool in = lane + 32 * i < E;
-        p[i] = in ? expf(p[i] - mx) : p[i];
-        ds[i] = in ? (double)p[i] : 0.0;
-    }
-#pragma unroll
-    for (int w = 1; w < ROUTER_PER_LANE; w *= 2)
-#pragma unroll
-        for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w)
-            ds[j] += ds[j + w];
-    const float inv = (float)(1.0 / router_warp_sum(ds[0]));
-    if constexpr (CLK)
-        if (lane == 0)
-            clk[1] = clock64() + (inv != inv);
-#pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; i++)
-        p[i] = lane + 32 * i < E ? p[i] * inv : -INFINITY;
-
-    float my_w = 0.0f; /* lane r keeps the r-th pick */
-    int32_t my_id = 0;
-    /* the probabilities are >= 0 (or NaN, never picked: key 0, and the
-     * rounds' comparisons never pick it), so their bits order as they do;
-     * key 0 is no candidate. Each lane's best: the lowest i among equal
-     * values. */
+            clk[0] = clock64() + (p[0] != p[0]); /* after the loads (the term keeps the order) */
     uint32_t key[ROUTER_PER_LANE];
+    if (softmax) { /* the probabilities' bits: >= 0 (or NaN, key 0) */
+        float t[ROUTER_PER_LANE];
 #pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; i++)
-        key[i] = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
+        for (int i = 0; i < ROUTER_PER_LANE; i++)
+            t[i] = p[i];
+#pragma unroll
+        for (int w2 = 1; w2 < ROUTER_PER_LANE; w2 *= 2)
+#pragma unroll
+            for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w2)
+                t[j] = fmaxf(t[j], t[j + w2]);
+        const float mx = ops_warp_max(t[0]);
+        double ds[ROUTER_PER_LANE];
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; i++) {
+            const bool in = lane + 32 * i < E;
+            p[i] = in ? expf(p[i] - mx) : p[i];
+            ds[i] = in ? (double)p[i] : 0.0;
+        }
+#pragma unroll
+        for (int w2 = 1; w2 < ROUTER_PER_LANE; w2 *= 2)
+#pragma unroll
+            for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w2)
+                ds[j] += ds[j + w2];
+        const float inv = (float)(1.0 / router_warp_sum(ds[0]));
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; i++) {
+            p[i] = lane + 32 * i < E ? p[i] * inv : -INFINITY;
+            key[i] = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; i++)
+            key[i] = lane + 32 * i < E ? router_key(p[i]) : 0u;
+    }
+    if constexpr (CLK)
+        if (lane == 0)
+            clk[1] = clock64() + (key[0] == 1u);
+    uint32_t my_key = 0u; /* lane r keeps the r-th pick */
+    int32_t my_id = 0;
+    /* each lane's best: the lowest i among equal keys */
     uint32_t lk, li;
     router_lane_best(key, lk, li);
-    if (rounds || !router_pick_ranked(key, lk, li, k, s, my_w, my_id))
-        router_pick_rounds(p, key, lk, li, k, my_w, my_id);
+    if (rounds || !router_pick_ranked(key, lk, li, k, s, my_key, my_id))
+        router_pick_rounds(key, lk, li, k, my_key, my_id);
     if constexpr (CLK) {
         __syncwarp();
         if (lane == 0)
             clk[2] = clock64() + (my_id == INT32_MIN);
     }
+    float v; /* the pick's weight before the sum: -INFINITY past the valid picks */
+    if (softmax) {
+        v = my_key ? __uint_as_float(my_key - 1u) : -INFINITY;
+    } else {
+        /* e = expf(x - max x): the first pick holds the max */
+        const float xr = my_key ? router_unkey(my_key) : -INFINITY;
+        const float mx = __shfl_sync(OPS_FULL_MASK, xr, 0);
+        v = my_key ? expf(xr - mx) : -INFINITY;
+    }
     float wsum = 0.0f; /* in pick order; the shuffles independent of the adds */
 #pragma unroll
     for (uint32_t r = 0; r < ROUTER_MAX_K; r++) {
-        const float v = __shfl_sync(OPS_FULL_MASK, my_w, r);
+        const float u = __shfl_sync(OPS_FULL_MASK, v, r);
         if (r < k)
-            wsum += v;
+            wsum += u;
     }
-    const float denom = wsum > 6.103515625e-5f ? wsum : 6.103515625e-5f;
+    /* with the softmax: max(sum, 6.103515625e-5); without, sum >= 1 > 512 x
+     * 6.103515625e-5 >= the clamp times the softmax's full sum (router.cu) */
+    const float denom = !softmax ? wsum : wsum > 6.103515625e-5f ? wsum : 6.103515625e-5f;
     if ((uint32_t)lane < k) {
         ids[lane] = my_id;
-        w[lane] = my_w / denom;
+        w[lane] = v / denom;
     }
     if constexpr (CLK) {
         __syncwarp();

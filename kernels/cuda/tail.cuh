@@ -286,7 +286,8 @@ static __device__ __forceinline__ void tail_topk(const TailArgs &a)
 {
     __shared__ uint64_t s_pick[32];
     if (threadIdx.x < 32)
-        router_topk_warp(a.y, a.width, a.t.k, a.t.ids, a.t.w, s_pick, a.t.topk_rounds);
+        router_topk_warp(a.y, a.width, a.t.k, a.t.ids, a.t.w, s_pick, a.t.topk_rounds, nullptr,
+                         a.t.topk_softmax);
 }
 
 /* The mark a TOPK tail leaves in the ids it is about to pick (tail.h's

@@ -85,6 +85,9 @@ struct cuda_tail {
     /* TOPK: the picks by k rounds of a warp arg-max (router.cuh's router_pick_rounds), not by
      * counting places: the same picks, slower (a check and a baseline) */
     bool topk_rounds;
+    /* TOPK: the picks and weights by the full softmax first (router.cu), the form before
+     * 2026-12-04 (cuda_router_topk_cycles' softmax): a baseline for measurements */
+    bool topk_softmax;
 };
 
 /* A decode product's input formed as the product loads it: rmsnorm(h + add) * w, what

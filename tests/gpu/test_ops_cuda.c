@@ -711,7 +711,7 @@ static void test_attention_timing(struct rng *r, const char *pool)
 
 /* Logit e (of a row of E) of a router case: u a fresh random word, mode as
  * router_case's (0 continuous, 1 9 levels, 2 all equal, 3 40 levels, 4 most
- * probabilities 0, 5 the largest in lanes 0 and 1). */
+ * probabilities 0, 5 the largest in lanes 0 and 1, 6 signed zeros and NaNs). */
 static float router_logit(struct rng *r, uint32_t u, int mode, uint32_t e)
 {
     return mode == 0   ? rng_uniform(r, -4.0f, 4.0f)
@@ -719,6 +719,10 @@ static float router_logit(struct rng *r, uint32_t u, int mode, uint32_t e)
            : mode == 2 ? 0.25f
            : mode == 3 ? 0.05f * (float)(u % 40)
            : mode == 5 ? rng_uniform(r, -4.0f, 0.0f) + (e % 32 < 2 ? 8.0f : 0.0f)
+           : mode == 6 ? (u % 16 == 0  ? NAN
+                          : u % 16 < 4 ? -0.0f
+                          : u % 16 < 7 ? 0.0f
+                                       : rng_uniform(r, -3.0f, -0.5f))
            : u % 64 == 0 ? rng_uniform(r, -2.0f, 2.0f)
            : u % 64 == 1 ? -INFINITY
                          : rng_uniform(r, -300.0f, -120.0f);
@@ -732,8 +736,9 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
      * max, some -inf), so the top k ends in equal zeros; 5: the largest in
      * lanes 0 and 1 (experts e with e % 32 < 2): at E 512, 32 of them, so
      * that more than 32 keys reach the counted places' floor and the rounds
-     * pick (router_timing's cycles show it) */
-    float *x = xmalloc((size_t)S * E * 4), *scratch = xmalloc(E * 4);
+     * pick (router_timing's cycles show it); 6: the largest logits +0 and
+     * -0 (equal: the lower id first), some NaN (picked after every other) */
+    float *x = xmalloc((size_t)S * E * 4);
     for (size_t i = 0; i < (size_t)S * E; i++) {
         const uint32_t u = rng_next(r);
         x[i] = router_logit(r, u, mode, (uint32_t)(i % E));
@@ -741,7 +746,7 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
     int32_t *ids_ref = xmalloc(S * k * 4), *ids[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
     float *w_ref = xmalloc(S * k * 4), *w[2] = {xmalloc(S * k * 4), xmalloc(S * k * 4)};
     for (uint32_t s = 0; s < S; s++)
-        ops_router_topk(x + (size_t)s * E, E, k, ids_ref + s * k, w_ref + s * k, scratch);
+        ops_router_topk(x + (size_t)s * E, E, k, ids_ref + s * k, w_ref + s * k);
     float *dx = dev_upload(x, (size_t)S * E * 4), *dw = dev_alloc(S * k * 4);
     int32_t *di = dev_alloc(S * k * 4);
     for (int run = 0; run < 2; run++) {
@@ -760,7 +765,7 @@ static void router_case(struct rng *r, uint32_t E, uint32_t k, uint32_t S, int m
     CHECK(err <= 1e-6, "router E %u k %u mode %d: weight err %.3g", E, k, mode, err);
     *worst = fmax(*worst, err);
     cudaFree(dx), cudaFree(dw), cudaFree(di);
-    free(x), free(scratch), free(ids_ref), free(w_ref);
+    free(x), free(ids_ref), free(w_ref);
     for (int i = 0; i < 2; i++)
         free(ids[i]), free(w[i]);
 }
@@ -771,10 +776,12 @@ static int cmp_ll(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* One token's pick by one warp, timed (cuda_router_topk_cycles): by counted places and by
- * rounds, on continuous logits, 9 levels (ties), and the 32 largest in two lanes (the counted
- * places fall back to the rounds). The picks equal cuda_router_topk's bit for bit; the
- * median cycles of 21 runs after 5, at each stage, are reported, not asserted. */
+/* One token's pick by one warp, timed (cuda_router_topk_cycles): by counted places, by
+ * rounds, and by counted places after the full softmax (the form before 2026-12-04), on
+ * continuous logits, 9 levels (ties), and the 32 largest in two lanes (the counted places fall
+ * back to the rounds). The first two equal cuda_router_topk's picks bit for bit, the third
+ * its ids with weights within 1e-6; the median cycles of 21 runs after 5, at each stage, are
+ * reported, not asserted. */
 static void router_timing(struct rng *r)
 {
     enum { E = 512, K = 10, RUNS = 26 };
@@ -797,12 +804,13 @@ static void router_timing(struct rng *r)
         CHECK(cuda_router_topk(dx, E, K, 1, di, dw, 0) == 0, "router");
         dev_download(ids_ref, di, sizeof(ids_ref));
         dev_download(w_ref, dw, sizeof(w_ref));
-        double med[2][4];
-        for (int rounds = 0; rounds < 2; rounds++) {
+        double med[3][4]; /* places, rounds, places after the softmax */
+        for (int form = 0; form < 3; form++) {
             long long cyc[4][RUNS], c4[4];
             for (int run = 0; run < RUNS; run++) {
                 dev_poison(di, K * 4), dev_poison(dw, K * 4);
-                CHECK(cuda_router_topk_cycles(dx, E, K, rounds, di, dw, dc, 0) == 0,
+                CHECK(cuda_router_topk_cycles(dx, E, K, form == 1, form == 2, di, dw, dc, 0) ==
+                          0,
                       "router cycles");
                 dev_download(c4, dc, sizeof(c4));
                 for (int st = 0; st < 4; st++)
@@ -810,21 +818,26 @@ static void router_timing(struct rng *r)
             }
             dev_download(ids, di, sizeof(ids));
             dev_download(w, dw, sizeof(w));
-            CHECK(!memcmp(ids, ids_ref, sizeof(ids)) && !memcmp(w, w_ref, sizeof(w)),
-                  "router timed pick (mode %d, rounds %d) differs from cuda_router_topk", mode,
-                  rounds);
+            CHECK(!memcmp(ids, ids_ref, sizeof(ids)) &&
+                      (form == 2 ? max_rel_err(w, w_ref, K) <= 1e-6
+                                 : !memcmp(w, w_ref, sizeof(w))),
+                  "router timed pick (mode %d, form %d) differs from cuda_router_topk", mode,
+                  form);
             for (int st = 0; st < 4; st++) {
                 qsort(cyc[st] + 5, RUNS - 5, sizeof(long long), cmp_ll);
-                med[rounds][st] = (double)cyc[st][5 + (RUNS - 5) / 2];
+                med[form][st] = (double)cyc[st][5 + (RUNS - 5) / 2];
             }
         }
         MEASURE("router pick of one token by one warp, E %d k %d, %s: counted places %.0f "
-                "cycles (%.2f us; loads + max %.0f, softmax %.0f, picks %.0f, weights and "
-                "stores %.0f), rounds %.0f cycles (%.2f us; picks %.0f) at the %.0f MHz peak "
-                "clock",
+                "cycles (%.2f us; loads %.0f, keys %.0f, picks %.0f, weights and "
+                "stores %.0f), rounds %.0f cycles (%.2f us; picks %.0f), after the full softmax "
+                "%.0f cycles (%.2f us; keys %.0f, picks %.0f, weights and stores %.0f) at the "
+                "%.0f MHz peak clock",
                 E, K, what[mode], med[0][3], med[0][3] / clk_khz * 1e3, med[0][0],
                 med[0][1] - med[0][0], med[0][2] - med[0][1], med[0][3] - med[0][2], med[1][3],
-                med[1][3] / clk_khz * 1e3, med[1][2] - med[1][1], clk_khz / 1e3);
+                med[1][3] / clk_khz * 1e3, med[1][2] - med[1][1], med[2][3],
+                med[2][3] / clk_khz * 1e3, med[2][1] - med[2][0], med[2][2] - med[2][1],
+                med[2][3] - med[2][2], clk_khz / 1e3);
         cudaFree(dx), cudaFree(dw), cudaFree(di), cudaFree(dc);
     }
 }
@@ -833,15 +846,28 @@ static void test_router(struct rng *r)
 {
     router_timing(r);
     double worst = 0.0;
-    for (int mode = 0; mode < 6; mode++) {
+    for (int mode = 0; mode < 7; mode++) {
         router_case(r, 512, 10, 37, mode, &worst);
         router_case(r, 16, 4, 37, mode, &worst);
         router_case(r, 128, 8, 5, mode, &worst);
         router_case(r, 512, 16, 3, mode, &worst);
     }
+    /* every logit NaN: the ids are still experts, the lowest first */
+    enum { NE = 64, NK = 8 };
+    float xn[NE];
+    for (int i = 0; i < NE; i++)
+        xn[i] = NAN;
+    float *dx = dev_upload(xn, sizeof(xn)), *dw = dev_alloc(NK * 4);
+    int32_t *di = dev_alloc(NK * 4), idn[NK];
+    dev_poison(di, NK * 4);
+    CHECK(cuda_router_topk(dx, NE, NK, 1, di, dw, 0) == 0, "router");
+    dev_download(idn, di, sizeof(idn));
+    for (int i = 0; i < NK; i++)
+        CHECK(idn[i] == i, "router, every logit NaN: slot %d id %d, want %d", i, idn[i], i);
+    cudaFree(dx), cudaFree(dw), cudaFree(di);
     MEASURE("router E 512/16/128 k 10/4/8/16 (random, 9-level ties, all equal, 40-level "
-            "ties, zeros, the largest in two lanes): ids exact, "
-            "max weight rel err %.3g",
+            "ties, zeros, the largest in two lanes, signed zeros and NaNs): ids exact, "
+            "max weight rel err %.3g; every logit NaN: ids 0..k-1",
             worst);
 }
 
