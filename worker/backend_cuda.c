@@ -261,6 +261,9 @@ struct backend_cuda {
                                        * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
     unsigned int *col_ctr;            /* CUDA_TAIL_COLS_MAX counters of COMBINE_COLS tails */
+    unsigned long long *probe;        /* LAMINA_CUDA_PROBE=1: the decode router's marks
+                                       * (cuda_norm_in.probe), CUDA_PROBE_BLOCKS x
+                                       * CUDA_PROBE_SLOTS a layer; reported at the end */
     bool ids_poll;                    /* LAMINA_CUDA_IDS_POLL: the router's top-k tail marks
                                        * the ids it will pick and the decode gate/up
                                        * product's blocks poll them before their PDL wait,
@@ -1689,7 +1692,10 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     /* nin (cb_norm_in): h + the mixer's output, normalised, formed by the router's blocks
      * and written to xa and, rounded, to xq (the gate/up product copies it); the combine
      * adds the output into h */
-    const struct cuda_norm_in ni = {.h = c->h, .add = c->mix, .w = L->ffn_norm, .eps = hp->eps};
+    const struct cuda_norm_in ni = {
+        .h = c->h, .add = c->mix, .w = L->ffn_norm, .eps = hp->eps,
+        .probe = c->probe ? c->probe + (size_t)(l - c->l0) * CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS
+                          : NULL};
     if (topk_tail) {
         const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
                                      .k = (uint32_t)k, .ids = pr.ids, .w = c->w,
@@ -1973,6 +1979,122 @@ static void cb_pass_done(struct backend_cuda *c)
 
 /* ---- backend ops ---- */
 
+/* ---- the router's marks (LAMINA_CUDA_PROBE=1) ---- */
+
+static int cb_cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of v[0..n) (sorted in place), 0 for none. */
+static double cb_median(double *v, size_t n)
+{
+    if (!n)
+        return 0.0;
+    qsort(v, n, sizeof(*v), cb_cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+enum { CB_PR_START, CB_PR_WAITS, CB_PR_ROW, CB_PR_ROW_CY, CB_PR_PROD, CB_PR_PROD_CY, CB_PR_TAIL,
+       CB_PR_TAIL_CY, CB_PR_AFTER, CB_PR_N };
+
+/* One layer's figures from its blocks' marks (cuda_norm_in.probe), in us and cycles, and
+ * in t the first start, the first wait's return and the tail's end (%globaltimer, ns):
+ * false where no block left its marks. */
+static bool cb_probe_layer(const unsigned long long *m, double *f, double *scratch,
+                           unsigned long long t[3])
+{
+    unsigned long long s0 = ~0ull, s0x = 0, s1 = ~0ull, s1x = 0, s4x = 0;
+    size_t nb = 0, last = 0;
+    for (size_t b = 0; b < CUDA_PROBE_BLOCKS; b++) {
+        const unsigned long long *p = m + b * CUDA_PROBE_SLOTS;
+        if (!p[0] || !p[4])
+            continue;
+        s0 = p[0] < s0 ? p[0] : s0;
+        s0x = p[0] > s0x ? p[0] : s0x;
+        s1 = p[1] < s1 ? p[1] : s1;
+        s1x = p[1] > s1x ? p[1] : s1x;
+        if (p[4] > s4x) {
+            s4x = p[4];
+            last = b;
+        }
+        nb++;
+    }
+    if (!nb)
+        return false;
+    t[0] = s0;
+    t[1] = s1;
+    t[2] = s4x;
+    f[CB_PR_START] = 1e-3 * (double)(s0x - s0);
+    f[CB_PR_WAITS] = 1e-3 * (double)(s1x - s1);
+    f[CB_PR_AFTER] = 1e-3 * (double)(s4x - s1);
+    const int from[2] = {1, 2}, slot[2] = {CB_PR_ROW, CB_PR_PROD};
+    for (int k = 0; k < 2; k++)
+        for (int cy = 0; cy < 2; cy++) {
+            size_t n = 0;
+            for (size_t b = 0; b < CUDA_PROBE_BLOCKS; b++) {
+                const unsigned long long *p = m + b * CUDA_PROBE_SLOTS + 8 * cy;
+                if (m[b * CUDA_PROBE_SLOTS] && m[b * CUDA_PROBE_SLOTS + 4])
+                    scratch[n++] = (double)(p[from[k] + 1] - p[from[k]]) * (cy ? 1.0 : 1e-3);
+            }
+            f[slot[k] + cy] = cb_median(scratch, n);
+        }
+    const unsigned long long *p = m + last * CUDA_PROBE_SLOTS;
+    f[CB_PR_TAIL] = 1e-3 * (double)(p[4] - p[3]);
+    f[CB_PR_TAIL_CY] = (double)(p[12] - p[11]);
+    return true;
+}
+
+/* Logs the medians over the layers of each kind of the router's figures of the last decode
+ * step (the graph's last replay), and frees the marks. */
+static void cb_probe_report(struct backend_cuda *c)
+{
+    if (!c->probe)
+        return;
+    const uint32_t nl = c->l1 - c->l0;
+    const size_t per = (size_t)CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS;
+    unsigned long long *m = malloc(nl * per * sizeof(*m));
+    double *f = malloc((size_t)nl * CB_PR_N * sizeof(*f));
+    double *col = malloc((nl > CUDA_PROBE_BLOCKS ? nl : CUDA_PROBE_BLOCKS) * sizeof(*col));
+    if (m && f && col && CUDA_CHECK(cudaMemcpy(m, c->probe, nl * per * sizeof(*m),
+                                                    cudaMemcpyDeviceToHost)) == 0)
+        for (int kind = 1; kind >= 0; kind--) {
+            uint32_t n = 0;
+            for (uint32_t l = c->l0; l < c->l1; l++) {
+                unsigned long long t[3];
+                if (c->m->layers[l].recurrent != (kind == 1) ||
+                    !cb_probe_layer(m + (l - c->l0) * per, f + (size_t)n * CB_PR_N, col, t))
+                    continue;
+                n++;
+                log_debug("cuda probe, the router of layer %u: first start %llu, first wait's "
+                          "return %llu, the tail's end %llu (%%globaltimer, ns)", l, t[0], t[1],
+                          t[2]);
+            }
+            if (!n)
+                continue;
+            double med[CB_PR_N];
+            for (int i = 0; i < CB_PR_N; i++) {
+                for (uint32_t j = 0; j < n; j++)
+                    col[j] = f[(size_t)j * CB_PR_N + i];
+                med[i] = cb_median(col, n);
+            }
+            log_info("cuda probe, the router after %s layers (%u, medians; last decode step): "
+                     "blocks start over %.2f us, their waits return over %.2f us; after its "
+                     "wait a block forms the row in %.2f us (%.0f cycles), its products in "
+                     "%.2f us (%.0f cycles), the last block's tail %.2f us (%.0f cycles); the "
+                     "first wait's return to the tail's end %.2f us",
+                     kind ? "DeltaNet" : "attention", n, med[CB_PR_START], med[CB_PR_WAITS],
+                     med[CB_PR_ROW], med[CB_PR_ROW_CY], med[CB_PR_PROD], med[CB_PR_PROD_CY],
+                     med[CB_PR_TAIL], med[CB_PR_TAIL_CY], med[CB_PR_AFTER]);
+        }
+    free(m);
+    free(f);
+    free(col);
+    cudaFree(c->probe);
+    c->probe = NULL;
+}
+
 static void cb_fini(struct backend *b)
 {
     struct backend_cuda *c = b->impl;
@@ -1986,6 +2108,7 @@ static void cb_fini(struct backend *b)
                  (unsigned long long)c->graph_steps, (unsigned long long)c->graph_kernels,
                  1e3 * c->graph_capture_s);
     cb_prof_report(c);
+    cb_probe_report(c);
     for (int i = 0; c->prof && i <= CB_PROF_MAX; i++)
         if (c->prof_ev[i])
             cudaEventDestroy(c->prof_ev[i]);
@@ -2132,6 +2255,14 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
         rc = CUDA_CHECK(cudaMemset(c->scratch, 0, c->scratch_size));
     rc = rc ? rc : CUDA_CHECK(cudaMemset(c->tail_ctr, 0, sizeof(*c->tail_ctr)));
     rc = rc ? rc : CUDA_CHECK(cudaMemset(c->col_ctr, 0, CUDA_TAIL_COLS_MAX * sizeof(*c->col_ctr)));
+    /* LAMINA_CUDA_PROBE=1: the decode router's marks (cuda_norm_in.probe), reported at the end */
+    const char *pe = getenv("LAMINA_CUDA_PROBE");
+    if (!rc && pe && !strcmp(pe, "1")) {
+        const size_t bytes =
+            (size_t)(c->l1 - c->l0) * CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS * sizeof(*c->probe);
+        rc = CUDA_CHECK(cudaMalloc((void **)&c->probe, bytes));
+        rc = rc ? rc : CUDA_CHECK(cudaMemset(c->probe, 0, bytes));
+    }
     /* the shared pair's id after the router's k (decode; no kernel writes it) */
     const int32_t shared_id = (int32_t)c->hp->n_expert;
     rc = rc ? rc : CUDA_CHECK(cudaMemcpy(c->ids_dec + c->hp->n_expert_used, &shared_id,

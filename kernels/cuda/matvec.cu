@@ -378,7 +378,20 @@ struct MvArgs {
     uint32_t nin_width; /* cuda_norm_threads(n) */
     float *nin_out;
     int8_t *nin_xq;
+    unsigned long long *probe; /* cuda_norm_in.probe (diagnostics), or NULL */
 };
+
+/* cuda_norm_in.probe's mark i of this block (thread 0): the time and the SM's clock. */
+__device__ __forceinline__ void probe_mark(const MvArgs &a, int i)
+{
+    if (!a.probe || threadIdx.x || blockIdx.y || blockIdx.x >= CUDA_PROBE_BLOCKS)
+        return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    unsigned long long *p = a.probe + static_cast<size_t>(blockIdx.x) * CUDA_PROBE_SLOTS;
+    p[i] = t;
+    p[8 + i] = static_cast<unsigned long long>(clock64());
+}
 
 /* The longest activation row the XS form takes: a thread's columns (n / nin_width, at most
  * kXsCols) stay in registers. */
@@ -914,6 +927,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
     const int kn = 1 << a.ks_log2, ks = warp & (kn - 1), rg = warp >> a.ks_log2;
     const uint64_t block_row0 = static_cast<uint64_t>(blockIdx.x) * (kWarps >> a.ks_log2) * R;
     const uint64_t row0 = block_row0 + static_cast<uint64_t>(rg) * R;
+    if constexpr (XS)
+        probe_mark(a, 0);
     /* PDL: the block's rows of a plain product are weights only, asked for
      * in L2 while the kernel before may still run; expert addresses need the
      * ids, activations the wait */
@@ -937,11 +952,15 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
         copy_commit();
     }
     pdl_wait();
+    if constexpr (XS)
+        probe_mark(a, 1);
     if constexpr (TAIL)
         tail_mark_ids(a.tail);
     pdl_trigger();
-    if constexpr (XS)
+    if constexpr (XS) {
         norm_in_row(a, nr, s_x);
+        probe_mark(a, 2);
+    }
     for (uint32_t job = blockIdx.y; job < a.n_jobs; job += gridDim.y) {
         const uint8_t *w = a.w;
         const float *x = XS ? s_x : a.x;
@@ -972,8 +991,12 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
         reduce_store<T, R, NS>(acc, red, a, y, block_row0, warp, lane);
         __syncthreads();
     }
+    if constexpr (XS)
+        probe_mark(a, 3);
     if constexpr (TAIL) /* its own instantiation: the others keep their registers */
         tail_finish<false>(a.tail);
+    if constexpr (XS)
+        probe_mark(a, 4);
 }
 
 /* ---- launchers ------------------------------------------------------------ */
@@ -1288,6 +1311,7 @@ extern "C" int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t r
     a.nin_width = cuda_norm_threads(static_cast<uint32_t>(n));
     a.nin_out = d_xout;
     a.nin_xq = d_xq;
+    a.probe = nin->probe;
     return launch<1>(type, a, 1, stream);
 }
 

@@ -101,7 +101,16 @@ struct cuda_norm_in {
     const float *add; /* the row added to it first (the mixer's output) */
     const float *w;   /* norm weights (n), or NULL: 1 */
     float eps;
+    /* diagnostics (LAMINA_CUDA_PROBE), NULL: none: thread 0 of each block b of the product
+     * (b < CUDA_PROBE_BLOCKS) writes CUDA_PROBE_SLOTS values at probe + b CUDA_PROBE_SLOTS:
+     * %globaltimer (ns) at its start, after its PDL wait, once the row is formed, after its
+     * products and after the tail (the launch's last block: once the tail is done) in slots
+     * 0-4, the SM's clock64 at the same points in slots 8-12 */
+    unsigned long long *probe;
 };
+
+#define CUDA_PROBE_BLOCKS 256
+#define CUDA_PROBE_SLOTS 16
 
 /* Whether a tail of this kind can follow a product with n_out outputs
  * (n_out: E for TOPK, n for ADD_NORM; COMBINE products write k rows of n).

@@ -738,10 +738,18 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     bool ok = true;
     int rc = 0;
+    /* the marked launches also leave the router's marks (cuda_norm_in.probe): the same
+     * outputs, and every block's marks in order */
+    const size_t pbytes = (size_t)CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS * sizeof(uint64_t);
+    unsigned long long *probe;
+    uint64_t *hp = malloc(pbytes);
+    CU(cudaMalloc((void **)&probe, pbytes));
+    uint32_t probed = 0, unordered = 0;
     for (int rep = 0; rep < REPS && rc == 0; rep++) {
-        const struct cuda_norm_in ni = {.h = h, .add = add + (size_t)rep * n, .w = nw,
-                                        .eps = 1e-6f};
+        CU(cudaMemset(probe, 0, pbytes));
         for (int i = 0; i < 2 && rc == 0; i++) { /* 0: plain, 1: marked and polled */
+            const struct cuda_norm_in ni = {.h = h, .add = add + (size_t)rep * n, .w = nw,
+                                            .eps = 1e-6f, .probe = i == 1 ? probe : NULL};
             poison(w[i], k * sizeof(float));
             poison(Y[i], ybytes);
             const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k,
@@ -757,6 +765,15 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
         }
         CU(cudaStreamSynchronize(st));
         CHECK(rc == 0, "ids_poll E %u: rc %d", E, rc);
+        CU(cudaMemcpy(hp, probe, pbytes, cudaMemcpyDeviceToHost));
+        for (uint32_t b = 0; !rW && b < CUDA_PROBE_BLOCKS; b++) {
+            const uint64_t *m = hp + (size_t)b * CUDA_PROBE_SLOTS;
+            if (!m[0])
+                continue;
+            probed++;
+            for (int j = 1; j < 5; j++)
+                unordered += m[j] < m[j - 1] || m[8 + j] < m[8 + j - 1];
+        }
         snprintf(what, sizeof(what), "ids_poll %s router %s E %u k %u launch %d: ids",
                  quant_type_name(type), quant_type_name(rtype), E, k, rep);
         ok &= same(ids[0], ids[1], k * sizeof(int32_t), what);
@@ -768,6 +785,10 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
         ok &= same(Y[0], Y[1], ybytes, what);
     }
     CHECK(counter_value(ctr) == 0, "ids_poll: counter %u after the launches", counter_value(ctr));
+    CHECK(rW || probed > 0, "ids_poll E %u: the router left no marks", E);
+    CHECK(unordered == 0, "ids_poll E %u: %u of the router's marks out of order", E, unordered);
+    cudaFree(probe);
+    free(hp);
     printf("ids_poll %s router %s E %u k %u n %u F %u: %s over %d launches\n",
            quant_type_name(type), quant_type_name(rtype), E, k, n, F,
            ok ? "identical" : "DIFFERENT", REPS);
