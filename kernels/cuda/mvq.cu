@@ -68,7 +68,9 @@ constexpr int kThreads = 256;
 static_assert(kThreads == kTailThreads, "cuda tails assume blocks of kTailThreads");
 constexpr int kWarps = kThreads / 32;
 constexpr uint32_t kMaxN = 16384; /* activation elements held in shared memory */
-constexpr size_t kPrefetch = 64 * 1024; /* weight bytes a block asks for in L2 before its wait */
+/* weight bytes a block asks for in L2 before its wait: 32 KiB decodes 1.6 % faster than 64 on an
+ * H200 with pdl.cuh's 50 % shared memory split (docs/perf.md, twenty-fifth session) */
+constexpr size_t kPrefetch = 32 * 1024;
 
 struct MvqArgs {
     const uint8_t *w;             /* plain product: the matrix */
