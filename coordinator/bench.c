@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "common/log.h"
+#include "common/stats.h"
 #include "model/arch.h"
 #include "model/gguf.h"
 #include "coordinator/engine.h"
@@ -92,17 +93,10 @@ static int bench_tg(struct bench_job *j, double *tps)
     return rc;
 }
 
-static int bench_cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Median and half the min-max range of n samples (sorted in place). */
 static void bench_stats(double *v, uint32_t n, double *median, double *spread)
 {
-    qsort(v, n, sizeof(double), bench_cmp);
-    *median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    *median = stats_median(v, n);
     *spread = 0.5 * (v[n - 1] - v[0]);
 }
 

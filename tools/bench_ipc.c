@@ -22,6 +22,7 @@
 #include <zmq.h>
 
 #include "common/log.h"
+#include "common/stats.h"
 #include "coordinator/expert_pool.h"
 #include "ipc/wire.h"
 #include "kernels/cpu/threadpool.h"
@@ -33,12 +34,6 @@ static double bench_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int bench_cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 static int bench_cmp_u32(const void *a, const void *b)
@@ -93,7 +88,7 @@ static void bench_echo(const char *ep, int type, int width, int rounds)
 
 static void bench_report(const char *what, double *v, int n)
 {
-    qsort(v, (size_t)n, sizeof(double), bench_cmp);
+    qsort(v, (size_t)n, sizeof(double), stats_cmp_double);
     printf("%-44s median %7.1f us   p99 %7.1f us   (n = %d)\n", what, v[n / 2] * 1e6,
            v[(int)(n * 0.99)] * 1e6, n);
 }

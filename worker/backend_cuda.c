@@ -135,6 +135,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "common/stats.h"
 #include "kernels/cuda/deltanet.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/mmq.h"
@@ -1981,21 +1982,6 @@ static void cb_pass_done(struct backend_cuda *c)
 
 /* ---- the router's marks (LAMINA_CUDA_PROBE=1) ---- */
 
-static int cb_cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* The median of v[0..n) (sorted in place), 0 for none. */
-static double cb_median(double *v, size_t n)
-{
-    if (!n)
-        return 0.0;
-    qsort(v, n, sizeof(*v), cb_cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 enum { CB_PR_START, CB_PR_WAITS, CB_PR_ROW, CB_PR_ROW_CY, CB_PR_PROD, CB_PR_PROD_CY, CB_PR_TAIL,
        CB_PR_TAIL_CY, CB_PR_AFTER, CB_PR_N };
 
@@ -2038,7 +2024,7 @@ static bool cb_probe_layer(const unsigned long long *m, double *f, double *scrat
                 if (m[b * CUDA_PROBE_SLOTS] && m[b * CUDA_PROBE_SLOTS + 4])
                     scratch[n++] = (double)(p[from[k] + 1] - p[from[k]]) * (cy ? 1.0 : 1e-3);
             }
-            f[slot[k] + cy] = cb_median(scratch, n);
+            f[slot[k] + cy] = stats_median(scratch, n);
         }
     const unsigned long long *p = m + last * CUDA_PROBE_SLOTS;
     f[CB_PR_TAIL] = 1e-3 * (double)(p[4] - p[3]);
@@ -2077,7 +2063,7 @@ static void cb_probe_report(struct backend_cuda *c)
             for (int i = 0; i < CB_PR_N; i++) {
                 for (uint32_t j = 0; j < n; j++)
                     col[j] = f[(size_t)j * CB_PR_N + i];
-                med[i] = cb_median(col, n);
+                med[i] = stats_median(col, n);
             }
             log_info("cuda probe, the router after %s layers (%u, medians; last decode step): "
                      "blocks start over %.2f us, their waits return over %.2f us; after its "

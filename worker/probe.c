@@ -17,6 +17,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "common/stats.h"
 #include "kernels/cpu/matvec.h"
 #include "kernels/cpu/threadpool.h"
 #include "model/quant.h"
@@ -46,18 +47,6 @@ static double probe_now(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static int probe_cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double probe_median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), probe_cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static void probe_gemv_task(void *ctx, int64_t task, int thread)
 {
     (void)thread;
@@ -84,7 +73,7 @@ static void probe_cpu_passes(struct threadpool *pool, struct probe_gemv *g, int6
         threadpool_run(pool, probe_gemv_task, g, tasks);
         t[r] = probe_now() - t0;
     }
-    const double s = probe_median(t, PROBE_REPEATS);
+    const double s = stats_median(t, PROBE_REPEATS);
     *bw = (double)(g->n_rows * g->row_bytes) / (s > 0 ? s : 1e-9);
 }
 
@@ -166,7 +155,7 @@ static int probe_cuda_time(struct probe_cuda *p, int kind, uint32_t type, size_t
         if (r >= 0)
             t[r] = 1e-3 * ms;
     }
-    *secs = probe_median(t, PROBE_REPEATS);
+    *secs = stats_median(t, PROBE_REPEATS);
     return 0;
 }
 

@@ -34,6 +34,7 @@
 #include <cupti.h>
 
 #include "common/log.h"
+#include "common/stats.h"
 #include "model/arch.h"
 #include "model/gguf.h"
 #include "model/quant.h"
@@ -112,20 +113,6 @@ static int gt_cmp_start(const void *a, const void *b)
 {
     const struct gt_rec *x = a, *y = b;
     return x->start < y->start ? -1 : x->start > y->start;
-}
-
-static int gt_cmp_dbl(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double gt_median(double *v, size_t n)
-{
-    if (!n)
-        return 0;
-    qsort(v, n, sizeof(*v), gt_cmp_dbl);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static double gt_now(void)
@@ -286,13 +273,13 @@ int main(int argc, char **argv)
         fclose(out);
     double *sp = malloc(steps * sizeof(double));
     memcpy(sp, span, steps * sizeof(double));
-    const double med_span = gt_median(sp, (size_t)steps);
+    const double med_span = stats_median(sp, (size_t)steps);
     for (int s = 0; s < steps; s++)
         median_step = span[s] == med_span ? (size_t)s : median_step;
     printf("graph_trace: %s, %d traced decode steps, %zu kernels per step (%llu records "
            "dropped)\n", model, steps, per_step, (unsigned long long)gt_dropped);
     printf("step wall (host) median %.1f us; kernel span (device) median %.1f us\n",
-           gt_median(wall, (size_t)steps), med_span);
+           stats_median(wall, (size_t)steps), med_span);
     printf("\nkernels of step %zu in start order (us from its first start):\n", median_step);
     printf("%5s  %-32s %6s %5s %10s %10s %8s %8s\n", "#", "kernel", "grid", "block", "start",
            "end", "dur", "incr");
@@ -322,8 +309,8 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < n_keys; i++) {
         const double inc_step = keys[i].inc_sum / steps;
         printf("%-32s %6d %5d %8.1f %10.2f %10.2f %12.1f\n", keys[i].name, keys[i].grid,
-               keys[i].block, (double)keys[i].n / steps, gt_median(keys[i].dur, keys[i].n),
-               gt_median(keys[i].inc, keys[i].n), inc_step);
+               keys[i].block, (double)keys[i].n / steps, stats_median(keys[i].dur, keys[i].n),
+               stats_median(keys[i].inc, keys[i].n), inc_step);
         free(keys[i].dur);
         free(keys[i].inc);
     }
