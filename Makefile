@@ -15,6 +15,9 @@ CUDA_ARCHS := -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_75,code=
 # products take minutes per architecture: one after the other they were the
 # build's longest path)
 NVCC_THREADS ?= 2
+# NVCC_DEFS: extra defines for the CUDA files (-DLAMINA_MVQ_PROBE: the int8
+# products' marks for LAMINA_CUDA_PROBE, a diagnostic build; kernels/cuda/mvq.h)
+NVCC_DEFS ?=
 
 ifdef SAN
 BUILD   := build/san
@@ -78,7 +81,7 @@ $(LIB_OBJS) $(TESTS:%=%.o) $(TOOLS:%=%.o) $(BUILD)/coordinator/main.o $(BUILD)/w
 
 $(BUILD)/kernels/cuda/%.o: kernels/cuda/%.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -std=c++17 -I. $(CUDA_ARCHS) --threads $(NVCC_THREADS) -Xcompiler -Wall,-Werror \
+	$(NVCC) -O3 -std=c++17 -I. $(CUDA_ARCHS) $(NVCC_DEFS) --threads $(NVCC_THREADS) -Xcompiler -Wall,-Werror \
 	    -MMD -MP -c $< -o $@
 
 $(CUDA_LIB): $(CU_OBJS)

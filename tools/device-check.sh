@@ -13,6 +13,8 @@
 #     .fixtures/, and packs .devbin and .fixtures into .devpack.tar.xz. All
 #     are ignored by git (.git/info/exclude); the call carries
 #     .devpack.tar.xz and .devdebs (run unpacks the pack).
+#     BASE_BIN=PATH also packs that lamina as .devbin/lamina-base, for an A/B in
+#     one call: BENCH_VARIANTS=";LAMINA_BIN=.devbin/lamina-base" (see bench).
 # There (the device call runs it from the repository root; logs go to $OUT):
 #   tools/device-check.sh run [tests] [bench] [profile] [llama]
 #     tests    run every GPU test (what `make test-gpu` runs) from .devbin/
@@ -58,6 +60,9 @@ stage() {
     # shellcheck disable=SC2086
     [ -z "$gpu_tests" ] || cp $gpu_tests .devbin/tests/gpu/
     cp $B/tools/bench_ipc .devbin/tools/ 2>/dev/null
+    # BASE_BIN=PATH: a baseline lamina built elsewhere (e.g. from another commit), as
+    # .devbin/lamina-base for bench variants with LAMINA_BIN
+    [ -z "${BASE_BIN:-}" ] || cp "$BASE_BIN" .devbin/lamina-base || exit 1
     # tools/cuda/graph_trace where CUPTI is here, with NVIDIA's libcupti (the machine's
     # toolkit may lack it)
     CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
@@ -66,7 +71,7 @@ stage() {
             $B/tools/graph_trace && cp $B/tools/graph_trace .devbin/tools/ &&
             cp -L "$CUDA_HOME"/lib64/libcupti.so.* .devbin/lib/ 2>/dev/null
     fi
-    strip .devbin/lamina .devbin/lamina-worker .devbin/tests/gpu/* .devbin/tools/* 2>/dev/null
+    strip .devbin/lamina* .devbin/tests/gpu/* .devbin/tools/* 2>/dev/null
     mkdir -p .devdebs
     if ! ls .devdebs/libzmq5_*.deb >/dev/null 2>&1; then
         (cd .devdebs && apt-get download libzmq5 libsodium23 libpgm-5.3-0 libnorm1 \
@@ -151,21 +156,25 @@ tests() {
 }
 
 # BENCH_VARIANTS: environment settings separated by ';' (e.g. "LAMINA_CUDA_PDL=0;
-# LAMINA_CUDA_FUSE=0"), each one more bench run after the default one.
+# LAMINA_CUDA_FUSE=0"), each one more bench run after the default one. A variant's
+# LAMINA_BIN=PATH runs that binary instead of .devbin/lamina (a baseline staged with
+# BASE_BIN, as .devbin/lamina-base: the same call's A/B).
 bench() {
-    local m=.models/q3n-80b-q4_0.gguf v
+    local m=.models/q3n-80b-q4_0.gguf v bin
     mkdir -p .models
     [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
         --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
     { echo; [ -z "${BENCH_VARIANTS:-}" ] || echo "$BENCH_VARIANTS" | tr ';' '\n'; } |
         while read -r v; do
             echo "== lamina bench ${v:-(default)}"
+            bin=$(echo "$v" | sed -n 's/.*LAMINA_BIN=\([^ ]*\).*/\1/p')
             # shellcheck disable=SC2086
-            env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 128 -r 5 --inproc \
+            env $v LAMINA_LOG=info "${bin:-.devbin/lamina}" bench -m $m -p 512 -n 128 -r 5 --inproc \
                 --backend cuda:0 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
                 grep -v " info: "
             [ -z "${BENCH_DEPTH:-}" ] ||
-                env $v LAMINA_LOG=info .devbin/lamina bench -m $m -p 0 -n 128 -d "$BENCH_DEPTH" \
+                env $v LAMINA_LOG=info "${bin:-.devbin/lamina}" bench -m $m -p 0 -n 128 \
+                    -d "$BENCH_DEPTH" \
                     -r 5 --inproc --backend cuda:0 --no-membw 2>&1 </dev/null |
                     tee -a "$OUT/bench-lamina.txt" | grep "tg128"
         done

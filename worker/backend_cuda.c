@@ -127,6 +127,7 @@
 #ifdef LAMINA_CUDA
 
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -265,6 +266,10 @@ struct backend_cuda {
     unsigned long long *probe;        /* LAMINA_CUDA_PROBE=1: the decode router's marks
                                        * (cuda_norm_in.probe), CUDA_PROBE_BLOCKS x
                                        * CUDA_PROBE_SLOTS a layer; reported at the end */
+    unsigned long long *probe_mvq;    /* and the int8 products' (cuda_mvq_probe_next),
+                                       * CB_PQ_N x CUDA_PROBE_MVQ_BLOCKS x CUDA_PROBE_SLOTS
+                                       * a layer */
+    uint32_t probe_l;                 /* the layer being enqueued */
     bool ids_poll;                    /* LAMINA_CUDA_IDS_POLL: the router's top-k tail marks
                                        * the ids it will pick and the decode gate/up
                                        * product's blocks poll them before their PDL wait,
@@ -1156,6 +1161,20 @@ static void cb_unlaunch(struct backend_cuda *c)
         c->prof_n--;
 }
 
+/* The int8 decode products that LAMINA_CUDA_PROBE=1 marks (cuda_mvq_probe_next). */
+enum { CB_PQ_IN, CB_PQ_OUT, CB_PQ_GATE_UP, CB_PQ_DOWN, CB_PQ_N };
+
+/* Points the next int8 product's marks at kind q of the layer being enqueued (a decode
+ * step with the probe on), or at none (q < 0: after the launch). */
+static void cb_probe_next(const struct backend_cuda *c, int q)
+{
+    if (!c->probe_mvq || !c->decoding)
+        return;
+    const size_t per = (size_t)CUDA_PROBE_MVQ_BLOCKS * CUDA_PROBE_SLOTS;
+    cuda_mvq_probe_next(q < 0 ? NULL
+                              : c->probe_mvq + ((size_t)(c->probe_l - c->l0) * CB_PQ_N + q) * per);
+}
+
 static int cb_mm(struct backend_cuda *c, const char *label, const struct cb_mat *w,
                  const float *X, size_t ldx, uint32_t S, float *Y, size_t ldy)
 {
@@ -1180,8 +1199,10 @@ static int cb_mm(struct backend_cuda *c, const char *label, const struct cb_mat 
 static int cb_mm_in(struct backend_cuda *c, const char *label, const struct cb_mat *w, float *Y)
 {
     if (c->xq_ready) {
+        cb_probe_next(c, CB_PQ_IN);
         const int rc = CB_K(c, label, cuda_mvq_xq(w->type, w->d, w->row_bytes, w->n_out,
                                                   w->n_in, c->xq, Y, c->stream));
+        cb_probe_next(c, -1);
         if (rc != -ENOTSUP)
             return rc;
         cb_unlaunch(c);
@@ -1207,8 +1228,10 @@ static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb
 static int cb_mm_yq(struct backend_cuda *c, const char *label, const struct cb_mat *w,
                     const int8_t *xq, const float *X, float *Y, const struct cuda_tail *t)
 {
+    cb_probe_next(c, CB_PQ_OUT);
     const int rc = CB_K(c, label, cuda_mvq_xq_tail(w->type, w->d, w->row_bytes, w->n_out,
                                                    w->n_in, xq, Y, t, c->stream));
+    cb_probe_next(c, -1);
     if (rc != -ENOTSUP)
         return rc;
     cb_unlaunch(c);
@@ -1481,6 +1504,7 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
         const struct arch_matrix *g = ly->gate_exps.data ? &ly->gate_exps : &ly->gate_up_exps;
         rc = -ENOTSUP;
         if (S == 1 && c->prefetch && cuda_mvq_pays(n, 2 * F)) { /* the down experts into L2 */
+            cb_probe_next(c, CB_PQ_GATE_UP);
             rc = CB_K(c, "moe.gate_up", cuda_mvq_experts_prefetch(
                                             g->type, L->tab_gate, g->row_bytes, 2 * F, n, pr->ids,
                                             P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
@@ -1488,6 +1512,7 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
                                             c->early && !c->skip && c->x_early, xq,
                                             c->ids_poll && (c->tails & CB_TAIL_TOPK),
                                             c->pf_after, c->stream));
+            cb_probe_next(c, -1);
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }
@@ -1522,9 +1547,11 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
         cb_unlaunch(c);
     }
     if (S == 1) { /* the SiLU gate inside, the combine after where it is a tail: one launch */
+        cb_probe_next(c, CB_PQ_DOWN);
         rc = CB_K(c, "moe.down", cuda_mvq_experts_glu_tail(d->type, L->tab_down, d->row_bytes, n,
                                                           F, pr->ids, early, P, c->gu, 2 * F,
                                                           true, c->Y, combine, c->stream));
+        cb_probe_next(c, -1);
         *combined = rc == 0 && combine;
         if (rc != -ENOTSUP)
             return rc;
@@ -1797,6 +1824,7 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
                       !(c->tails & CB_TAIL_COMBINE);
     for (uint32_t l = c->l0; l < c->l1; l++) {
         const struct cb_layer *L = &c->layers[l - c->l0];
+        c->probe_l = l;
         cb_stage_mark(c, l, CB_STAGE_MIXER, 0, c->stream);
         /* the first layer normalises h; the others got c->xa from the
          * previous layer's combine, the same bits (cuda_rmsnorm_wide) */
@@ -2032,8 +2060,143 @@ static bool cb_probe_layer(const unsigned long long *m, double *f, double *scrat
     return true;
 }
 
+/* The int8 products' figures a layer (cuda_mvq_probe_next's marks), in us: their blocks'
+ * starts and waits' spreads, the medians over blocks of the times from a block's wait to
+ * its activations, its first tile, its outputs and its end, the last end after the first
+ * wait, the first wait after the kernel before's end and the next one's first wait after
+ * the last end (NAN where not marked), gate/up's polled ids after the router's tail (median
+ * block, last block). */
+enum { CB_PQF_START, CB_PQF_WAITS, CB_PQF_X, CB_PQF_DATA, CB_PQF_STORED, CB_PQF_END,
+       CB_PQF_SPAN, CB_PQF_PREV, CB_PQF_NEXT, CB_PQF_POLL, CB_PQF_POLL_MAX, CB_PQF_N };
+
+/* Kind q's blocks' figures (f[CB_PQF_START..SPAN], POLL, POLL_MAX against router_end, 0:
+ * none) and its first wait and last end in t[0..1]: false where no block left its marks. */
+static bool cb_probe_mvq(const unsigned long long *m, unsigned long long router_end, double *f,
+                         double *scratch, unsigned long long t[2])
+{
+    enum { S = CUDA_PROBE_SLOTS };
+    unsigned long long s0 = ~0ull, s0x = 0, w0 = ~0ull, w0x = 0, ex = 0, px = 0;
+    size_t nb = 0;
+    for (size_t b = 0; b < CUDA_PROBE_MVQ_BLOCKS; b++) {
+        const unsigned long long *p = m + b * S;
+        if (!p[CUDA_PROBE_MVQ_START] || !p[CUDA_PROBE_MVQ_WAITED] || !p[CUDA_PROBE_MVQ_END])
+            continue;
+        s0 = p[0] < s0 ? p[0] : s0;
+        s0x = p[0] > s0x ? p[0] : s0x;
+        w0 = p[CUDA_PROBE_MVQ_WAITED] < w0 ? p[CUDA_PROBE_MVQ_WAITED] : w0;
+        w0x = p[CUDA_PROBE_MVQ_WAITED] > w0x ? p[CUDA_PROBE_MVQ_WAITED] : w0x;
+        ex = p[CUDA_PROBE_MVQ_END] > ex ? p[CUDA_PROBE_MVQ_END] : ex;
+        px = p[CUDA_PROBE_MVQ_POLLED] > px ? p[CUDA_PROBE_MVQ_POLLED] : px;
+        nb++;
+    }
+    if (!nb)
+        return false;
+    t[0] = w0;
+    t[1] = ex;
+    f[CB_PQF_START] = 1e-3 * (double)(s0x - s0);
+    f[CB_PQF_WAITS] = 1e-3 * (double)(w0x - w0);
+    f[CB_PQF_SPAN] = 1e-3 * (double)(ex - w0);
+    const int to[4] = {CUDA_PROBE_MVQ_X, CUDA_PROBE_MVQ_DATA, CUDA_PROBE_MVQ_STORED,
+                       CUDA_PROBE_MVQ_END};
+    for (int k = 0; k < 5; k++) {
+        size_t n = 0;
+        for (size_t b = 0; b < CUDA_PROBE_MVQ_BLOCKS; b++) {
+            const unsigned long long *p = m + b * S;
+            if (!p[CUDA_PROBE_MVQ_START] || !p[CUDA_PROBE_MVQ_WAITED] || !p[CUDA_PROBE_MVQ_END])
+                continue;
+            if (k < 4 && p[to[k]] >= p[CUDA_PROBE_MVQ_WAITED])
+                scratch[n++] = 1e-3 * (double)(p[to[k]] - p[CUDA_PROBE_MVQ_WAITED]);
+            else if (k == 4 && router_end && p[CUDA_PROBE_MVQ_POLLED])
+                scratch[n++] = 1e-3 * ((double)p[CUDA_PROBE_MVQ_POLLED] - (double)router_end);
+        }
+        f[k < 4 ? CB_PQF_X + k : CB_PQF_POLL] = n ? stats_median(scratch, n) : NAN;
+    }
+    f[CB_PQF_POLL_MAX] = router_end && px ? 1e-3 * ((double)px - (double)router_end) : NAN;
+    return true;
+}
+
+/* Logs the medians over the layers of each kind of the int8 products' figures (cb_probe_mvq)
+ * of the last decode step; rt: the router's first start, first wait and tail end a layer
+ * (0: none). */
+static void cb_probe_mvq_report(struct backend_cuda *c, const unsigned long long *rt)
+{
+    static const char *const names[CB_PQ_N] = {"input product", "output product",
+                                               "gate/up product", "down product"};
+    const uint32_t nl = c->l1 - c->l0;
+    const size_t per = (size_t)CUDA_PROBE_MVQ_BLOCKS * CUDA_PROBE_SLOTS;
+    unsigned long long *m = malloc(nl * CB_PQ_N * per * sizeof(*m));
+    double *f = malloc((size_t)nl * CB_PQ_N * CB_PQF_N * sizeof(*f));
+    double *col = malloc(CUDA_PROBE_MVQ_BLOCKS * sizeof(*col));
+    if (!m || !f || !col || CUDA_CHECK(cudaMemcpy(m, c->probe_mvq, nl * CB_PQ_N * per * sizeof(*m),
+                                                  cudaMemcpyDeviceToHost)))
+        goto out;
+    for (uint32_t i = 0; i < nl; i++) {
+        unsigned long long t[CB_PQ_N][2];
+        bool ok[CB_PQ_N];
+        double *fi = f + (size_t)i * CB_PQ_N * CB_PQF_N;
+        for (int q = 0; q < CB_PQ_N; q++) {
+            double *fq = fi + q * CB_PQF_N;
+            ok[q] = cb_probe_mvq(m + ((size_t)i * CB_PQ_N + q) * per,
+                                 q == CB_PQ_GATE_UP ? rt[3 * i + 2] : 0, fq, col, t[q]);
+            fq[CB_PQF_PREV] = fq[CB_PQF_NEXT] = NAN;
+            if (!ok[q])
+                fq[CB_PQF_START] = NAN; /* no marks: left out below */
+        }
+        /* the chain: output -> router -> gate/up -> down */
+        if (ok[CB_PQ_OUT] && rt[3 * i + 1])
+            fi[CB_PQ_OUT * CB_PQF_N + CB_PQF_NEXT] =
+                1e-3 * ((double)rt[3 * i + 1] - (double)t[CB_PQ_OUT][1]);
+        if (ok[CB_PQ_GATE_UP] && rt[3 * i + 2])
+            fi[CB_PQ_GATE_UP * CB_PQF_N + CB_PQF_PREV] =
+                1e-3 * ((double)t[CB_PQ_GATE_UP][0] - (double)rt[3 * i + 2]);
+        if (ok[CB_PQ_GATE_UP] && ok[CB_PQ_DOWN]) {
+            const double d = 1e-3 * ((double)t[CB_PQ_DOWN][0] - (double)t[CB_PQ_GATE_UP][1]);
+            fi[CB_PQ_GATE_UP * CB_PQF_N + CB_PQF_NEXT] = d;
+            fi[CB_PQ_DOWN * CB_PQF_N + CB_PQF_PREV] = d;
+        }
+    }
+    for (int kind = 1; kind >= 0; kind--)
+        for (int q = 0; q < CB_PQ_N; q++) {
+            double med[CB_PQF_N];
+            uint32_t layers = 0;
+            for (int k = 0; k < CB_PQF_N; k++) {
+                uint32_t n = 0;
+                layers = 0;
+                for (uint32_t i = 0; i < nl; i++) {
+                    const double *fq = f + ((size_t)i * CB_PQ_N + q) * CB_PQF_N;
+                    if (c->m->layers[c->l0 + i].recurrent != (kind == 1) ||
+                        isnan(fq[CB_PQF_START]))
+                        continue;
+                    layers++;
+                    const double v = fq[k];
+                    if (!isnan(v))
+                        col[n++] = v;
+                }
+                med[k] = n ? stats_median(col, n) : NAN;
+            }
+            if (!layers)
+                continue;
+            log_info("cuda probe, the %s of %s layers (%u, medians; last decode step): blocks "
+                     "start over %.2f us, their waits return over %.2f us; after its wait a "
+                     "block has its activations in %.2f us, its first tile (tma) in %.2f us, its "
+                     "outputs stored in %.2f us, its end in %.2f us; the last end %.2f us after "
+                     "the first wait; the first wait %.2f us after the launch before's end, the "
+                     "launch after's %.2f us after the last end; ids polled %.2f us after the "
+                     "router's tail (the last block %.2f)",
+                     names[q], kind ? "DeltaNet" : "attention", layers, med[CB_PQF_START],
+                     med[CB_PQF_WAITS], med[CB_PQF_X], med[CB_PQF_DATA], med[CB_PQF_STORED],
+                     med[CB_PQF_END], med[CB_PQF_SPAN], med[CB_PQF_PREV], med[CB_PQF_NEXT],
+                     med[CB_PQF_POLL], med[CB_PQF_POLL_MAX]);
+        }
+out:
+    free(m);
+    free(f);
+    free(col);
+}
+
 /* Logs the medians over the layers of each kind of the router's figures of the last decode
- * step (the graph's last replay), and frees the marks. */
+ * step (the graph's last replay), then the int8 products' (cb_probe_mvq_report), and frees
+ * the marks. */
 static void cb_probe_report(struct backend_cuda *c)
 {
     if (!c->probe)
@@ -2043,12 +2206,13 @@ static void cb_probe_report(struct backend_cuda *c)
     unsigned long long *m = malloc(nl * per * sizeof(*m));
     double *f = malloc((size_t)nl * CB_PR_N * sizeof(*f));
     double *col = malloc((nl > CUDA_PROBE_BLOCKS ? nl : CUDA_PROBE_BLOCKS) * sizeof(*col));
-    if (m && f && col && CUDA_CHECK(cudaMemcpy(m, c->probe, nl * per * sizeof(*m),
-                                                    cudaMemcpyDeviceToHost)) == 0)
+    unsigned long long *rt = calloc((size_t)nl * 3, sizeof(*rt));
+    if (m && f && col && rt && CUDA_CHECK(cudaMemcpy(m, c->probe, nl * per * sizeof(*m),
+                                                          cudaMemcpyDeviceToHost)) == 0)
         for (int kind = 1; kind >= 0; kind--) {
             uint32_t n = 0;
             for (uint32_t l = c->l0; l < c->l1; l++) {
-                unsigned long long t[3];
+                unsigned long long *t = rt + 3 * (size_t)(l - c->l0);
                 if (c->m->layers[l].recurrent != (kind == 1) ||
                     !cb_probe_layer(m + (l - c->l0) * per, f + (size_t)n * CB_PR_N, col, t))
                     continue;
@@ -2074,11 +2238,16 @@ static void cb_probe_report(struct backend_cuda *c)
                      med[CB_PR_ROW], med[CB_PR_ROW_CY], med[CB_PR_PROD], med[CB_PR_PROD_CY],
                      med[CB_PR_TAIL], med[CB_PR_TAIL_CY], med[CB_PR_AFTER]);
         }
+    if (rt && c->probe_mvq)
+        cb_probe_mvq_report(c, rt);
     free(m);
     free(f);
     free(col);
+    free(rt);
     cudaFree(c->probe);
+    cudaFree(c->probe_mvq);
     c->probe = NULL;
+    c->probe_mvq = NULL;
 }
 
 static void cb_fini(struct backend *b)
@@ -2248,6 +2417,15 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
             (size_t)(c->l1 - c->l0) * CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS * sizeof(*c->probe);
         rc = CUDA_CHECK(cudaMalloc((void **)&c->probe, bytes));
         rc = rc ? rc : CUDA_CHECK(cudaMemset(c->probe, 0, bytes));
+        /* the int8 products' marks where the kernels were built with them */
+        const size_t qbytes = (size_t)(c->l1 - c->l0) * CB_PQ_N * CUDA_PROBE_MVQ_BLOCKS *
+                              CUDA_PROBE_SLOTS * sizeof(*c->probe_mvq);
+        if (!cuda_mvq_probe_built())
+            log_info("cuda probe: the router's marks only (the int8 products mark in a build "
+                     "with make NVCC_DEFS=-DLAMINA_MVQ_PROBE)");
+        else
+            rc = rc ? rc : CUDA_CHECK(cudaMalloc((void **)&c->probe_mvq, qbytes));
+        rc = rc || !c->probe_mvq ? rc : CUDA_CHECK(cudaMemset(c->probe_mvq, 0, qbytes));
     }
     /* the shared pair's id after the router's k (decode; no kernel writes it) */
     const int32_t shared_id = (int32_t)c->hp->n_expert;

@@ -111,7 +111,29 @@ struct MvqArgs {
     const float *nin_w;           /* norm in (plain products): x is a residual row h, */
     float nin_eps;                /* the product reads rmsnorm(h) * nin_w (NULL: 1) in */
     uint32_t nin_width;           /* cuda_rmsnorm_wide's tree of this width (0: off) */
+    unsigned long long *probe;    /* cuda_mvq_probe_next's marks, or NULL */
 };
+
+/* Mark i of this block (cuda_mvq_probe_next), by thread 0, in a build with
+ * LAMINA_MVQ_PROBE only: each call sits beside a barrier or a wait the
+ * kernel has anyway, but compiled in, the marks cost the decode 1.6 % with
+ * the probe off (an H200, docs/perf.md, twenty-sixth session). */
+__device__ __forceinline__ void probe_mark(const MvqArgs &a, int i)
+{
+#ifdef LAMINA_MVQ_PROBE
+    if (!a.probe || threadIdx.x)
+        return;
+    const uint32_t b = blockIdx.y * gridDim.x + blockIdx.x;
+    if (b >= CUDA_PROBE_MVQ_BLOCKS)
+        return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    a.probe[static_cast<size_t>(b) * CUDA_PROBE_SLOTS + i] = t;
+#else
+    (void)a;
+    (void)i;
+#endif
+}
 
 /* Asks for this block's tiles of rows (blockIdx.x, + gridDim.x, ...) in L2,
  * at most kPrefetch bytes; tiles are rows_per_tile consecutive rows. */
@@ -256,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     __shared__ uint64_t s_bar;
     uint32_t phase = 0;    /* parity of the barrier phase the next wait waits for */
     bool inflight = false; /* a copy issued and not yet waited for (block-uniform) */
+    probe_mark(a, CUDA_PROBE_MVQ_START);
     if (ST && threadIdx.x == 0)
         tma_bar_init(&s_bar);
     auto tile_src = [&](const uint8_t *base, uint32_t t) {
@@ -393,6 +416,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                 if (ST && w0)
                     tma_issue(w0, tile);
             }
+            probe_mark(a, CUDA_PROBE_MVQ_POLLED);
             __syncthreads();
             e = s_id;
             w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
@@ -420,6 +444,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     if (a.x_early && !a.xq)
         prep_x();
     pdl_wait();
+    probe_mark(a, CUDA_PROBE_MVQ_WAITED);
     if constexpr (TAIL) /* a quantized router's top-k tail marks its ids as matvec.cu's does */
         tail_mark_ids(a.tail);
     pdl_trigger();
@@ -459,6 +484,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         prep_x();
     }
     __syncthreads();
+    probe_mark(a, CUDA_PROBE_MVQ_X);
 
     for (; tile < n_tiles; tile += gridDim.x) {
     row0 = (tile * (kThreads / G) + grp) * R;
@@ -467,6 +493,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         tma_wait(&s_bar, phase);
         phase ^= 1;
         inflight = false;
+        probe_mark(a, CUDA_PROBE_MVQ_DATA);
         s_rows = s_w + (reinterpret_cast<uintptr_t>(tile_src(w, tile)) & 15) +
                  static_cast<size_t>(grp * R) * a.row_bytes;
     }
@@ -525,8 +552,10 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
      * instantiation spills) */
     if (a.pf_after && a.pf_addr && a.ids && threadIdx.x == 0)
         prefetch_next(a, __ldcg(a.ids + job));
+    probe_mark(a, CUDA_PROBE_MVQ_STORED);
     if constexpr (TAIL) /* its own instantiation: the others keep their registers */
         tail_finish<true>(a.tail, gs, a.early);
+    probe_mark(a, CUDA_PROBE_MVQ_END);
 }
 
 /* Two blocks per SM of the current device: the blocks a launch should have
@@ -565,10 +594,15 @@ bool tma_wanted(const MvqArgs &a)
  * (cuda_mvq_last_tma; tests). */
 thread_local bool last_tma = false;
 
+/* cuda_mvq_probe_next's marks for this thread's next launch. */
+thread_local unsigned long long *next_probe = nullptr;
+
 template <int TYPE, int G, int U, int R>
 int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
 {
     MvqArgs a = args;
+    a.probe = next_probe;
+    next_probe = nullptr;
     const uint32_t rows_per_block = (kThreads / G) * R;
     const uint32_t tiles = (a.n_rows + rows_per_block - 1) / rows_per_block;
     /* one product: at most two blocks per SM, each looping over tiles */
@@ -798,6 +832,20 @@ extern "C" int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uin
 extern "C" bool cuda_mvq_last_tma(void)
 {
     return last_tma;
+}
+
+extern "C" void cuda_mvq_probe_next(unsigned long long *p)
+{
+    next_probe = p;
+}
+
+extern "C" bool cuda_mvq_probe_built(void)
+{
+#ifdef LAMINA_MVQ_PROBE
+    return true;
+#else
+    return false;
+#endif
 }
 
 extern "C" size_t cuda_mvq_xq_bytes(uint64_t n)

@@ -79,6 +79,26 @@ bool cuda_mvq_pays(uint64_t n, uint64_t n_rows);
  * tests. */
 bool cuda_mvq_last_tma(void);
 
+/* Diagnostics (LAMINA_CUDA_PROBE), in a build with LAMINA_MVQ_PROBE defined
+ * (`make NVCC_DEFS=-DLAMINA_MVQ_PROBE`; cuda_mvq_probe_built says; without,
+ * p is never written): the next launch of these kernels by the
+ * calling thread has thread 0 of each block b (grid.x * y + x, b <
+ * CUDA_PROBE_MVQ_BLOCKS) write %globaltimer (ns) into p[b * CUDA_PROBE_SLOTS
+ * + i] at CUDA_PROBE_MVQ_START (its start), _POLLED (ids_poll: its id
+ * polled), _WAITED (its PDL wait returned), _X (its activations in shared
+ * memory), _DATA (tma: its tile arrived), _STORED (its outputs
+ * stored and, pf_after, the next product's share asked for) and _END (after
+ * the tail); slots it does not reach stay as they
+ * were. The outputs are those of a launch without. NULL: none. A launch
+ * these kernels do not take leaves p for the next one: set NULL after. */
+enum {
+    CUDA_PROBE_MVQ_START, CUDA_PROBE_MVQ_POLLED, CUDA_PROBE_MVQ_WAITED, CUDA_PROBE_MVQ_X,
+    CUDA_PROBE_MVQ_DATA, CUDA_PROBE_MVQ_STORED, CUDA_PROBE_MVQ_END
+};
+#define CUDA_PROBE_MVQ_BLOCKS 512
+void cuda_mvq_probe_next(unsigned long long *p);
+bool cuda_mvq_probe_built(void);
+
 /* cuda_mvq_experts that also asks for the pairs' experts in a second table
  * (next_bytes each from d_next_addr[id]; NULL entries skipped) in L2 while
  * it runs: the decode gate/up product prefetches the down matrices the next

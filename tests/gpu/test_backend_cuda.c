@@ -50,6 +50,7 @@
  *   - the same with the driver's L1 / shared memory split instead of 50 %
  *     (LAMINA_CUDA_CARVEOUT=-1) and with all shared memory (100):
  *     byte-identical;
+ *   - the same with the diagnostic marks of LAMINA_CUDA_PROBE=1: byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
  *     here with expert_exec on the CPU: within the bound, rows really sent;
  *   - the layers split over two cuda backends: within the bound;
@@ -681,7 +682,8 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_IDS_POLL", "0", "without the ids polled"},
                 {"LAMINA_CUDA_TOPK_ROUNDS", "1", "with the top-k by rounds"},
                 {"LAMINA_CUDA_CARVEOUT", "-1", "with the driver's carveout"},
-                {"LAMINA_CUDA_CARVEOUT", "100", "with all shared memory"}};
+                {"LAMINA_CUDA_CARVEOUT", "100", "with all shared memory"},
+                {"LAMINA_CUDA_PROBE", "1", "with the probe's marks"}};
     enum { N_OFFS = sizeof(offs) / sizeof(offs[0]) };
     double ms_off[N_OFFS];
     for (int k = 0; k < N_OFFS; k++) {

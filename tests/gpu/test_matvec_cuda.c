@@ -738,6 +738,7 @@ static void test_tma(struct rng *r)
         {QUANT_TYPE_Q4_0, 2048, 512, 0, true},  /* 80b-a3b down */
         {QUANT_TYPE_Q8_0, 2048, 512, 0, true},
         {QUANT_TYPE_Q4_0, 700, 2048, 6, true},  /* rows of 1158 bytes, a partial tile */
+        {QUANT_TYPE_Q4_0, 1026, 2048, 0, true}, /* a last tile of 2 rows: empty chunks */
         {QUANT_TYPE_Q4_0, 96, 8192, 0, true},   /* a row in one pass of 8 blocks a lane */
         {QUANT_TYPE_Q8_0, 1024, 2048, 0, false}, /* a tile over 48 KiB: lane loads */
         {QUANT_TYPE_Q4_0, 64, 16384, 0, false}, /* two passes a row: lane loads */

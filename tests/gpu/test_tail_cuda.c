@@ -708,7 +708,8 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
  * after launch on new rows (a poll that took the launch before's ids would
  * have asked for that launch's experts first, then again after its wait);
  * the router F32 (the norm-in product marks) or quantized (the int8 product's
- * tail marks). */
+ * tail marks). The router's probe marks and, in a build with LAMINA_MVQ_PROBE,
+ * the gate/up product's are all there and in order (without it, none). */
 static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k, uint32_t n,
                           uint32_t F, unsigned int *ctr, struct rng *r)
 {
@@ -745,8 +746,15 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
     uint64_t *hp = malloc(pbytes);
     CU(cudaMalloc((void **)&probe, pbytes));
     uint32_t probed = 0, unordered = 0;
+    /* and the gate/up product's (cuda_mvq_probe_next) */
+    const size_t qbytes = (size_t)CUDA_PROBE_MVQ_BLOCKS * CUDA_PROBE_SLOTS * sizeof(uint64_t);
+    unsigned long long *qprobe;
+    uint64_t *hq = malloc(qbytes);
+    CU(cudaMalloc((void **)&qprobe, qbytes));
+    uint32_t qprobed = 0, qunordered = 0, qmissing = 0;
     for (int rep = 0; rep < REPS && rc == 0; rep++) {
         CU(cudaMemset(probe, 0, pbytes));
+        CU(cudaMemset(qprobe, 0, qbytes));
         for (int i = 0; i < 2 && rc == 0; i++) { /* 0: plain, 1: marked and polled */
             const struct cuda_norm_in ni = {.h = h, .add = add + (size_t)rep * n, .w = nw,
                                             .eps = 1e-6f, .probe = i == 1 ? probe : NULL};
@@ -758,6 +766,7 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
             rc = rW ? cuda_matvec_tail(rtype, rW, quant_row_size(rtype, n), E, n, x, lg, &t, st)
                     : cuda_matvec_tail_norm_in(QUANT_TYPE_F32, W, n * sizeof(float), E, n, &ni,
                                                xa, xq, lg, &t, st);
+            cuda_mvq_probe_next(i == 1 ? qprobe : NULL);
             rc = rc ? rc
                     : cuda_mvq_experts_prefetch(type, (const void *const *)X.d_tab, X.rb, 2 * F,
                                                 n, ids[i], k, x, n, k, Y[i], 2 * F, NULL, 0, E,
@@ -774,6 +783,27 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
             for (int j = 1; j < 5; j++)
                 unordered += m[j] < m[j - 1] || m[8 + j] < m[8 + j - 1];
         }
+        CU(cudaMemcpy(hq, qprobe, qbytes, cudaMemcpyDeviceToHost));
+        for (uint32_t b = 0; b < CUDA_PROBE_MVQ_BLOCKS; b++) {
+            const uint64_t *m = hq + (size_t)b * CUDA_PROBE_SLOTS;
+            if (!m[CUDA_PROBE_MVQ_START])
+                continue;
+            qprobed++;
+            /* every slot but the tile's (tma only) is reached, in this order */
+            const int order[] = {CUDA_PROBE_MVQ_START, CUDA_PROBE_MVQ_POLLED,
+                                 CUDA_PROBE_MVQ_WAITED, CUDA_PROBE_MVQ_X, CUDA_PROBE_MVQ_DATA,
+                                 CUDA_PROBE_MVQ_STORED, CUDA_PROBE_MVQ_END};
+            uint64_t last = 0;
+            for (size_t j = 0; j < sizeof(order) / sizeof(order[0]); j++) {
+                const uint64_t v = m[order[j]];
+                if (!v) {
+                    qmissing += order[j] != CUDA_PROBE_MVQ_DATA;
+                    continue;
+                }
+                qunordered += v < last;
+                last = v;
+            }
+        }
         snprintf(what, sizeof(what), "ids_poll %s router %s E %u k %u launch %d: ids",
                  quant_type_name(type), quant_type_name(rtype), E, k, rep);
         ok &= same(ids[0], ids[1], k * sizeof(int32_t), what);
@@ -787,8 +817,20 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
     CHECK(counter_value(ctr) == 0, "ids_poll: counter %u after the launches", counter_value(ctr));
     CHECK(rW || probed > 0, "ids_poll E %u: the router left no marks", E);
     CHECK(unordered == 0, "ids_poll E %u: %u of the router's marks out of order", E, unordered);
+    /* a build without LAMINA_MVQ_PROBE leaves the buffer as it was */
+    if (cuda_mvq_probe_built())
+        CHECK(qprobed >= REPS * k,
+              "ids_poll E %u: %u blocks of the gate/up products marked, %u pairs", E, qprobed,
+              REPS * k);
+    else
+        CHECK(qprobed == 0, "ids_poll E %u: %u gate/up blocks marked in a build without marks",
+              E, qprobed);
+    CHECK(qmissing == 0 && qunordered == 0,
+          "ids_poll E %u: gate/up marks: %u missing, %u out of order", E, qmissing, qunordered);
     cudaFree(probe);
+    cudaFree(qprobe);
     free(hp);
+    free(hq);
     printf("ids_poll %s router %s E %u k %u n %u F %u: %s over %d launches\n",
            quant_type_name(type), quant_type_name(rtype), E, k, n, F,
            ok ? "identical" : "DIFFERENT", REPS);
