@@ -2158,21 +2158,21 @@ static void cb_probe_mvq_report(struct backend_cuda *c, const unsigned long long
     for (int kind = 1; kind >= 0; kind--)
         for (int q = 0; q < CB_PQ_N; q++) {
             double med[CB_PQF_N];
-            uint32_t layers = 0;
+            uint32_t layers = 0; /* of this kind, with marks (START not NAN) */
             for (int k = 0; k < CB_PQF_N; k++) {
                 uint32_t n = 0;
-                layers = 0;
                 for (uint32_t i = 0; i < nl; i++) {
                     const double *fq = f + ((size_t)i * CB_PQ_N + q) * CB_PQF_N;
                     if (c->m->layers[c->l0 + i].recurrent != (kind == 1) ||
                         isnan(fq[CB_PQF_START]))
                         continue;
-                    layers++;
                     const double v = fq[k];
                     if (!isnan(v))
                         col[n++] = v;
                 }
                 med[k] = n ? stats_median(col, n) : NAN;
+                if (k == CB_PQF_START)
+                    layers = n;
             }
             if (!layers)
                 continue;
