@@ -2126,7 +2126,8 @@ static void cb_probe_mvq_report(struct backend_cuda *c, const unsigned long long
     const size_t per = (size_t)CUDA_PROBE_MVQ_BLOCKS * CUDA_PROBE_SLOTS;
     unsigned long long *m = malloc(nl * CB_PQ_N * per * sizeof(*m));
     double *f = malloc((size_t)nl * CB_PQ_N * CB_PQF_N * sizeof(*f));
-    double *col = malloc(CUDA_PROBE_MVQ_BLOCKS * sizeof(*col));
+    /* scratch for a kind's blocks, then for the layers' figures */
+    double *col = malloc((nl > CUDA_PROBE_MVQ_BLOCKS ? nl : CUDA_PROBE_MVQ_BLOCKS) * sizeof(*col));
     if (!m || !f || !col || CUDA_CHECK(cudaMemcpy(m, c->probe_mvq, nl * CB_PQ_N * per * sizeof(*m),
                                                   cudaMemcpyDeviceToHost)))
         goto out;
