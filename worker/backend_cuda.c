@@ -302,6 +302,9 @@ struct backend_cuda {
                                        * product (LAMINA_CUDA_YQ) */
     int8_t *yq;                       /* that row (nv * dv or n_head * hd), as
                                        * cuda_mvq_xq_tail reads it */
+    bool gq_on;                       /* decode: the gate/up product also writes the down
+                                       * product's input rounded (LAMINA_CUDA_GQ) */
+    int8_t *gq;                       /* those rows, one a pair (cuda_mvq_experts_prefetch_gq) */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -718,6 +721,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     /* the DeltaNet output product's row (nv * dv) or the attention's (n_head * hd) */
     const size_t yqn = ((vd > hp->n_head * hd ? vd : hp->n_head * hd) + 31) / 32 * 32;
     c->yq = cb_take(c, &off, cuda_mvq_xq_bytes(yqn) / sizeof(float) + 1);
+    c->gq = cb_take(c, &off, (k + 1) * cuda_mvq_xq_bytes((F + 31) / 32 * 32) / sizeof(float) + 1);
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
@@ -1497,22 +1501,29 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
     const struct arch_layer *ly = L->ly;
     const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp;
     const uint32_t P = pr->P;
+    bool gq = false; /* c->gq holds the down product's input */
     int rc;
     if (!ly->gate_exps.data || L->gu_fused) {
         /* one 2F-row matrix per expert: the stacked gate_up, or gate and up
          * uploaded back to back with one row format */
         const struct arch_matrix *g = ly->gate_exps.data ? &ly->gate_exps : &ly->gate_up_exps;
         rc = -ENOTSUP;
-        if (S == 1 && c->prefetch && cuda_mvq_pays(n, 2 * F)) { /* the down experts into L2 */
+        /* with the down product's input rounded where it takes it (not with kernels
+         * skipped: the down product would read what no launch wrote) */
+        const bool gq_ok = c->gq_on && !c->skip && cuda_mvq_xq_ok(ly->down_exps.type, n, F);
+        for (int form = gq_ok ? 0 : 1;
+             form < 2 && S == 1 && c->prefetch && cuda_mvq_pays(n, 2 * F) && rc == -ENOTSUP;
+             form++) { /* the down experts into L2 */
             cb_probe_next(c, CB_PQ_GATE_UP);
-            rc = CB_K(c, "moe.gate_up", cuda_mvq_experts_prefetch(
+            rc = CB_K(c, "moe.gate_up", cuda_mvq_experts_prefetch_gq(
                                             g->type, L->tab_gate, g->row_bytes, 2 * F, n, pr->ids,
                                             P, c->xa, n, pr->x_div, c->gu, 2 * F, L->tab_down,
                                             ly->down_exps.mat_bytes, c->hp->n_expert + 1,
                                             c->early && !c->skip && c->x_early, xq,
                                             c->ids_poll && (c->tails & CB_TAIL_TOPK),
-                                            c->pf_after, c->stream));
+                                            c->pf_after, form ? NULL : c->gq, c->stream));
             cb_probe_next(c, -1);
+            gq = rc == 0 && !form;
             if (rc == -ENOTSUP)
                 cb_unlaunch(c);
         }
@@ -1548,9 +1559,13 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
     }
     if (S == 1) { /* the SiLU gate inside, the combine after where it is a tail: one launch */
         cb_probe_next(c, CB_PQ_DOWN);
-        rc = CB_K(c, "moe.down", cuda_mvq_experts_glu_tail(d->type, L->tab_down, d->row_bytes, n,
-                                                          F, pr->ids, early, P, c->gu, 2 * F,
-                                                          true, c->Y, combine, c->stream));
+        rc = gq ? CB_K(c, "moe.down",
+                       cuda_mvq_experts_xq_tail(d->type, L->tab_down, d->row_bytes, n, F, pr->ids,
+                                                early, P, c->gq, c->Y, combine, c->stream))
+                : CB_K(c, "moe.down",
+                       cuda_mvq_experts_glu_tail(d->type, L->tab_down, d->row_bytes, n, F,
+                                                 pr->ids, early, P, c->gu, 2 * F, true, c->Y,
+                                                 combine, c->stream));
         cb_probe_next(c, -1);
         *combined = rc == 0 && combine;
         if (rc != -ENOTSUP)
@@ -2411,9 +2426,14 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
         rc = CUDA_CHECK(cudaMemset(c->scratch, 0, c->scratch_size));
     rc = rc ? rc : CUDA_CHECK(cudaMemset(c->tail_ctr, 0, sizeof(*c->tail_ctr)));
     rc = rc ? rc : CUDA_CHECK(cudaMemset(c->col_ctr, 0, CUDA_TAIL_COLS_MAX * sizeof(*c->col_ctr)));
-    /* LAMINA_CUDA_PROBE=1: the decode router's marks (cuda_norm_in.probe), reported at the end */
+    /* LAMINA_CUDA_PROBE=1: the decode router's marks (cuda_norm_in.probe) and the int8
+     * products' (cuda_mvq_probe_next), reported at the end; the kernels mark in a diagnostic
+     * build only (compiled in, the marks slow the decode with the probe off) */
     const char *pe = getenv("LAMINA_CUDA_PROBE");
-    if (!rc && pe && !strcmp(pe, "1")) {
+    if (!rc && pe && !strcmp(pe, "1") && !cuda_mvq_probe_built())
+        log_warn("cuda probe: LAMINA_CUDA_PROBE=1 needs kernels built with their marks "
+                 "(make NVCC_DEFS=-DLAMINA_MVQ_PROBE); this build has none, nothing is reported");
+    else if (!rc && pe && !strcmp(pe, "1")) {
         const size_t bytes =
             (size_t)(c->l1 - c->l0) * CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS * sizeof(*c->probe);
         rc = CUDA_CHECK(cudaMalloc((void **)&c->probe, bytes));
@@ -2421,12 +2441,8 @@ static int cb_setup(struct backend *b, struct backend_cuda *c)
         /* the int8 products' marks where the kernels were built with them */
         const size_t qbytes = (size_t)(c->l1 - c->l0) * CB_PQ_N * CUDA_PROBE_MVQ_BLOCKS *
                               CUDA_PROBE_SLOTS * sizeof(*c->probe_mvq);
-        if (!cuda_mvq_probe_built())
-            log_info("cuda probe: the router's marks only (the int8 products mark in a build "
-                     "with make NVCC_DEFS=-DLAMINA_MVQ_PROBE)");
-        else
-            rc = rc ? rc : CUDA_CHECK(cudaMalloc((void **)&c->probe_mvq, qbytes));
-        rc = rc || !c->probe_mvq ? rc : CUDA_CHECK(cudaMemset(c->probe_mvq, 0, qbytes));
+        rc = rc ? rc : CUDA_CHECK(cudaMalloc((void **)&c->probe_mvq, qbytes));
+        rc = rc ? rc : CUDA_CHECK(cudaMemset(c->probe_mvq, 0, qbytes));
     }
     /* the shared pair's id after the router's k (decode; no kernel writes it) */
     const int32_t shared_id = (int32_t)c->hp->n_expert;
@@ -2516,6 +2532,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->xq_on = !(xqe && !strcmp(xqe, "0"));
     const char *yqe = getenv("LAMINA_CUDA_YQ");
     c->yq_on = !(yqe && !strcmp(yqe, "0"));
+    const char *gqe = getenv("LAMINA_CUDA_GQ");
+    c->gq_on = !(gqe && !strcmp(gqe, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     const char *ni = getenv("LAMINA_CUDA_NORM_IN");

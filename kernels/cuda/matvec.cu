@@ -384,6 +384,7 @@ struct MvArgs {
 /* cuda_norm_in.probe's mark i of this block (thread 0): the time and the SM's clock. */
 __device__ __forceinline__ void probe_mark(const MvArgs &a, int i)
 {
+#ifdef LAMINA_MVQ_PROBE
     if (!a.probe || threadIdx.x || blockIdx.y || blockIdx.x >= CUDA_PROBE_BLOCKS)
         return;
     unsigned long long t;
@@ -391,6 +392,10 @@ __device__ __forceinline__ void probe_mark(const MvArgs &a, int i)
     unsigned long long *p = a.probe + static_cast<size_t>(blockIdx.x) * CUDA_PROBE_SLOTS;
     p[i] = t;
     p[8 + i] = static_cast<unsigned long long>(clock64());
+#else
+    (void)a;
+    (void)i;
+#endif
 }
 
 /* The longest activation row the XS form takes: a thread's columns (n / nin_width, at most

@@ -47,6 +47,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/mvq.cuh"
@@ -105,9 +106,16 @@ struct MvqArgs {
                                    * of addr: n_table) */
     bool x_early;                 /* x written two or more launches back: rounded into
                                    * shared memory before the wait (through L2) */
-    const int8_t *xq;             /* plain products: x already rounded (mvq::xq_row_bytes
-                                   * layout, written by the launch before), copied into
-                                   * shared memory after the wait; x is not read */
+    const int8_t *xq;             /* x already rounded (mvq::xq_row_bytes layout, written
+                                   * by the launch before), copied into shared memory
+                                   * after the wait; x is not read */
+    size_t xq_ld;                 /* bytes from one rounded row to the next (row job /
+                                   * x_div); 0: every job reads the first */
+    int8_t *gq;                   /* gate/up (GQ, clusters of 2): silu(gate) * up rounded
+                                   * for the down product, row job at gq + job gq_ld */
+    size_t gq_ld;
+    uint32_t gq_half;             /* GQ: tiles of the gate half (block 2i takes gate tile
+                                   * i, block 2i + 1 its up tile gq_half + i) */
     const float *nin_w;           /* norm in (plain products): x is a residual row h, */
     float nin_eps;                /* the product reads rmsnorm(h) * nin_w (NULL: 1) in */
     uint32_t nin_width;           /* cuda_rmsnorm_wide's tree of this width (0: off) */
@@ -244,9 +252,92 @@ __device__ __forceinline__ int32_t poll_id(const int32_t *id)
     return -1;
 }
 
+/* Cluster barrier halves (sm_90; all threads of the block): arrive (release:
+ * this thread's writes before it, shared memory of the cluster included, are
+ * seen after the matching wait) and wait (acquire). */
+__device__ __forceinline__ void cluster_arrive(bool release)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (release)
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    else
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    (void)release;
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait(bool acquire)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (acquire)
+        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    else
+        asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+/* GQ: the tile's outputs, gate (rank 0) and up (rank 1), in rank 0's shared memory. */
+__device__ __forceinline__ float *gq_slots()
+{
+    __shared__ float s_gq[2][32];
+    return &s_gq[0][0];
+}
+
+/* GQ: output r (0..31) of this block's tile into rank 0's slots (after cluster_wait(false),
+ * the partner's start seen). */
+__device__ __forceinline__ void gq_put(float out, uint32_t r)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    const uint32_t rank = blockIdx.x & 1;
+    cg::this_cluster().map_shared_rank(gq_slots(), 0)[rank * 32 + r] = out;
+#else
+    (void)out;
+    (void)r;
+#endif
+}
+
+/* GQ, every thread of both blocks: once the up block's outputs are in, the gate block's
+ * first warp writes block b of the pair's down input, silu(gate) * up rounded (cuda_silu_mul's
+ * expression, then mvq::round_levels: what the down product's glu rounding computes). */
+__device__ __forceinline__ void gq_round(const MvqArgs &a, uint32_t job, uint32_t b)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_arrive(true);
+    cluster_wait(true);
+    if ((blockIdx.x & 1) || threadIdx.x >= 32)
+        return;
+    const float *s = gq_slots();
+    const float g = s[threadIdx.x], u = s[32 + threadIdx.x];
+    const float xv = __fmul_rn(g / (1.0f + expf(-g)), u);
+    int q;
+    float d, sc;
+    mvq::round_levels(xv, q, d, sc);
+    int8_t *row = a.gq + static_cast<size_t>(job) * a.gq_ld;
+    const uint32_t f = a.gq_half * 32; /* the down input's length */
+    row[b * 32 + threadIdx.x] = static_cast<int8_t>(q);
+    if (threadIdx.x == 0) {
+        float *sc_row = reinterpret_cast<float *>(row + f);
+        sc_row[b] = d;
+        sc_row[f / 32 + b] = sc;
+    }
+#else
+    (void)a;
+    (void)job;
+    (void)b;
+#endif
+}
+
 /* MINB: blocks per SM the registers must allow (3 for expert products: the
  * decode's pairs then fit one wave on an H200, 2 blocks per SM took two). */
-template <int TYPE, int G, int U, int R, bool TAIL, int MINB, bool ST>
+/* GQ (with ST, 32-row tiles, launched as clusters of 2 blocks): a gate/up
+ * product's blocks 2i and 2i + 1 take the pair's gate tile i and up tile
+ * gq_half + i; the up block hands its 32 outputs to the gate block in
+ * distributed shared memory, which writes silu(gate) * up rounded for the
+ * down product (gq; what the down product's glu rounding gives, the same
+ * bits) besides y. */
+template <int TYPE, int G, int U, int R, bool TAIL, int MINB, bool ST, bool GQ = false>
 __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -268,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     /* tiles of (kThreads / G) * R rows: block x takes tiles x, x + grid.x,
      * ... (the activations are rounded once per block) */
     const uint32_t n_tiles = (a.n_rows + (kThreads / G) * R - 1) / ((kThreads / G) * R);
-    uint32_t tile = blockIdx.x;
+    uint32_t tile = GQ ? (blockIdx.x >> 1) + (blockIdx.x & 1) * a.gq_half : blockIdx.x;
     uint32_t row0 = (tile * (kThreads / G) + grp) * R;
     /* ST: the tile after the activations' levels, scales and sums, copied
      * from the 16-byte boundary at or before its first byte (so its bytes
@@ -279,6 +370,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     uint32_t phase = 0;    /* parity of the barrier phase the next wait waits for */
     bool inflight = false; /* a copy issued and not yet waited for (block-uniform) */
     probe_mark(a, CUDA_PROBE_MVQ_START);
+    if constexpr (GQ) /* paired with the wait before the first remote store: the partner runs */
+        cluster_arrive(false);
     if (ST && threadIdx.x == 0)
         tma_bar_init(&s_bar);
     auto tile_src = [&](const uint8_t *base, uint32_t t) {
@@ -464,9 +557,11 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
             phase ^= 1;
             inflight = false;
         }
-        if (!w) { /* the whole block: the pair runs elsewhere */
+        if (!w) { /* the whole block: the pair runs elsewhere (both blocks of a GQ pair) */
             if constexpr (TAIL)
                 tail_finish<true>(a.tail, gs, a.early);
+            if constexpr (GQ)
+                cluster_wait(false);
             return;
         }
         if (again)
@@ -476,7 +571,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     }
 
     if (a.xq) { /* levels, scales, sums: the layout of s_q, s_d, s_s */
-        const uint2 *src = reinterpret_cast<const uint2 *>(a.xq);
+        const uint2 *src =
+            reinterpret_cast<const uint2 *>(a.xq + static_cast<size_t>(job / a.x_div) * a.xq_ld);
         uint2 *dst = reinterpret_cast<uint2 *>(s_dyn);
         for (uint32_t i = threadIdx.x; i < a.nb * 5; i += kThreads)
             dst[i] = __ldcg(src + i);
@@ -540,14 +636,20 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         for (int o = G / 2; o > 0; o >>= 1)
             acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], o);
     }
+    if constexpr (GQ) /* the arrive at the start: the partner runs (remote stores below) */
+        cluster_wait(false);
     if (sub < R && row0 + sub < a.n_rows) {
         float out = acc[0];
 #pragma unroll
         for (int r = 1; r < R; r++)
             out = sub == r ? acc[r] : out;
         y[row0 + sub] = out;
+        if constexpr (GQ)
+            gq_put(out, grp * R + sub);
     }
     }
+    if constexpr (GQ)
+        gq_round(a, job, blockIdx.x >> 1);
     /* pf_after: the id read again (kept live over the loop, it cost the gate/up
      * instantiation spills) */
     if (a.pf_after && a.pf_addr && a.ids && threadIdx.x == 0)
@@ -625,7 +727,18 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
         smem = x_bytes + tile_bytes;
     last_tma = st;
     const bool tail = a.tail.t.kind != CUDA_TAIL_NONE;
-    if (st)
+    if (a.gq) { /* GQ: tma, a tile of 32 rows, a gate tile and its up tile a cluster */
+        last_tma = false;
+        if constexpr ((kThreads / G) * R == 32) {
+            if (!st || tail || tiles != 2 * a.gq_half || grid.x != tiles)
+                return -ENOTSUP;
+            last_tma = true;
+            pdl_launch_cluster(mvq_kernel<TYPE, G, U, R, false, 3, true, true>, grid, kThreads, 2,
+                               smem, stream, a);
+        } else {
+            return -ENOTSUP;
+        }
+    } else if (st)
         pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, true>, grid, kThreads, smem, stream, a);
     else if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
         pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3, false>, grid, kThreads, smem, stream, a);
@@ -766,6 +879,25 @@ bool experts_args(uint32_t type, const void *const *d_addr, size_t row_bytes, ui
     return true;
 }
 
+/* Whether an expert product's tail t (NULL or NONE: none) may follow n_pairs pairs of n_rows
+ * outputs at Y: a combine; COMBINE_COLS may have the shared expert as pair k, its output row
+ * k. Logs why not. */
+bool experts_tail_ok(const struct cuda_tail *t, uint32_t n_pairs, uint64_t n_rows,
+                     const float *d_Y)
+{
+    if (!t || t->kind == CUDA_TAIL_NONE)
+        return true;
+    const bool cols = t->kind == CUDA_TAIL_COMBINE_COLS;
+    const bool pairs_ok =
+        t->k == n_pairs || (cols && t->k + 1 == n_pairs && t->so == d_Y + t->k * n_rows);
+    if ((t->kind == CUDA_TAIL_COMBINE || cols) && t->n == n_rows && pairs_ok &&
+        cuda_tail_ok(t, n_rows))
+        return true;
+    log_error("cuda mvq experts: a tail of kind %d does not follow %u pairs of %llu rows",
+              static_cast<int>(t->kind), n_pairs, static_cast<unsigned long long>(n_rows));
+    return false;
+}
+
 } /* namespace */
 
 /* cuda_mvq with a tail (matvec.cu's cuda_matvec_tail; t checked there). */
@@ -902,17 +1034,8 @@ extern "C" int cuda_mvq_experts_glu_tail(uint32_t type, const void *const *d_add
     if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X, ldx, 1, glu, d_Y,
                       n_rows, &a))
         return -ENOTSUP;
-    /* COMBINE_COLS: the shared expert may be pair k, its output row k */
-    const bool cols = t && t->kind == CUDA_TAIL_COMBINE_COLS;
-    const bool pairs_ok =
-        t && (t->k == n_pairs || (cols && t->k + 1 == n_pairs && t->so == d_Y + t->k * n_rows));
-    if (t && t->kind != CUDA_TAIL_NONE &&
-        ((t->kind != CUDA_TAIL_COMBINE && !cols) || t->n != n_rows || !pairs_ok ||
-         !cuda_tail_ok(t, n_rows))) {
-        log_error("cuda mvq experts: a tail of kind %d does not follow %u pairs of %llu rows",
-                  static_cast<int>(t->kind), n_pairs, static_cast<unsigned long long>(n_rows));
+    if (!experts_tail_ok(t, n_pairs, n_rows, d_Y))
         return -EINVAL;
-    }
     a.tail = tail_args(t, d_Y, n_rows);
     a.early = n_early > 0;
     a.n_table = n_early;
@@ -927,6 +1050,23 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
                                          uint32_t n_table, bool x_early, const int8_t *d_xq,
                                          bool ids_poll, bool pf_after, cudaStream_t stream)
 {
+    return cuda_mvq_experts_prefetch_gq(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs, d_X,
+                                        ldx, x_div, d_Y, ldy, d_next_addr, next_bytes, n_table,
+                                        x_early, d_xq, ids_poll, pf_after, NULL, stream);
+}
+
+extern "C" int cuda_mvq_experts_prefetch_gq(uint32_t type, const void *const *d_addr,
+                                            size_t row_bytes, uint64_t n_rows, uint64_t n,
+                                            const int32_t *d_ids, uint32_t n_pairs,
+                                            const float *d_X, size_t ldx, uint32_t x_div,
+                                            float *d_Y, size_t ldy,
+                                            const void *const *d_next_addr, size_t next_bytes,
+                                            uint32_t n_table, bool x_early, const int8_t *d_xq,
+                                            bool ids_poll, bool pf_after, int8_t *d_gq,
+                                            cudaStream_t stream)
+{
+    if (d_gq && (n_rows % 64 || reinterpret_cast<uintptr_t>(d_gq) % 16 || !device_sm90()))
+        return -ENOTSUP;
     MvqArgs a;
     if (d_xq && (reinterpret_cast<uintptr_t>(d_xq) % 16 || n_pairs > x_div))
         return -ENOTSUP; /* one activation row, rounded */
@@ -940,5 +1080,31 @@ extern "C" int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_add
     a.n_table = n_table;
     a.x_early = x_early;
     a.ids_poll = ids_poll && n_table;
+    a.gq = d_gq;
+    a.gq_ld = d_gq ? mvq::xq_row_bytes(n_rows / 2) : 0;
+    a.gq_half = static_cast<uint32_t>(n_rows / 64);
+    return dispatch(type, a, n_pairs, stream);
+}
+
+extern "C" int cuda_mvq_experts_xq_tail(uint32_t type, const void *const *d_addr,
+                                        size_t row_bytes, uint64_t n_rows, uint64_t n,
+                                        const int32_t *d_ids, uint32_t n_early, uint32_t n_pairs,
+                                        const int8_t *d_xq, float *d_Y,
+                                        const struct cuda_tail *t, cudaStream_t stream)
+{
+    if (!d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16)
+        return -ENOTSUP;
+    MvqArgs a;
+    /* x is not read: the rounded rows stand in for it (usable's checks of ldx) */
+    if (!experts_args(type, d_addr, row_bytes, n_rows, n, d_ids, n_pairs,
+                      reinterpret_cast<const float *>(d_xq), n, 1, false, d_Y, n_rows, &a))
+        return -ENOTSUP;
+    if (!experts_tail_ok(t, n_pairs, n_rows, d_Y))
+        return -EINVAL;
+    a.xq = d_xq;
+    a.xq_ld = mvq::xq_row_bytes(n);
+    a.tail = tail_args(t, d_Y, n_rows);
+    a.early = n_early > 0;
+    a.n_table = n_early;
     return dispatch(type, a, n_pairs, stream);
 }

@@ -126,6 +126,30 @@ int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t r
                               uint32_t n_table, bool x_early, const int8_t *d_xq,
                               bool ids_poll, bool pf_after, cudaStream_t stream);
 
+/* cuda_mvq_experts_prefetch whose launch also writes the down product's input
+ * rounded (d_gq; NULL: as cuda_mvq_experts_prefetch): the pairs' rows are
+ * gate (n_rows / 2) then up, and pair p's silu(gate) * up rounded as
+ * cuda_mvq_experts_glu rounds it goes to d_gq + p * cuda_mvq_xq_bytes(n_rows / 2)
+ * (16-byte aligned), for cuda_mvq_experts_xq_tail. Each gate tile and its up
+ * tile (32 rows each) are a thread block cluster of 2. -ENOTSUP where the
+ * form does not take it (compute capability below 9.0, tiles other than 32
+ * rows, n_rows not a multiple of 64): launch without d_gq then. Y as without. */
+int cuda_mvq_experts_prefetch_gq(uint32_t type, const void *const *d_addr, size_t row_bytes,
+                                 uint64_t n_rows, uint64_t n, const int32_t *d_ids,
+                                 uint32_t n_pairs, const float *d_X, size_t ldx, uint32_t x_div,
+                                 float *d_Y, size_t ldy, const void *const *d_next_addr,
+                                 size_t next_bytes, uint32_t n_table, bool x_early,
+                                 const int8_t *d_xq, bool ids_poll, bool pf_after, int8_t *d_gq,
+                                 cudaStream_t stream);
+
+/* cuda_mvq_experts_glu_tail (tail.h) over activation rows already rounded: pair
+ * p's at d_xq + p * cuda_mvq_xq_bytes(n) (cuda_mvq_experts_prefetch_gq's d_gq),
+ * the same bits as the glu form over the rows they were rounded from. */
+int cuda_mvq_experts_xq_tail(uint32_t type, const void *const *d_addr, size_t row_bytes,
+                             uint64_t n_rows, uint64_t n, const int32_t *d_ids, uint32_t n_early,
+                             uint32_t n_pairs, const int8_t *d_xq, float *d_Y,
+                             const struct cuda_tail *t, cudaStream_t stream);
+
 /* cuda_matvec_norm (matvec.h) through these kernels; -ENOTSUP where
  * cuda_mvq_norm_ok is false. */
 bool cuda_mvq_norm_ok(uint32_t type, uint64_t n_rows, uint64_t n);

@@ -51,6 +51,8 @@
  *     (LAMINA_CUDA_CARVEOUT=-1) and with all shared memory (100):
  *     byte-identical;
  *   - the same with the diagnostic marks of LAMINA_CUDA_PROBE=1: byte-identical;
+ *   - the same with the down product rounding its SiLU-gated input itself
+ *     instead of the gate/up product's clusters (LAMINA_CUDA_GQ=0): byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
  *     here with expert_exec on the CPU: within the bound, rows really sent;
  *   - the layers split over two cuda backends: within the bound;
@@ -683,7 +685,8 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_TOPK_ROUNDS", "1", "with the top-k by rounds"},
                 {"LAMINA_CUDA_CARVEOUT", "-1", "with the driver's carveout"},
                 {"LAMINA_CUDA_CARVEOUT", "100", "with all shared memory"},
-                {"LAMINA_CUDA_PROBE", "1", "with the probe's marks"}};
+                {"LAMINA_CUDA_PROBE", "1", "with the probe's marks"},
+                {"LAMINA_CUDA_GQ", "0", "with the down input rounded by the down product"}};
     enum { N_OFFS = sizeof(offs) / sizeof(offs[0]) };
     double ms_off[N_OFFS];
     for (int k = 0; k < N_OFFS; k++) {

@@ -701,6 +701,89 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
     free_experts(&x);
 }
 
+/* cuda_mvq_experts_prefetch_gq (the decode gate/up product that also writes the down
+ * product's input rounded, a gate tile and its up tile a cluster) then
+ * cuda_mvq_experts_xq_tail over those rows, against cuda_mvq_experts_prefetch then
+ * cuda_mvq_experts_glu_tail (the SiLU and the rounding in the down product): the gate/up
+ * rows and the down rows byte for byte, twice in a row, the pair of id -1 (the last)
+ * skipped by both (its rounded row left as it was). gq false: a case the form declines
+ * (-ENOTSUP, nothing written): tiles other than 32 rows, or not copied by tma. */
+static void test_gate_up_gq(uint32_t type, uint32_t dtype, uint32_t E, uint32_t n, uint32_t F,
+                            uint32_t k, bool poll, bool gq, struct rng *r)
+{
+    char what[128];
+    snprintf(what, sizeof(what), "gate/up gq %s, down %s, E %u n %u F %u k %u%s",
+             quant_type_name(type), quant_type_name(dtype), E, n, F, k,
+             poll ? ", ids polled" : "");
+    struct experts X = make_experts_of(type, E, 2 * F, n, r), D = make_experts_of(dtype, E, n, F, r);
+    int32_t *ids = dev_ids(E, k, r);
+    const int32_t none = -1;
+    CU(cudaMemcpy(ids + k - 1, &none, sizeof(none), cudaMemcpyHostToDevice));
+    float *hx = rand_floats(n, r), *x = dev_floats(hx, n), *gu[2], *Y[2];
+    const size_t gbytes = (size_t)k * 2 * F * sizeof(float), ybytes = (size_t)k * n * sizeof(float);
+    const size_t qrow = cuda_mvq_xq_bytes(F), qbytes = k * qrow;
+    int8_t *q;
+    CU(cudaMalloc((void **)&q, qbytes));
+    poison(q, qbytes);
+    for (int i = 0; i < 2; i++) {
+        CU(cudaMalloc((void **)&gu[i], gbytes));
+        CU(cudaMalloc((void **)&Y[i], ybytes));
+        poison(gu[i], gbytes);
+        poison(Y[i], ybytes);
+    }
+    const void *const *gt = (const void *const *)X.d_tab, *const *dt = (const void *const *)D.d_tab;
+    const size_t dbytes = (size_t)n * D.rb;
+    int rc = 0, rq = 0;
+    for (int rep = 0; rep < 2 && !rc && !rq; rep++) {
+        rc = cuda_mvq_experts_prefetch(type, gt, X.rb, 2 * F, n, ids, k, x, n, k, gu[0], 2 * F,
+                                       dt, dbytes, E, false, NULL, poll, true, 0);
+        rc = rc ? rc : cuda_mvq_experts_glu_tail(dtype, dt, D.rb, n, F, ids, E, k, gu[0], 2 * F,
+                                                 true, Y[0], NULL, 0);
+        rq = cuda_mvq_experts_prefetch_gq(type, gt, X.rb, 2 * F, n, ids, k, x, n, k, gu[1], 2 * F,
+                                          dt, dbytes, E, false, NULL, poll, true, q, 0);
+        rq = rq ? rq : cuda_mvq_experts_xq_tail(dtype, dt, D.rb, n, F, ids, E, k, q, Y[1], NULL, 0);
+    }
+    CHECK(rc == 0, "%s: rc %d", what, rc);
+    CU(cudaDeviceSynchronize());
+    bool ok = true;
+    if (!gq) {
+        CHECK(rq == -ENOTSUP, "%s: rc %d where the form should decline", what, rq);
+        int8_t *hq = xmalloc(qbytes);
+        CU(cudaMemcpy(hq, q, qbytes, cudaMemcpyDeviceToHost));
+        size_t left = 0;
+        for (size_t i = 0; i < qbytes; i++)
+            left += (uint8_t)hq[i] == 0xC3;
+        CHECK(left == qbytes, "%s: declined, yet %zu bytes written", what, qbytes - left);
+        free(hq);
+        printf("%s: declined\n", what);
+    } else {
+        CHECK(rq == 0, "%s: gq rc %d", what, rq);
+        char w2[160];
+        snprintf(w2, sizeof(w2), "%s: gate/up rows", what);
+        ok &= same(gu[0], gu[1], gbytes, w2);
+        snprintf(w2, sizeof(w2), "%s: down rows", what);
+        ok &= same(Y[0], Y[1], ybytes, w2);
+        /* the skipped pair: neither its rounded row nor its down row written */
+        uint8_t *hq = xmalloc(qrow);
+        CU(cudaMemcpy(hq, q + (size_t)(k - 1) * qrow, qrow, cudaMemcpyDeviceToHost));
+        size_t left = 0;
+        for (size_t i = 0; i < qrow; i++)
+            left += hq[i] == 0xC3;
+        CHECK(left == qrow, "%s: the pair of id -1 has %zu bytes of its rounded row written",
+              what, qrow - left);
+        free(hq);
+        printf("%s, twice: %s\n", what, ok && left == qrow ? "identical" : "DIFFERENT");
+    }
+    for (int i = 0; i < 2; i++) {
+        cudaFree(gu[i]);
+        cudaFree(Y[i]);
+    }
+    cudaFree(q), cudaFree(x), cudaFree(ids);
+    free(hx);
+    free_experts(&X);
+    free_experts(&D);
+}
+
 /* The router's top-k tail marking the ids (cuda_tail.mark_ids) and the
  * decode gate/up product polling them (ids_poll), launched back to back on
  * one stream as a decode layer does, against the same two launches without
@@ -708,7 +791,7 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
  * after launch on new rows (a poll that took the launch before's ids would
  * have asked for that launch's experts first, then again after its wait);
  * the router F32 (the norm-in product marks) or quantized (the int8 product's
- * tail marks). The router's probe marks and, in a build with LAMINA_MVQ_PROBE,
+ * tail marks). In a build with LAMINA_MVQ_PROBE the router's probe marks and
  * the gate/up product's are all there and in order (without it, none). */
 static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k, uint32_t n,
                           uint32_t F, unsigned int *ctr, struct rng *r)
@@ -815,9 +898,13 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
         ok &= same(Y[0], Y[1], ybytes, what);
     }
     CHECK(counter_value(ctr) == 0, "ids_poll: counter %u after the launches", counter_value(ctr));
-    CHECK(rW || probed > 0, "ids_poll E %u: the router left no marks", E);
+    /* a build without LAMINA_MVQ_PROBE leaves both buffers as they were */
+    if (cuda_mvq_probe_built())
+        CHECK(rW || probed > 0, "ids_poll E %u: the router left no marks", E);
+    else
+        CHECK(probed == 0, "ids_poll E %u: %u router blocks marked in a build without marks",
+              E, probed);
     CHECK(unordered == 0, "ids_poll E %u: %u of the router's marks out of order", E, unordered);
-    /* a build without LAMINA_MVQ_PROBE leaves the buffer as it was */
     if (cuda_mvq_probe_built())
         CHECK(qprobed >= REPS * k,
               "ids_poll E %u: %u blocks of the gate/up products marked, %u pairs", E, qprobed,
@@ -1181,6 +1268,16 @@ int main(void)
             test_experts_table(QUANT_TYPE_Q4_0, 1024, 512, 128, 16, poll, pf, &r);
             test_experts_table(QUANT_TYPE_Q4_0, 1100, 512, 128, 8, poll, pf, &r);
         }
+    /* the gate/up product writing the down product's input rounded: tiles of 32 rows
+     * with 32, 16 and 8 lanes a row (n 2048, 1024, 512); 16-row tiles (n 4096) and tiles
+     * not copied by tma (ids not polled; Q8_0 tiles of 32 rows of 2048 past 48 KiB) declined */
+    test_gate_up_gq(QUANT_TYPE_Q4_0, QUANT_TYPE_Q4_0, 513, 2048, 512, 11, true, true, &r);
+    test_gate_up_gq(QUANT_TYPE_Q4_0, QUANT_TYPE_Q4_0, 513, 2048, 512, 11, false, false, &r);
+    test_gate_up_gq(QUANT_TYPE_Q8_0, QUANT_TYPE_Q8_0, 64, 1024, 512, 10, true, true, &r);
+    test_gate_up_gq(QUANT_TYPE_Q8_0, QUANT_TYPE_Q8_0, 64, 2048, 512, 10, true, false, &r);
+    test_gate_up_gq(QUANT_TYPE_Q4_0, QUANT_TYPE_Q8_0, 128, 2048, 768, 9, true, true, &r);
+    test_gate_up_gq(QUANT_TYPE_Q4_0, QUANT_TYPE_Q4_0, 1024, 512, 128, 16, true, true, &r);
+    test_gate_up_gq(QUANT_TYPE_Q4_0, QUANT_TYPE_Q4_0, 64, 4096, 256, 8, true, false, &r);
     test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_F32, 512, 10, 2048, 512, ctr, &r);
     test_ids_poll(QUANT_TYPE_Q8_0, QUANT_TYPE_F32, 128, 8, 1024, 256, ctr, &r);
     test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_F32, 64, 16, 512, 128, ctr, &r);
