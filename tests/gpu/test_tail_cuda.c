@@ -715,7 +715,8 @@ static void test_gate_up_gq(uint32_t type, uint32_t dtype, uint32_t E, uint32_t 
     snprintf(what, sizeof(what), "gate/up gq %s, down %s, E %u n %u F %u k %u%s",
              quant_type_name(type), quant_type_name(dtype), E, n, F, k,
              poll ? ", ids polled" : "");
-    struct experts X = make_experts_of(type, E, 2 * F, n, r), D = make_experts_of(dtype, E, n, F, r);
+    struct experts X = make_experts_of(type, E, 2 * F, n, r);
+    struct experts D = make_experts_of(dtype, E, n, F, r);
     int32_t *ids = dev_ids(E, k, r);
     const int32_t none = -1;
     CU(cudaMemcpy(ids + k - 1, &none, sizeof(none), cudaMemcpyHostToDevice));
