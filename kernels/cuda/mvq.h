@@ -133,7 +133,9 @@ int cuda_mvq_experts_prefetch(uint32_t type, const void *const *d_addr, size_t r
  * (16-byte aligned), for cuda_mvq_experts_xq_tail. Each gate tile and its up
  * tile (32 rows each) are a thread block cluster of 2. -ENOTSUP where the
  * form does not take it (compute capability below 9.0, tiles other than 32
- * rows, n_rows not a multiple of 64): launch without d_gq then. Y as without. */
+ * rows, n_rows not a multiple of 64, tiles not copied by tma: see
+ * cuda_mvq_last_tma; ids_poll off among them): launch without d_gq then,
+ * nothing was enqueued. Y as without. */
 int cuda_mvq_experts_prefetch_gq(uint32_t type, const void *const *d_addr, size_t row_bytes,
                                  uint64_t n_rows, uint64_t n, const int32_t *d_ids,
                                  uint32_t n_pairs, const float *d_X, size_t ldx, uint32_t x_div,
