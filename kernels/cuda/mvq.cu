@@ -277,12 +277,14 @@ __device__ __forceinline__ void cluster_wait(bool acquire)
 #endif
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 /* GQ: the tile's outputs, gate (rank 0) and up (rank 1), in rank 0's shared memory. */
 __device__ __forceinline__ float *gq_slots()
 {
     __shared__ float s_gq[2][32];
     return &s_gq[0][0];
 }
+#endif
 
 /* GQ: output r (0..31) of this block's tile into rank 0's slots (after cluster_wait(false),
  * the partner's start seen). */
