@@ -15,8 +15,9 @@ CUDA_ARCHS := -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_75,code=
 # products take minutes per architecture: one after the other they were the
 # build's longest path)
 NVCC_THREADS ?= 2
-# NVCC_DEFS: extra defines for the CUDA files (-DLAMINA_MVQ_PROBE: the int8
-# products' marks for LAMINA_CUDA_PROBE, a diagnostic build; kernels/cuda/mvq.h)
+# NVCC_DEFS: extra defines for the CUDA files (-DLAMINA_MVQ_PROBE: the decode
+# router's and the int8 products' marks for LAMINA_CUDA_PROBE, a diagnostic
+# build; kernels/cuda/mvq.h)
 NVCC_DEFS ?=
 
 ifdef SAN

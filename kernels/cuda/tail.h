@@ -101,7 +101,8 @@ struct cuda_norm_in {
     const float *add; /* the row added to it first (the mixer's output) */
     const float *w;   /* norm weights (n), or NULL: 1 */
     float eps;
-    /* diagnostics (LAMINA_CUDA_PROBE), NULL: none: thread 0 of each block b of the product
+    /* diagnostics (LAMINA_CUDA_PROBE; written only by kernels built with LAMINA_MVQ_PROBE,
+     * cuda_mvq_probe_built), NULL: none: thread 0 of each block b of the product
      * (b < CUDA_PROBE_BLOCKS) writes CUDA_PROBE_SLOTS values at probe + b CUDA_PROBE_SLOTS:
      * %globaltimer (ns) at its start, after its PDL wait, once the row is formed, after its
      * products and after the tail (the launch's last block: once the tail is done) in slots
