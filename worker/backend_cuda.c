@@ -305,6 +305,9 @@ struct backend_cuda {
     bool gq_on;                       /* decode: the gate/up product also writes the down
                                        * product's input rounded (LAMINA_CUDA_GQ) */
     int8_t *gq;                       /* those rows, one a pair (cuda_mvq_experts_prefetch_gq) */
+    bool gs_on;                       /* decode with nin: the router's launch sums the shared
+                                       * expert's gate for the combine (LAMINA_CUDA_GS) */
+    float *gs;                        /* that gate (one float: one token) */
     int32_t *ids;
     int32_t *ids_dec;                 /* decode with the shared pair: k + 1 ids, the last n_expert */
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
@@ -722,6 +725,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     const size_t yqn = ((vd > hp->n_head * hd ? vd : hp->n_head * hd) + 31) / 32 * 32;
     c->yq = cb_take(c, &off, cuda_mvq_xq_bytes(yqn) / sizeof(float) + 1);
     c->gq = cb_take(c, &off, (k + 1) * cuda_mvq_xq_bytes((F + 31) / 32 * 32) / sizeof(float) + 1);
+    c->gs = cb_take(c, &off, 1);
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
@@ -1735,8 +1739,12 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     /* nin (cb_norm_in): h + the mixer's output, normalised, formed by the router's blocks
      * and written to xa and, rounded, to xq (the gate/up product copies it); the combine
      * adds the output into h */
+    /* and with the shared expert's gate summed by a block of its own (the combine reads
+     * it: gs); nin's combine is cuda_moe_combine_early_mix's */
+    const bool gs = nin && c->gs_on && L->sh && L->shexp_gate;
     const struct cuda_norm_in ni = {
         .h = c->h, .add = c->mix, .w = L->ffn_norm, .eps = hp->eps,
+        .gate = gs ? L->shexp_gate : NULL, .gs = gs ? c->gs : NULL,
         .probe = c->probe ? c->probe + (size_t)(l - c->l0) * CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS
                           : NULL};
     if (topk_tail) {
@@ -1812,7 +1820,7 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
                                         c->h, nin ? c->mix : NULL, c->Y, c->w, (uint32_t)k,
                                         L->sh ? so : NULL, L->shexp_gate, c->xa, (uint32_t)n, S,
                                         next_norm, hp->eps, next_norm ? c->xa : NULL, xq,
-                                        c->stream));
+                                        gs ? c->gs : NULL, c->stream));
         c->xq_ready = rc == 0 && xq;
         return rc;
     }
@@ -2534,6 +2542,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->yq_on = !(yqe && !strcmp(yqe, "0"));
     const char *gqe = getenv("LAMINA_CUDA_GQ");
     c->gq_on = !(gqe && !strcmp(gqe, "0"));
+    const char *gse = getenv("LAMINA_CUDA_GS");
+    c->gs_on = !(gse && !strcmp(gse, "0"));
     const char *sp = getenv("LAMINA_CUDA_SHPAIR");
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     const char *ni = getenv("LAMINA_CUDA_NORM_IN");

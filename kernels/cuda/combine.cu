@@ -86,7 +86,7 @@ template <bool NORM, bool EARLY>
 static __global__ void __launch_bounds__(1024)
     moe_combine_norm_kernel(float *h, const float *Y, const float *w, uint32_t k, const float *so,
                             const float *gate, const float *f, uint32_t n, const float *nw,
-                            float eps, float *y, int8_t *xq, const float *mix)
+                            float eps, float *y, int8_t *xq, const float *mix, const float *gsp)
 {
     __shared__ float s_tmp[32];
     if (threadIdx.x == 0 && blockIdx.x == 0) { /* weights: in L2 before the wait */
@@ -117,7 +117,9 @@ static __global__ void __launch_bounds__(1024)
             if (threadIdx.x < k)
                 s_w[threadIdx.x] = __ldcg(w + s * k + threadIdx.x);
             __syncthreads();
-            if (so && gate)
+            if (so && gsp) /* the gate summed by the router's launch */
+                gs = __ldcg(gsp + s);
+            else if (so && gate)
                 gs = gate_of();
         }
         pdl_wait();
@@ -181,7 +183,9 @@ static __global__ void __launch_bounds__(1024)
         }
         return;
     }
-    if (EARLY && so && gate)
+    if (EARLY && so && gsp)
+        gs = __ldcg(gsp + s);
+    else if (EARLY && so && gate)
         gs = gate_of();
     pdl_wait();
     pdl_trigger();
@@ -237,7 +241,7 @@ static __global__ void __launch_bounds__(kClusterThreads)
     moe_combine_cluster_kernel(float *h, const float *Y, const float *w, uint32_t k,
                                const float *so, const float *gate, const float *f, uint32_t n,
                                const float *nw, float eps, float *y, int8_t *xq,
-                               const float *mix)
+                               const float *mix, const float *gsp)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
@@ -255,9 +259,9 @@ static __global__ void __launch_bounds__(kClusterThreads)
     }
     if (threadIdx.x < k)
         s_w[threadIdx.x] = __ldcg(w + s * k + threadIdx.x);
+    float gs = so && gsp ? __ldcg(gsp + s) : 1.0f; /* the gate summed by the router's launch */
     cl.sync(); /* every block of the cluster started (remote writes below); s_w */
-    float gs = 1.0f;
-    if (so && gate) { /* gate_of's sums, f early (through L2) */
+    if (so && gate && !gsp) { /* gate_of's sums, f early (through L2) */
         float d = 0.0f;
         for (uint32_t j = v; j < n; j += W)
             d += gate[j] * __ldcg(f + s * n + j);
@@ -332,7 +336,7 @@ static __global__ void __launch_bounds__(kClusterThreads)
     }
 #else
     (void)h, (void)Y, (void)w, (void)k, (void)so, (void)gate, (void)f, (void)n, (void)nw,
-        (void)eps, (void)y, (void)xq, (void)mix;
+        (void)eps, (void)y, (void)xq, (void)mix, (void)gsp;
 #endif
 }
 
@@ -399,25 +403,26 @@ static void combine_launch(float *d_h, const float *d_Y, const float *d_w, uint3
                            const float *d_so, const float *d_shexp_gate, const float *d_f,
                            uint32_t n, uint32_t S, const float *d_norm_w, float eps, float *d_y,
                            cudaStream_t stream, int8_t *d_xq = nullptr,
-                           const float *d_mix = nullptr)
+                           const float *d_mix = nullptr, const float *d_gs = nullptr)
 {
     const unsigned C = EARLY ? combine_cluster_size(n, k) : 0;
     if (C && d_y)
         pdl_launch_cluster(moe_combine_cluster_kernel<true>, S * C, kClusterThreads, C, 0,
                            stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps,
-                           d_y, d_xq, d_mix);
+                           d_y, d_xq, d_mix, d_gs);
     else if (C)
         pdl_launch_cluster(moe_combine_cluster_kernel<false>, S * C, kClusterThreads, C, 0,
                            stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n,
                            (const float *)nullptr, 0.0f, (float *)nullptr, (int8_t *)nullptr,
-                           d_mix);
+                           d_mix, d_gs);
     else if (d_y)
         pdl_launch(moe_combine_norm_kernel<true, EARLY>, S, cuda_norm_wide_threads(n), 0, stream,
-                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y, d_xq, d_mix);
+                   d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, d_norm_w, eps, d_y, d_xq, d_mix,
+                   d_gs);
     else
         pdl_launch(moe_combine_norm_kernel<false, EARLY>, S, cuda_norm_wide_threads(n), 0,
                    stream, d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, (const float *)nullptr,
-                   0.0f, (float *)nullptr, (int8_t *)nullptr, d_mix);
+                   0.0f, (float *)nullptr, (int8_t *)nullptr, d_mix, d_gs);
 }
 
 extern "C" int cuda_moe_combine(float *d_h, const float *d_Y, const float *d_w, uint32_t k,
@@ -461,7 +466,7 @@ extern "C" int cuda_moe_combine_early(float *d_h, const float *d_Y, const float 
                                       int8_t *d_xq, cudaStream_t stream)
 {
     return cuda_moe_combine_early_mix(d_h, NULL, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S,
-                                      d_norm_w, eps, d_y, d_xq, stream);
+                                      d_norm_w, eps, d_y, d_xq, NULL, stream);
 }
 
 extern "C" int cuda_moe_combine_early_mix(float *d_h, const float *d_mix, const float *d_Y,
@@ -469,7 +474,7 @@ extern "C" int cuda_moe_combine_early_mix(float *d_h, const float *d_mix, const 
                                           const float *d_shexp_gate, const float *d_f,
                                           uint32_t n, uint32_t S, const float *d_norm_w,
                                           float eps, float *d_y, int8_t *d_xq,
-                                          cudaStream_t stream)
+                                          const float *d_gs, cudaStream_t stream)
 {
     int rc = combine_check("cuda_moe_combine_early", false, d_h, d_y, d_Y, d_w, k, d_so,
                            d_shexp_gate, d_f, n, S);
@@ -483,9 +488,13 @@ extern "C" int cuda_moe_combine_early_mix(float *d_h, const float *d_mix, const 
                   "the one-round combine does not serve (n %u, k %u)", (void *)d_xq, n, k);
         rc = -EINVAL;
     }
+    if (!rc && d_gs && (uintptr_t)d_gs % 4) {
+        log_error("cuda_moe_combine_early: bad gate sums %p", (const void *)d_gs);
+        rc = -EINVAL;
+    }
     if (rc || S == 0)
         return rc;
     combine_launch<true>(d_h, d_Y, d_w, k, d_so, d_shexp_gate, d_f, n, S, d_norm_w, eps, d_y,
-                         stream, d_xq, d_mix);
+                         stream, d_xq, d_mix, d_gs);
     return OPS_LAUNCH_CHECK("cuda_moe_combine_early");
 }

@@ -378,6 +378,12 @@ struct MvArgs {
     uint32_t nin_width; /* cuda_norm_threads(n) */
     float *nin_out;
     int8_t *nin_xq;
+    /* the shared expert's gate (cuda_norm_in.gate, .gs): the launch's last block, which has
+     * no rows, writes sigmoid(nin_gate . row) into *nin_gs by the combine's tree over
+     * nin_gate_width (cuda_norm_wide_threads(n)) threads; nin_gate NULL: no such block */
+    const float *nin_gate;
+    float *nin_gs;
+    uint32_t nin_gate_width;
     unsigned long long *probe; /* cuda_norm_in.probe (diagnostics), or NULL */
 };
 
@@ -470,6 +476,44 @@ __device__ __forceinline__ void norm_in_row(const MvArgs &a, NormIn &r, float *s
             if (xl)
                 mvq::round_block(o, bb, true, xl, xd, xd + n / 32);
         }
+}
+
+/* The combine's virtual threads per thread of the gate's block: a block of kGateVirt *
+ * kWarps * 32 = 1024 threads, the widest cuda_norm_wide_threads gives. */
+constexpr int kGateVirt = 4;
+
+/* The gate's block copies the gate (n floats) into s_g, its staging memory (it has no
+ * rows), before its wait: every thread calls. */
+__device__ __forceinline__ void norm_in_gate_load(const MvArgs &a, float *s_g)
+{
+    const uint32_t n = static_cast<uint32_t>(a.n);
+    for (uint32_t j = threadIdx.x; j < n; j += kWarps * 32)
+        s_g[j] = a.nin_gate[j];
+}
+
+/* The shared expert's gate over the formed row s_x, by the gate's block (every thread
+ * calls, after norm_in_row's barrier): virtual thread v < nin_gate_width sums gate[j]
+ * s_x[j] for j = v, v + width, ... as the combine's thread v does (combine.cu's gate_of, f
+ * the row), ops_block_sum's tree over the virtual warps (tail_vsum), and thread 0 writes
+ * the combine's sigmoid of it. The gate from s_g (norm_in_gate_load). */
+__device__ __forceinline__ void norm_in_gate(const MvArgs &a, const float *s_x, const float *s_g)
+{
+    __shared__ float s_red[32];
+    const uint32_t n = static_cast<uint32_t>(a.n), width = a.nin_gate_width;
+    const float *gate = s_g;
+    float part[kGateVirt];
+#pragma unroll
+    for (int m = 0; m < kGateVirt; m++) {
+        const uint32_t v = threadIdx.x + m * kWarps * 32;
+        float d = 0.0f;
+        if (v < width)
+            for (uint32_t j = v; j < n; j += width)
+                d += gate[j] * s_x[j];
+        part[m] = d;
+    }
+    const float d = tail_vsum<kGateVirt, kWarps * 32>(part, width, s_red);
+    if (threadIdx.x == 0)
+        *a.nin_gs = 1.0f / (1.0f + expf(-d));
 }
 
 /* Staging buffer bytes per row: a step plus the word rdw reads past it,
@@ -945,6 +989,12 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
     }
     if constexpr (TAIL)
         tail_prefetch(a.tail);
+    /* the gate's block (XS only): the launch's last, past the rows */
+    const bool gate_block = XS && a.nin_gate && blockIdx.x == gridDim.x - 1 && blockIdx.y == 0;
+    float *s_g = reinterpret_cast<float *>(&stage[0][0][0][0]);
+    static_assert(!XS || sizeof(stage) >= kXsMax * sizeof(float), "the gate fits in staging");
+    if (gate_block)
+        norm_in_gate_load(a, s_g);
     NormIn nr;
     if constexpr (XS)
         norm_in_early(a, nr);
@@ -965,6 +1015,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<T, NS, MODE>()) mv_ker
     if constexpr (XS) {
         norm_in_row(a, nr, s_x);
         probe_mark(a, 2);
+        if (gate_block)
+            norm_in_gate(a, s_x, s_g);
     }
     for (uint32_t job = blockIdx.y; job < a.n_jobs; job += gridDim.y) {
         const uint8_t *w = a.w;
@@ -1028,7 +1080,9 @@ int launch_t(MvArgs a, int mode, cudaStream_t stream)
     if (mode == 1 && !(a.rows_align && reinterpret_cast<uintptr_t>(a.w) % T::VW == 0))
         mode = 0;
     const uint64_t rows_per_block = static_cast<uint64_t>(kWarps >> a.ks_log2) * R;
-    const uint64_t blocks = (a.n_rows + rows_per_block - 1) / rows_per_block;
+    /* the norm-in form's gate: a block past the rows */
+    const uint64_t blocks =
+        (a.n_rows + rows_per_block - 1) / rows_per_block + (a.nin_gate ? 1 : 0);
     if (blocks > 0x7FFFFFFFull) {
         log_error("cuda matvec: %llu rows are too many", (unsigned long long)a.n_rows);
         return -EINVAL;
@@ -1298,11 +1352,13 @@ extern "C" int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t r
     if (!nin || !nin->h || !nin->add || !d_y ||
         (reinterpret_cast<uintptr_t>(nin->h) | reinterpret_cast<uintptr_t>(nin->add) |
          reinterpret_cast<uintptr_t>(d_y) | reinterpret_cast<uintptr_t>(d_xout)) & 3 ||
-        reinterpret_cast<uintptr_t>(d_xq) % 16) {
-        log_error("%s: bad buffers (h %p add %p y %p out %p)", what,
+        reinterpret_cast<uintptr_t>(d_xq) % 16 || !nin->gate != !nin->gs ||
+        (reinterpret_cast<uintptr_t>(nin->gate) | reinterpret_cast<uintptr_t>(nin->gs)) & 3) {
+        log_error("%s: bad buffers (h %p add %p y %p out %p gate %p gs %p)", what,
                   nin ? static_cast<const void *>(nin->h) : nullptr,
                   nin ? static_cast<const void *>(nin->add) : nullptr, static_cast<void *>(d_y),
-                  static_cast<void *>(d_xout));
+                  static_cast<void *>(d_xout), nin ? static_cast<const void *>(nin->gate) : nullptr,
+                  nin ? static_cast<void *>(nin->gs) : nullptr);
         return -EINVAL;
     }
     MvArgs a = plain_args(d_w, row_bytes, n_rows, n, n, n_rows);
@@ -1316,6 +1372,9 @@ extern "C" int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t r
     a.nin_width = cuda_norm_threads(static_cast<uint32_t>(n));
     a.nin_out = d_xout;
     a.nin_xq = d_xq;
+    a.nin_gate = nin->gate;
+    a.nin_gs = nin->gs;
+    a.nin_gate_width = cuda_norm_wide_threads(static_cast<uint32_t>(n));
     a.probe = nin->probe;
     return launch<1>(type, a, 1, stream);
 }

@@ -165,12 +165,15 @@ int cuda_moe_combine_early(float *d_h, const float *d_Y, const float *d_w, uint3
 /* cuda_moe_combine_early over h + mix: each row of d_mix (S x n, the mixer's output,
  * not h) is added to h first (__fadd_rn, as cuda_add_rmsnorm adds it), then the experts'
  * rows: for a layer whose residual add + norm was formed by its consumers (tail.h's
- * cuda_norm_in) instead of written into h. d_mix NULL: cuda_moe_combine_early. */
+ * cuda_norm_in) instead of written into h. d_mix NULL: cuda_moe_combine_early. d_gs (S
+ * floats, or NULL): the shared expert's gates sigmoid(shexp_gate . f), summed already
+ * (cuda_norm_in.gs, written two or more launches back), read instead of summed: the same
+ * bits where they are the router's. */
 int cuda_moe_combine_early_mix(float *d_h, const float *d_mix, const float *d_Y,
                                const float *d_w, uint32_t k, const float *d_so,
                                const float *d_shexp_gate, const float *d_f, uint32_t n,
                                uint32_t S, const float *d_norm_w, float eps, float *d_y,
-                               int8_t *d_xq, cudaStream_t stream);
+                               int8_t *d_xq, const float *d_gs, cudaStream_t stream);
 
 /* Whether cuda_moe_combine_early can write xq for n columns and k experts:
  * n a multiple of 32 and within the kernels' one-round path (at most two

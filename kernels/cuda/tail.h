@@ -101,6 +101,12 @@ struct cuda_norm_in {
     const float *add; /* the row added to it first (the mixer's output) */
     const float *w;   /* norm weights (n), or NULL: 1 */
     float eps;
+    /* the shared expert's gate (n floats), or NULL: a block of its own (past the rows) writes
+     * sigmoid(gate . row) into *gs, the bits cuda_moe_combine_early computes from the row
+     * (its block of cuda_norm_wide_threads(n) threads' sums and tree), so that the combine
+     * reads it (cuda_moe_combine_early_mix's d_gs) instead of summing it; gs: with gate */
+    const float *gate;
+    float *gs;
     /* diagnostics (LAMINA_CUDA_PROBE; written only by kernels built with LAMINA_MVQ_PROBE,
      * cuda_mvq_probe_built), NULL: none: thread 0 of each block b of the product
      * (b < CUDA_PROBE_BLOCKS) writes CUDA_PROBE_SLOTS values at probe + b CUDA_PROBE_SLOTS:

@@ -33,6 +33,11 @@
  *     cuda_mvq_experts, tables of 64 to 1100 entries, the ids read after
  *     the wait or polled, a second table's L2 prefetch off, before or after
  *     each block's rows: the rows byte for byte, a pair of id -1 untouched;
+ *   - the shared expert's gate summed by a block of the router's norm-in
+ *     launch (cuda_norm_in.gate) and read by the early combine against the
+ *     combine summing it: the router's outputs and the combine's h, next norm
+ *     and its rounding byte for byte, combine clusters of 8, 4, 2 and one
+ *     block; the gate against the host's; a gate without its output refused;
  * at hidden sizes whose stand-alone block widths differ (32 up to 1024
  * threads), each fused launch three times in a row (the counter must come
  * back to 0, checked after). Bad tails are refused (-EINVAL).
@@ -935,6 +940,122 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
     free(hh);
 }
 
+/* The shared expert's gate summed by a block of the router's norm-in launch
+ * (cuda_norm_in.gate, .gs) and read by the early combine (d_gs), against the
+ * combine summing it from the row: the router's logits, ids, weights, row and
+ * rounded row, and the combine's h and next norm (with xq), byte for byte; the
+ * gate within 1e-5 of the host's sigmoid of the row's dot. cluster: the combine
+ * as a cluster a token (sm_90) or one block (LAMINA_CUDA_COMBINE_CLUSTER=0). */
+static void test_gate_sum(uint32_t E, uint32_t k, uint32_t n, bool cluster, unsigned int *ctr,
+                          struct rng *r)
+{
+    char what[128];
+    if (!cluster)
+        setenv("LAMINA_CUDA_COMBINE_CLUSTER", "0", 1);
+    float *hW = rand_floats((size_t)E * n, r), *hv = rand_floats(4 * n, r);
+    float *hY = rand_floats((size_t)(k + 1) * n, r);
+    float *W = dev_floats(hW, (size_t)E * n), *h0 = dev_floats(hv, n);
+    float *add = dev_floats(hv + n, n), *nw = dev_floats(hv + 2 * n, n);
+    float *gate = dev_floats(hv + 3 * n, n), *Y = dev_floats(hY, (size_t)(k + 1) * n);
+    const size_t xb = cuda_mvq_xq_bytes(n);
+    float *lg[2], *xa[2], *w[2], *h[2], *y[2], *gs;
+    int8_t *xq[2], *yq[2];
+    int32_t *ids[2];
+    CU(cudaMalloc((void **)&gs, sizeof(float)));
+    for (int i = 0; i < 2; i++) {
+        CU(cudaMalloc((void **)&lg[i], E * sizeof(float)));
+        CU(cudaMalloc((void **)&xa[i], n * sizeof(float)));
+        CU(cudaMalloc((void **)&w[i], k * sizeof(float)));
+        CU(cudaMalloc((void **)&y[i], n * sizeof(float)));
+        CU(cudaMalloc((void **)&ids[i], k * sizeof(int32_t)));
+        CU(cudaMalloc((void **)&xq[i], xb));
+        CU(cudaMalloc((void **)&yq[i], xb));
+        h[i] = dev_floats(hv, n);
+    }
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    int rc = 0;
+    for (int i = 0; i < 2 && rc == 0; i++) { /* 0: the combine sums it, 1: the router */
+        poison(lg[i], E * sizeof(float));
+        poison(xa[i], n * sizeof(float));
+        poison(xq[i], xb);
+        poison(y[i], n * sizeof(float));
+        poison(yq[i], xb);
+        poison(gs, sizeof(float));
+        const struct cuda_norm_in ni = {.h = h0, .add = add, .w = nw, .eps = 1e-6f,
+                                        .gate = i ? gate : NULL, .gs = i ? gs : NULL};
+        const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k,
+                                    .ids = ids[i], .w = w[i]};
+        rc = cuda_matvec_tail_norm_in(QUANT_TYPE_F32, W, n * sizeof(float), E, n, &ni, xa[i],
+                                      xq[i], lg[i], &t, st);
+        /* the combine reads the router's outputs before its wait: launches apart */
+        CU(cudaStreamSynchronize(st));
+        rc = rc ? rc
+                : cuda_moe_combine_early_mix(h[i], add, Y, w[i], k, Y + (size_t)k * n, gate,
+                                             xa[i], n, 1, nw, 1e-6f, y[i],
+                                             cuda_moe_combine_xq_ok(n, k) ? yq[i] : NULL,
+                                             i ? gs : NULL, st);
+        CU(cudaStreamSynchronize(st));
+    }
+    CHECK(rc == 0, "gate sum E %u n %u: rc %d", E, n, rc);
+    const char *form = cluster ? "cluster" : "one block";
+    bool ok = true;
+    const struct {
+        void *a, *b;
+        size_t bytes;
+        const char *name;
+    } outs[] = {{lg[0], lg[1], E * sizeof(float), "logits"},
+                {ids[0], ids[1], k * sizeof(int32_t), "ids"},
+                {w[0], w[1], k * sizeof(float), "weights"},
+                {xa[0], xa[1], n * sizeof(float), "row"},
+                {xq[0], xq[1], xb, "rounded row"},
+                {h[0], h[1], n * sizeof(float), "h"},
+                {y[0], y[1], n * sizeof(float), "next norm"},
+                {yq[0], yq[1], cuda_moe_combine_xq_ok(n, k) ? xb : 0, "next norm rounded"}};
+    for (size_t o = 0; o < sizeof(outs) / sizeof(outs[0]); o++) {
+        snprintf(what, sizeof(what), "gate sum E %u n %u (%s): %s", E, n, form, outs[o].name);
+        ok &= same(outs[o].a, outs[o].b, outs[o].bytes, what);
+    }
+    float g = 0.0f, *hx = xmalloc(n * sizeof(float));
+    CU(cudaMemcpy(&g, gs, sizeof(float), cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(hx, xa[1], n * sizeof(float), cudaMemcpyDeviceToHost));
+    double d = 0.0;
+    for (uint32_t j = 0; j < n; j++)
+        d += (double)hv[3 * n + j] * hx[j];
+    const double want = 1.0 / (1.0 + exp(-d));
+    CHECK(fabs(g - want) <= 1e-5, "gate sum E %u n %u: gate %.7g, host %.7g", E, n, g, want);
+    /* a gate without its output is refused, nothing launched */
+    const struct cuda_norm_in bad = {.h = h0, .add = add, .w = nw, .eps = 1e-6f, .gate = gate};
+    CHECK(cuda_matvec_tail_norm_in(QUANT_TYPE_F32, W, n * sizeof(float), E, n, &bad, xa[0], NULL,
+                                   lg[0], NULL, st) == -EINVAL,
+          "gate sum: a gate without gs accepted");
+    printf("gate sum E %u k %u n %u, combine %s: %s, gate %.6f (host %.6f)\n", E, k, n, form,
+           ok ? "identical" : "DIFFERENT", g, want);
+    CU(cudaStreamDestroy(st));
+    for (int i = 0; i < 2; i++) {
+        cudaFree(lg[i]);
+        cudaFree(xa[i]);
+        cudaFree(w[i]);
+        cudaFree(y[i]);
+        cudaFree(ids[i]);
+        cudaFree(xq[i]);
+        cudaFree(yq[i]);
+        cudaFree(h[i]);
+    }
+    cudaFree(gs);
+    cudaFree(W);
+    cudaFree(h0);
+    cudaFree(add);
+    cudaFree(nw);
+    cudaFree(gate);
+    cudaFree(Y);
+    free(hW);
+    free(hv);
+    free(hY);
+    free(hx);
+    unsetenv("LAMINA_CUDA_COMBINE_CLUSTER");
+}
+
 static void test_refusals(unsigned int *ctr)
 {
     float *d;
@@ -1283,6 +1404,13 @@ int main(void)
     test_ids_poll(QUANT_TYPE_Q8_0, QUANT_TYPE_F32, 128, 8, 1024, 256, ctr, &r);
     test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_F32, 64, 16, 512, 128, ctr, &r);
     test_ids_poll(QUANT_TYPE_Q4_0, QUANT_TYPE_Q8_0, 512, 10, 2048, 512, ctr, &r);
+    /* the shared gate by the router's launch: combine widths 1024 (a cluster of 8), 512
+     * (4), 256 (2) and 32 (one block), and one block at 2048 */
+    test_gate_sum(512, 10, 2048, true, ctr, &r);
+    test_gate_sum(512, 10, 2048, false, ctr, &r);
+    test_gate_sum(128, 8, 1024, true, ctr, &r);
+    test_gate_sum(64, 16, 512, true, ctr, &r);
+    test_gate_sum(60, 4, 64, true, ctr, &r);
     test_refusals(ctr);
     bench_boundaries(ctr, &r);
     bench_down_combine(&r);
