@@ -146,7 +146,9 @@ bool cuda_matvec_norm_in_ok(uint32_t type, uint64_t n_rows, uint64_t n, size_t r
  * or more launches back, kernels/cuda/pdl.cuh); d_xout (NULL: none) gets
  * that row too, and d_xq (NULL: none; 16-byte aligned) the row rounded as
  * cuda_mvq_xq reads it (mvq.h), both written by the blocks, 32 columns
- * each. The tail t (NULL, or TOPK) as cuda_matvec_tail's. -ENOTSUP (nothing launched) where
+ * each. With nin->gate, a block past the rows writes the shared expert's gate into *nin->gs
+ * (cuda_norm_in; a gate without gs, or either unaligned: -EINVAL, nothing launched).
+ * The tail t (NULL, or TOPK) as cuda_matvec_tail's. -ENOTSUP (nothing launched) where
  * cuda_matvec_norm_in_ok is false or d_w is not 16-byte aligned; the same
  * y as cuda_add_rmsnorm into x, then cuda_matvec_tail. */
 int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
