@@ -42,10 +42,7 @@
  * splits in ascending order. Splits follow from the shape alone (the same
  * on every GPU): chunks of >= 32 positions (one step of each warp of a
  * block at 8 rows of f16: short contexts spread over more blocks), at most
- * 512 blocks. At a position in device memory (graphs) each split's first
- * block asks L2 for the split's rows of earlier steps before its PDL wait
- * (LAMINA_CUDA_ATTN_PF=0: not), so that the ring's copies after the wait
- * find them there.
+ * 512 blocks.
  *
  * Prefill (n_tok > 1): grid (token tile, kv head x head group, split). The
  * block's 8 warps own 64 rows (BQ = 64/NG tokens x NG heads); the block loads
@@ -102,10 +99,6 @@ struct attn_args {
      * products (mvq::xq_row_bytes layout) by the combine kernel, or NULL */
     int8_t *outq;
     uint32_t min_chunk; /* decode: positions per split, at least (attn_min_chunk) */
-    /* decode at pos_ptr: each block asks L2 for its split's K and V rows before the current
-     * position before its PDL wait (rows of earlier steps; the position read early as the
-     * combine reads it; a hint only: the rows are read after the wait) */
-    bool kv_pf;
 };
 
 /* DPL consecutive elements of a K or V row (f16 or f32) as floats; zeros
@@ -486,25 +479,17 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3
     extern __shared__ uint4 s_dyn[]; /* the rings, then the warps' accumulators */
     __shared__ float s_sw[NW][96];
     __shared__ float s_m[NW][NR], s_l[NW][NR];
-    const uint32_t split = blockIdx.x, j = blockIdx.y / a.n_groups;
-    const size_t kv_dim = (size_t)a.n_head_kv * a.hd;
-    if (a.kv_pf && a.pos_ptr && threadIdx.x == 0 && blockIdx.y == 0) {
-        uint32_t p, ch, ns; /* the rows of earlier steps (every kv head's: contiguous) */
-        attn_decode_plan(a, &p, &ch, &ns);
-        const uint32_t r0 = min(split * ch, p), r1 = min(p, r0 + ch);
-        const size_t row = kv_dim * ESZ, at = (size_t)r0 * row;
-        pdl_prefetch_l2(a.k + at, (size_t)(r1 - r0) * row);
-        pdl_prefetch_l2(a.v + at, (size_t)(r1 - r0) * row);
-    }
     pdl_wait(); /* q, the cache rows and the position come from the kernels before */
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool own = (uint32_t)lane * DPL < a.hd;
+    const uint32_t split = blockIdx.x, j = blockIdx.y / a.n_groups;
     const uint32_t h0 = j * a.G + (blockIdx.y % a.n_groups) * a.NG;
     uint32_t pos0, chunk, n_splits;
     attn_decode_plan(a, &pos0, &chunk, &n_splits);
     const uint32_t n_kv = pos0 + 1, c0 = min(split * chunk, n_kv);
     const uint32_t c1 = min(n_kv, c0 + chunk); /* empty past the last split */
+    const size_t kv_dim = (size_t)a.n_head_kv * a.hd;
     const char *kh = a.k + (size_t)j * a.hd * ESZ, *vh = a.v + (size_t)j * a.hd * ESZ;
 
     attn_warp<DPL, NR> st;
@@ -972,8 +957,6 @@ extern "C" int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_strid
                                     n_head_kv, hd, 1, 0, scale, gated, d_out);
     a.pos_ptr = d_pos;
     a.outq = d_outq;
-    const char *pf = getenv("LAMINA_CUDA_ATTN_PF");
-    a.kv_pf = !(pf && pf[0] == '0');
     attn_plan_splits(&a, max_kv, a.units, a.min_chunk, ATTN_MAX_BLOCKS, 16);
     /* grid: the most splits any position up to max_kv plans, at least two so
      * that the combine always runs (one split through the combine gives the

@@ -55,8 +55,6 @@
  *     instead of the gate/up product's clusters (LAMINA_CUDA_GQ=0): byte-identical;
  *   - the same with the combine summing the shared expert's gate instead of the
  *     router's launch (LAMINA_CUDA_GS=0): byte-identical;
- *   - the same without the decode attention's L2 requests before its wait
- *     (LAMINA_CUDA_ATTN_PF=0): byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
  *     here with expert_exec on the CPU: within the bound, rows really sent;
  *   - the layers split over two cuda backends: within the bound;
@@ -691,8 +689,7 @@ static void tbc_arch_run(struct tbc_arch *a)
                 {"LAMINA_CUDA_CARVEOUT", "100", "with all shared memory"},
                 {"LAMINA_CUDA_PROBE", "1", "with the probe's marks"},
                 {"LAMINA_CUDA_GQ", "0", "with the down input rounded by the down product"},
-                {"LAMINA_CUDA_GS", "0", "with the shared gate summed by the combine"},
-                {"LAMINA_CUDA_ATTN_PF", "0", "without the attention's early L2 requests"}};
+                {"LAMINA_CUDA_GS", "0", "with the shared gate summed by the combine"}};
     enum { N_OFFS = sizeof(offs) / sizeof(offs[0]) };
     double ms_off[N_OFFS];
     for (int k = 0; k < N_OFFS; k++) {
