@@ -51,7 +51,9 @@
  * LAMINA_CUDA_FUSE=0): per
  * attention layer the q|k|v product (one launch where the three share a row
  * format, stacked in the trunk), the fused q/k norm + rope + KV store
- * (cuda_attn_prep), attention and its split combine, the output product; per
+ * (cuda_attn_prep), attention and its split combine (LAMINA_CUDA_ATTN_FUSED=1:
+ * the three in one launch, cuda_attention_decode_fused, where it takes the
+ * shape; slower on an H200 so far, docs/perf.md), the output product; per
  * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv and
  * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two),
  * output (LAMINA_CUDA_DN_IN=1: on sm_90 with Q4_0 or Q8_0 input rows the
@@ -728,6 +730,9 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->gs = cb_take(c, &off, 1);
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
+    const size_t afw = cuda_attention_fused_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
+                                                     c->n_ctx);
+    c->attn_ws_bytes = afw > c->attn_ws_bytes ? afw : c->attn_ws_bytes;
     c->attn_ws = cb_take(c, &off, c->attn_ws_bytes / sizeof(float) + 1);
     c->d_pos = cb_take(c, &off, 1);
     c->tail_ctr = cb_take(c, &off, 1);
@@ -1346,6 +1351,28 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
         rc = cb_mm(c, "attn.q", &L->wq, c->xa, n, S, q, q_out);
         rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
         rc = rc ? rc : cb_mm(c, "attn.v", &L->wv, c->xa, n, S, vx, kvd);
+    }
+    if (!rc && S == 1 && L->wqkv1.n_out) {
+        /* prep, attention and its split merge in one launch where it is asked for and
+         * takes them (LAMINA_CUDA_ATTN_FUSED=1), the output also rounded for the output
+         * product where that takes it (cb_mm_yq) */
+        int8_t *aq = c->yq_on && cuda_mvq_xq_ok(L->wo.type, L->wo.n_out, L->wo.n_in) ? c->yq
+                                                                                     : NULL;
+        rc = CB_K(c, "attn.fused",
+                  cuda_attention_decode_fused(q, g * hd, kx, vx, L->q_norm, L->k_norm, hp->eps,
+                                              hp->n_rot, hp->rope_base, L->kc, L->vc,
+                                              c->cfg.kv_f16, nh, nkv, hd, c->d_pos, c->n_ctx,
+                                              hp->attn_scale, hp->attn_gated, c->att, aq,
+                                              c->attn_ws, c->attn_ws_bytes, c->stream));
+        if (rc != -ENOTSUP) {
+            if (aq)
+                return rc ? rc : cb_mm_yq(c, "attn.out", &L->wo, aq, c->att, c->mix, tail);
+            if (tail)
+                return rc ? rc : cb_mm_tail(c, "attn.out", &L->wo, c->att, c->mix, tail);
+            return rc ? rc : cb_mm(c, "attn.out", &L->wo, c->att, (size_t)nh * hd, S, c->mix, n);
+        }
+        cb_unlaunch(c); /* not launched: prep, attention and merge apart */
+        rc = 0;
     }
     const uint32_t *d_pos = S == 1 ? c->d_pos : NULL;
     rc = rc ? rc : CB_K(c, "attn.prep", cuda_attn_prep(q, q_out, g * hd, nh, kx, vx, kvd, nkv, hd,

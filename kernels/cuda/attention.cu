@@ -44,6 +44,13 @@
  * block at 8 rows of f16: short contexts spread over more blocks), at most
  * 512 blocks.
  *
+ * The fused decode (cuda_attention_decode_fused, attn_fused_kernel below): the
+ * prep, the decode and the merge of one token in one launch, a warp per query
+ * head, the cached rows read before the PDL wait, the splits merged by the
+ * block that completes a kv head (its comment has the details). Opt-in
+ * (LAMINA_CUDA_ATTN_FUSED=1): in the decode graph on an H200 it took 26 us a
+ * layer against 14 for the three launches (docs/perf.md).
+ *
  * Prefill (n_tok > 1): grid (token tile, kv head x head group, split). The
  * block's 8 warps own 64 rows (BQ = 64/NG tokens x NG heads); the block loads
  * tiles of T positions of K and V (<= 32 KiB) into shared memory once and all
@@ -61,6 +68,7 @@
 #include "kernels/cuda/ops.h"
 
 #include <cuda_fp16.h>
+#include <string.h>
 
 #include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/ops_device.cuh"
@@ -721,6 +729,353 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
     }
 }
 
+/*
+ * The fused decode (cuda_attention_decode_fused): attn_prep_kernel,
+ * attn_decode_kernel and attn_combine_kernel of one token in one launch, for
+ * an f16 cache and hd a multiple of 32 (at most 256). Grid (split, kv head
+ * j), a block of NG warps, warp w owning query head h = j * NG + w (NG =
+ * n_head / n_head_kv, at most AF_MAX_NG). Splits: chunks of AF_T positions
+ * or a multiple of them, at most `cap` a kv head (AF_MAX_SPLITS), planned
+ * from the position in device memory (af_plan); blocks past the position's
+ * splits return at once.
+ *   - Before the PDL wait (nothing there comes from the kernels before): the
+ *     position, the plan, the block's first two tiles of cached K and V rows
+ *     (positions below the current one, written by earlier steps) into a
+ *     ring of two tiles in shared memory by cp.async, the norm weights and
+ *     the rope's sines and cosines of the lane's elements.
+ *   - After it: each warp normalises its head's q as attn_prep_kernel does
+ *     (lane L holds elements L, L + 32, ...: the same warp butterflies per
+ *     32 elements and the same butterfly over their sums as its block of hd
+ *     threads, the same expressions), ropes it through shared memory and
+ *     keeps q * scale * log2(e) with lane L owning dims L * DPL .. (the
+ *     decode kernel's layout). The block whose split holds the position
+ *     forms k (warp 0) and v (warp 1, or 0) the same way, stores them in the
+ *     cache and keeps their f16 rows, which stand in for the cache's row of
+ *     the position: q, k, v, caches are the prep's bits.
+ *   - Per tile of AF_T positions each warp forms the AF_T partial dot
+ *     products over its dims, one butterfly reduce-scatter leaves lane p the
+ *     score of position t0 + p, the online softmax runs one score a lane (m
+ *     warp-uniform, l a lane's share), and every lane adds the weights
+ *     (shuffled from their lanes) times V over its dims.
+ *   - One split: the output (gate applied) straight to out. Several: the
+ *     triple to the workspace ([split][head][hd], [split][head][m, l]), and
+ *     the block that completes kv head j (af_ctr[j], set back to 0 by it)
+ *     merges that head's splits per warp: M = max m, L = sum 2^(m - M) l,
+ *     A = sum 2^(m - M) acc, o = A / L (times the gate).
+ *   - outq: the output row also rounded per block of 32 (mvq::round_block)
+ *     for the output product, as attn_combine_kernel writes it.
+ * The scores and the merge add in another order than the three kernels (the
+ * per-tile softmax, a warp's 32 positions at a time): results agree to f32
+ * rounding, not bitwise; run to run they are the same bits.
+ */
+enum {
+    AF_T = 32,           /* positions per tile (one score a lane) */
+    AF_MAX_SPLITS = 32,  /* splits a kv head, at most */
+    AF_MAX_NG = 16,      /* query heads (warps) a block, at most */
+    AF_MAX_KV = 64,      /* kv heads, at most (af_ctr) */
+};
+
+struct af_args {
+    const float *q;      /* query head h at q + h * q_head_stride (its gate after hd) */
+    size_t q_head_stride;
+    const float *k, *v;  /* this token's raw k and v, kv head j at + j * hd */
+    const float *q_norm, *k_norm; /* NULL: no norm */
+    float eps, base;
+    uint32_t half;       /* n_rot / 2 */
+    __half *kc, *vc;
+    uint32_t n_head, n_head_kv, hd, NG, cap;
+    const uint32_t *pos_ptr;
+    float scale_log2;
+    bool gated;
+    float *out;
+    int8_t *outq;        /* or NULL */
+    float *ws_acc, *ws_ml;
+};
+
+/* Per kv head: blocks of the current fused launch that have written their
+ * triple; the last sets it back to 0 (one launch at a time per device, as
+ * the backend runs a layer's kernels on one stream). */
+__device__ unsigned int af_ctr[AF_MAX_KV];
+
+/* Chunk and split count of n_kv positions, at most cap splits. */
+static __device__ __forceinline__ void af_plan(uint32_t n_kv, uint32_t cap, uint32_t *chunk,
+                                               uint32_t *n_splits)
+{
+    const uint32_t want = attn_dev_div_up(n_kv, AF_T), n = want < cap ? want : cap;
+    *chunk = attn_dev_div_up(attn_dev_div_up(n_kv, n), AF_T) * AF_T;
+    *n_splits = attn_dev_div_up(n_kv, *chunk);
+}
+
+/* Tile i of positions [t0, t1) (t1: the first not read from the cache) of
+ * kv head j into ring slot i % 2 (K rows, then V rows, hd halves each) by
+ * cp.async, one group committed (empty past the rows). */
+static __device__ __forceinline__ void af_issue(const struct af_args &a, char *ring, uint32_t j,
+                                                uint32_t t0, uint32_t t1, uint32_t i)
+{
+    const uint32_t rb = a.hd * 2, cpr = rb / 16; /* bytes, 16-byte pieces of a row */
+    const uint32_t rows = t1 > t0 ? min(t1 - t0, (uint32_t)AF_T) : 0;
+    char *slot = ring + (size_t)(i % 2) * 2 * AF_T * rb;
+    const size_t kv_row = (size_t)a.n_head_kv * rb;
+    for (uint32_t c = threadIdx.x; c < 2 * rows * cpr; c += blockDim.x) {
+        const uint32_t kv = c / (rows * cpr), r = c % (rows * cpr) / cpr, p = c % cpr;
+        const char *src = (const char *)(kv ? a.vc : a.kc) + (size_t)(t0 + r) * kv_row +
+                          (size_t)j * rb + p * 16;
+        attn_cp_async<16>(slot + ((size_t)kv * AF_T + r) * rb + p * 16, src);
+    }
+    attn_cp_commit();
+}
+
+/* One head row (raw: x, lane L's elements L + 32 m) as attn_prep_kernel leaves it: the
+ * RMSNorm with weights wn (lane L's elements L + 32 m; NULL: none; the
+ * block sum replayed as its warps and its final butterfly), then the rope
+ * of the first 2 * half elements through s (hd floats of the warp's own);
+ * returns with s holding the row. cs: the lane's sines and cosines. */
+template <int DPL>
+static __device__ __forceinline__ void af_prep_row(const struct af_args &a, float (&x)[DPL],
+                                                   const float (&wn)[DPL], bool norm,
+                                                   const float (&sn)[DPL], const float (&cs)[DPL],
+                                                   float *s)
+{
+    const int lane = threadIdx.x & 31;
+    if (norm) {
+        float v = 0.0f;
+#pragma unroll
+        for (int m = 0; m < DPL; m++) {
+            const float ws = ops_warp_sum(x[m] * x[m]);
+            v = lane == m ? ws : v;
+        }
+        const float sum = ops_warp_sum(v);
+        const float scale = 1.0f / sqrtf(sum / (float)a.hd + a.eps);
+#pragma unroll
+        for (int m = 0; m < DPL; m++)
+            x[m] = x[m] * scale * wn[m];
+    }
+#pragma unroll
+    for (int m = 0; m < DPL; m++)
+        s[32 * m + lane] = x[m];
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < DPL; m++) {
+        const uint32_t i = 32 * m + lane;
+        if (i < a.half)
+            x[m] = s[i] * cs[m] - s[i + a.half] * sn[m];
+        else if (i < 2 * a.half)
+            x[m] = s[i - a.half] * sn[m] + s[i] * cs[m];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < DPL; m++)
+        s[32 * m + lane] = x[m];
+    __syncwarp();
+}
+
+/* The output of head h (dims lane * DPL ..: o) to out and, with outq, rounded
+ * per block of 32 through s (hd floats of the warp's own). */
+template <int DPL>
+static __device__ __forceinline__ void af_out(const struct af_args &a, uint32_t h,
+                                              const float (&o)[DPL], float *s)
+{
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
+        s[lane * DPL + d] = o[d];
+    __syncwarp();
+    const size_t n = (size_t)a.n_head * a.hd;
+#pragma unroll
+    for (int m = 0; m < DPL; m++) {
+        const float x = s[32 * m + lane];
+        a.out[(size_t)h * a.hd + 32 * m + lane] = x;
+        if (a.outq) {
+            float *sc = reinterpret_cast<float *>(a.outq + n);
+            mvq::round_block(x, (uint32_t)(((size_t)h * a.hd) / 32) + m, true, a.outq, sc,
+                             sc + n / 32);
+        }
+    }
+}
+
+template <int DPL>
+static __global__ void __launch_bounds__(AF_MAX_NG * 32)
+    attn_fused_kernel(const struct af_args a)
+{
+    extern __shared__ uint4 s_dyn[]; /* ring (2 tiles), the warps' rows, new k and v */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t split = blockIdx.x, j = blockIdx.y, h = j * a.NG + warp;
+    const uint32_t rb = a.hd * 2;
+    char *ring = (char *)s_dyn;
+    float *s_row = (float *)(ring + (size_t)4 * AF_T * rb) + (size_t)warp * a.hd;
+    __half *s_kn = (__half *)((float *)(ring + (size_t)4 * AF_T * rb) + (size_t)a.NG * a.hd);
+    __half *s_vn = s_kn + a.hd;
+    __shared__ unsigned int s_last;
+
+    /* before the wait: the plan, the cached rows, weights, sines and cosines */
+    const uint32_t pos = __ldcg(a.pos_ptr), n_kv = pos + 1;
+    uint32_t chunk, n_splits;
+    af_plan(n_kv, a.cap, &chunk, &n_splits);
+    if (split >= n_splits)
+        return;
+    const uint32_t c0 = split * chunk, c1 = min(n_kv, c0 + chunk);
+    const uint32_t cached = min(c1, pos); /* rows read from the cache: below the position */
+    const bool mine = pos < c1;           /* this block forms k and v of the position */
+    const uint32_t n_tiles = attn_dev_div_up(c1 - c0, AF_T);
+    af_issue(a, ring, j, c0, cached, 0);
+    af_issue(a, ring, j, c0 + AF_T, cached, 1);
+    float qn[DPL], kn[DPL], sn[DPL], cs[DPL];
+#pragma unroll
+    for (int m = 0; m < DPL; m++) {
+        const uint32_t i = 32 * m + lane;
+        qn[m] = a.q_norm ? a.q_norm[i] : 1.0f;
+        kn[m] = a.k_norm ? a.k_norm[i] : 1.0f;
+        sn[m] = 0.0f, cs[m] = 1.0f;
+        if (i < 2 * a.half) { /* attn_prep_kernel's theta */
+            const uint32_t i0 = i < a.half ? i : i - a.half;
+            const float theta = (float)pos * powf(a.base, -(float)(2 * i0) / (float)(2 * a.half));
+            sincosf(theta, &sn[m], &cs[m]);
+        }
+    }
+    pdl_wait(); /* q, k and v come from the kernel before */
+    pdl_trigger();
+
+    /* every load of the step's inputs at once: q, its gate, k and v */
+    const float *qrow = a.q + (size_t)h * a.q_head_stride;
+    const bool do_k = mine && warp == 0, do_v = mine && warp == (a.NG > 1 ? 1 : 0);
+    float xq[DPL], xk[DPL], xv[DPL], gf[DPL];
+#pragma unroll
+    for (int m = 0; m < DPL; m++) {
+        xq[m] = qrow[32 * m + lane];
+        xk[m] = do_k ? a.k[(size_t)j * a.hd + 32 * m + lane] : 0.0f;
+        xv[m] = do_v ? a.v[(size_t)j * a.hd + 32 * m + lane] : 0.0f;
+        gf[m] = a.gated ? qrow[a.hd + lane * DPL + m] : 0.0f;
+    }
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
+        gf[d] = a.gated ? attn_gate_of(gf[d]) : 1.0f;
+    const size_t at = (size_t)pos * a.n_head_kv * a.hd + (size_t)j * a.hd;
+    if (do_k) { /* k (warp 0) and v (warp 1, or 0) of the position: cache and s_kn, s_vn */
+        af_prep_row<DPL>(a, xk, kn, a.k_norm != nullptr, sn, cs, s_row);
+#pragma unroll
+        for (int m = 0; m < DPL; m++) {
+            const __half x = __float2half_rn(s_row[32 * m + lane]);
+            a.kc[at + 32 * m + lane] = x;
+            s_kn[32 * m + lane] = x;
+        }
+        __syncwarp();
+    }
+    if (do_v) {
+#pragma unroll
+        for (int m = 0; m < DPL; m++) {
+            const __half x = __float2half_rn(xv[m]);
+            a.vc[at + 32 * m + lane] = x;
+            s_vn[32 * m + lane] = x;
+        }
+    }
+    af_prep_row<DPL>(a, xq, qn, a.q_norm != nullptr, sn, cs, s_row);
+    float q[DPL], acc[DPL];
+#pragma unroll
+    for (int d = 0; d < DPL; d++) {
+        q[d] = s_row[lane * DPL + d] * a.scale_log2;
+        acc[d] = 0.0f;
+    }
+    float m_run = -INFINITY, l = 0.0f;
+    const size_t off = (size_t)lane * DPL;
+    for (uint32_t i = 0; i < n_tiles; i++) {
+        attn_cp_wait<1>(); /* this thread's copies of tile i */
+        __syncthreads();   /* everyone's, and s_kn / s_vn */
+        const uint32_t t0 = c0 + i * AF_T, nv = min((uint32_t)AF_T, c1 - t0);
+        const char *sk = ring + (size_t)(i % 2) * 2 * AF_T * rb, *sv = sk + (size_t)AF_T * rb;
+        float sc[32];
+#pragma unroll
+        for (int p = 0; p < AF_T; p++) {
+            const char *row = t0 + p == pos ? (const char *)s_kn : sk + (size_t)p * rb;
+            float kf[DPL];
+            attn_load<DPL, true>(row, off, true, kf);
+            float dot = 0.0f;
+#pragma unroll
+            for (int d = 0; d < DPL; d++)
+                dot = fmaf(q[d], kf[d], dot);
+            sc[p] = dot;
+        }
+        float s = attn_reduce_scatter(sc, lane);
+        s = (uint32_t)lane < nv ? s : -INFINITY;
+        const float m_new = fmaxf(m_run, ops_warp_max(s));
+        const float e = m_new != -INFINITY ? exp2f(s - m_new) : 0.0f;
+        const float c = m_new != -INFINITY ? exp2f(m_run - m_new) : 1.0f;
+        l = l * c + e;
+        m_run = m_new;
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            acc[d] *= c;
+#pragma unroll
+        for (int p = 0; p < AF_T; p++) {
+            const float w = __shfl_sync(OPS_FULL_MASK, e, p);
+            if ((uint32_t)p < nv) {
+                const char *row = t0 + p == pos ? (const char *)s_vn : sv + (size_t)p * rb;
+                float vf[DPL];
+                attn_load<DPL, true>(row, off, true, vf);
+#pragma unroll
+                for (int d = 0; d < DPL; d++)
+                    acc[d] = fmaf(w, vf[d], acc[d]);
+            }
+        }
+        __syncthreads(); /* slot i % 2 read by every warp */
+        af_issue(a, ring, j, c0 + (i + 2) * AF_T, cached, i + 2);
+    }
+    attn_cp_wait<0>();
+    const float lsum = ops_warp_sum(l);
+    float o[DPL];
+    if (n_splits == 1) {
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            o[d] = a.gated ? acc[d] / lsum * gf[d] : acc[d] / lsum;
+        af_out<DPL>(a, h, o, s_row);
+        return;
+    }
+    const size_t row = (size_t)split * a.n_head + h;
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
+        a.ws_acc[row * a.hd + off + d] = acc[d];
+    if (lane == 0) {
+        a.ws_ml[2 * row] = m_run;
+        a.ws_ml[2 * row + 1] = lsum;
+    }
+    __threadfence(); /* this thread's triple before the block's arrival */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_last = atomicAdd(&af_ctr[j], 1u) + 1u == n_splits;
+        if (s_last)
+            af_ctr[j] = 0; /* every split of j has arrived: ready for the next launch */
+    }
+    __syncthreads();
+    if (!s_last)
+        return;
+    __threadfence(); /* the other blocks' triples, read through L2 */
+    float M = -INFINITY;
+    for (uint32_t sp = lane; sp < n_splits; sp += 32)
+        M = fmaxf(M, __ldcg(a.ws_ml + 2 * ((size_t)sp * a.n_head + h)));
+    M = ops_warp_max(M);
+    float L = 0.0f, A[DPL];
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
+        A[d] = 0.0f;
+#pragma unroll 4
+    for (uint32_t sp = 0; sp < n_splits; sp++) {
+        const size_t r = (size_t)sp * a.n_head + h;
+        const float2 ml = __ldcg((const float2 *)(a.ws_ml + 2 * r));
+        float x[DPL];
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            x[d] = __ldcg(a.ws_acc + r * a.hd + off + d);
+        const float w = ml.x == -INFINITY ? 0.0f : exp2f(ml.x - M);
+        L += w * ml.y;
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            A[d] += w * x[d];
+    }
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
+        o[d] = a.gated ? A[d] / L * gf[d] : A[d] / L;
+    af_out<DPL>(a, h, o, s_row);
+}
+
 /* ---- host side ---- */
 
 static int attn_dpl(uint32_t hd)
@@ -1013,4 +1368,120 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
         }
     }
     return rc;
+}
+
+/* ---- the fused decode (af_*, attn_fused_kernel) ---- */
+
+static uint32_t af_cap(uint32_t max_kv)
+{
+    const uint32_t cap = attn_div_up(max_kv, AF_T);
+    return cap < AF_MAX_SPLITS ? cap : AF_MAX_SPLITS;
+}
+
+static size_t af_smem(uint32_t hd, uint32_t ng)
+{
+    return (size_t)4 * AF_T * hd * 2 + (size_t)ng * hd * sizeof(float) + (size_t)2 * hd * 2;
+}
+
+extern "C" size_t cuda_attention_fused_ws_bytes(uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
+                                                uint32_t max_kv)
+{
+    if (!n_head || !n_head_kv || n_head % n_head_kv || !max_kv)
+        return 0;
+    return (size_t)af_cap(max_kv) * n_head * (hd + 2) * sizeof(float);
+}
+
+/* Whether the fused decode is asked for (LAMINA_CUDA_ATTN_FUSED=1, read at
+ * each call: opt-in, as it decodes slower than the three launches on an
+ * H200 so far, docs/perf.md) and takes the shape on this device. */
+static bool af_takes(bool f16, uint32_t n_head, uint32_t n_head_kv, uint32_t hd, size_t smem)
+{
+    const char *env = getenv("LAMINA_CUDA_ATTN_FUSED");
+    if (!env || strcmp(env, "1"))
+        return false;
+    if (!f16 || (hd != 32 && hd != 64 && hd != 128 && hd != 256) || n_head % n_head_kv ||
+        n_head / n_head_kv > AF_MAX_NG || n_head_kv > AF_MAX_KV)
+        return false;
+    int dev = 0, major = 0, optin = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+               cudaSuccess &&
+           major >= 8 &&
+           cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
+               cudaSuccess &&
+           smem + 1024 <= (size_t)optin;
+}
+
+template <int DPL>
+static int af_launch(const struct af_args &a, size_t smem, cudaStream_t stream)
+{
+    const cudaError_t e = cudaFuncSetAttribute(
+        attn_fused_kernel<DPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) {
+        log_error("cuda_attention_decode_fused: %zu bytes of shared memory refused: %s", smem,
+                  cudaGetErrorString(e));
+        return -EIO;
+    }
+    pdl_launch(attn_fused_kernel<DPL>, dim3(a.cap, a.n_head_kv), a.NG * 32, smem, stream, a);
+    return OPS_LAUNCH_CHECK("cuda_attention_decode_fused");
+}
+
+extern "C" int cuda_attention_decode_fused(const float *d_q, size_t q_head_stride,
+                                           const float *d_k, const float *d_v,
+                                           const float *d_q_norm, const float *d_k_norm,
+                                           float eps, uint32_t n_rot, float base, void *d_kcache,
+                                           void *d_vcache, bool f16, uint32_t n_head,
+                                           uint32_t n_head_kv, uint32_t hd,
+                                           const uint32_t *d_pos, uint32_t max_kv, float scale,
+                                           bool gated, float *d_out, int8_t *d_outq,
+                                           float *d_ws, size_t ws_bytes, cudaStream_t stream)
+{
+    int rc = attn_check(d_q, q_head_stride, d_kcache, d_vcache, n_head, n_head_kv, hd, 1,
+                        max_kv ? max_kv - 1 : 0, gated, d_out);
+    const size_t need = cuda_attention_fused_ws_bytes(n_head, n_head_kv, hd, max_kv);
+    if (!rc && (!d_k || !d_v || !d_pos || !max_kv || n_rot > hd || n_rot % 2 ||
+                !(base > 0.0f) || !d_ws || ws_bytes < need || (uintptr_t)d_ws % 16)) {
+        log_error("cuda_attention_decode_fused: bad arguments (k %p, v %p, pos %p, max_kv %u, "
+                  "n_rot %u, base %g, workspace %p of %zu bytes, %zu needed)",
+                  (const void *)d_k, (const void *)d_v, (const void *)d_pos, max_kv, n_rot,
+                  (double)base, (void *)d_ws, ws_bytes, need);
+        rc = -EINVAL;
+    }
+    if (rc)
+        return rc;
+    const uint32_t ng = n_head / n_head_kv;
+    const size_t smem = af_smem(hd, ng);
+    if (!af_takes(f16, n_head, n_head_kv, hd, smem) || (d_outq && (uintptr_t)d_outq % 16))
+        return -ENOTSUP;
+    struct af_args a = {};
+    a.q = d_q;
+    a.q_head_stride = q_head_stride;
+    a.k = d_k;
+    a.v = d_v;
+    a.q_norm = d_q_norm;
+    a.k_norm = d_k_norm;
+    a.eps = eps;
+    a.base = base;
+    a.half = n_rot / 2;
+    a.kc = (__half *)d_kcache;
+    a.vc = (__half *)d_vcache;
+    a.n_head = n_head;
+    a.n_head_kv = n_head_kv;
+    a.hd = hd;
+    a.NG = ng;
+    a.cap = af_cap(max_kv);
+    a.pos_ptr = d_pos;
+    a.scale_log2 = scale * 1.4426950408889634f;
+    a.gated = gated;
+    a.out = d_out;
+    a.outq = d_outq;
+    a.ws_acc = d_ws;
+    a.ws_ml = d_ws + (size_t)a.cap * n_head * hd;
+    switch (hd / 32) {
+    case 1: return af_launch<1>(a, smem, stream);
+    case 2: return af_launch<2>(a, smem, stream);
+    case 4: return af_launch<4>(a, smem, stream);
+    case 8: return af_launch<8>(a, smem, stream);
+    default: return -ENOTSUP;
+    }
 }

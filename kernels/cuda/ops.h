@@ -100,6 +100,28 @@ int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_stride, const vo
                                 int8_t *d_outq, float *d_ws, size_t ws_bytes,
                                 cudaStream_t stream);
 
+/* One token's cuda_attn_prep, cuda_attention_decode_at_xq and its split merge
+ * in one launch (d_outq may be NULL): q (raw, head j at d_q + j*q_head_stride,
+ * its gate after hd when gated), k and v (raw, kv head j at + j*hd) of the
+ * token at *d_pos; its k and v stored into the caches as cuda_attn_prep stores
+ * them (the same bits), the output within f32 rounding of the three launches
+ * (another order of sums; the same bits run to run). d_ws:
+ * cuda_attention_fused_ws_bytes() bytes, 16-byte aligned. -ENOTSUP (nothing
+ * launched) unless LAMINA_CUDA_ATTN_FUSED=1 (read at each call; opt-in: slower
+ * than the three launches in an H200's decode graph so far, docs/perf.md) and
+ * where it does not take the shape: an f32 cache, hd not 32, 64, 128 or 256,
+ * more than 16 query heads a kv head or 64 kv heads, a device before compute
+ * capability 8.0 or short of shared memory. */
+size_t cuda_attention_fused_ws_bytes(uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
+                                     uint32_t max_kv);
+int cuda_attention_decode_fused(const float *d_q, size_t q_head_stride, const float *d_k,
+                                const float *d_v, const float *d_q_norm, const float *d_k_norm,
+                                float eps, uint32_t n_rot, float base, void *d_kcache,
+                                void *d_vcache, bool f16, uint32_t n_head, uint32_t n_head_kv,
+                                uint32_t hd, const uint32_t *d_pos, uint32_t max_kv, float scale,
+                                bool gated, float *d_out, int8_t *d_outq, float *d_ws,
+                                size_t ws_bytes, cudaStream_t stream);
+
 /* Between the q/k/v products and the attention of S tokens, in one launch:
  * per-head RMSNorm of q and k (weights q_norm/k_norm of hd, each may be NULL:
  * no norm), NEOX rope of n_rot dims at positions pos (pos = *d_pos when d_pos

@@ -7,6 +7,9 @@
  * prefill, f16 and f32 caches, GQA 16/2 and 4/2 (plus 32/2, 6/2, 8/8), head
  * dims 256, 128, 16, gated and not; decode attention is timed at 4k and 64k
  * positions (cudaEvents, median of 20) with the KV bytes read per second.
+ * The fused decode (prep, attention and merge in one launch, opt-in: the
+ * test sets LAMINA_CUDA_ATTN_FUSED=1) against the prep and the decode
+ * launched apart, at positions 0 .. 69999, timed at three of them.
  *
  * Tolerances (outputs of magnitude ~1): rmsnorm 1e-5 relative (f32 tree sum
  * vs the CPU's double sum); rope 3e-6 + 2e-7 * pos absolute (theta from powf
@@ -1239,6 +1242,167 @@ static void test_attn_prep(struct rng *r)
     attn_prep_case(r, 6, 2, 96, 32, false, true, 3, 9, true);        /* odd sizes */
 }
 
+/* cuda_attention_decode_fused against cuda_attn_prep + cuda_attention_decode_at_xq
+ * on the same caches (f16, rows below pos random): both caches byte-identical
+ * afterwards (every row: the position's k and v are the prep's bits, no other
+ * row written), the output within 2e-5 of the three launches', the rounded
+ * output the host's rounding of it, two runs byte-identical; shapes it does
+ * not take refused with -ENOTSUP. */
+static void attn_fused_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t hd, uint32_t n_rot,
+                            bool gated, bool norms, uint32_t pos, uint32_t max_kv, bool f16,
+                            bool timed)
+{
+    const uint32_t g = gated ? 2 : 1;
+    const size_t q_out = (size_t)nh * hd * g, kvd = (size_t)nkv * hd, esz = f16 ? 2 : 4;
+    const size_t n_out = (size_t)nh * hd, cache = (size_t)max_kv * kvd * esz;
+    const float eps = 1e-6f, base = 10000000.0f, scale = 1.0f / sqrtf((float)hd);
+    float *q = xmalloc(q_out * 4), *k = xmalloc(kvd * 4), *v = xmalloc(kvd * 4);
+    float *qn = xmalloc(hd * 4), *kn = xmalloc(hd * 4);
+    fill_uniform(r, q, q_out, -3.0f, 3.0f);
+    fill_uniform(r, k, kvd, -3.0f, 3.0f);
+    fill_uniform(r, v, kvd, -3.0f, 3.0f);
+    fill_uniform(r, qn, hd, 0.5f, 1.5f);
+    fill_uniform(r, kn, hd, 0.5f, 1.5f);
+    uint8_t *hc = xmalloc(cache);
+    for (size_t i = 0; i < cache / esz; i++) {
+        const float x = rng_uniform(r, -2.0f, 2.0f);
+        if (f16)
+            ((uint16_t *)hc)[i] = quant_f32_to_f16(x);
+        else
+            ((float *)hc)[i] = x;
+    }
+    void *kc[2], *vc[2];
+    float *dq[2], *dk[2], *dv = dev_upload(v, kvd * 4), *dout[2];
+    int8_t *dxq[2];
+    const size_t xqb = cuda_mvq_xq_bytes(n_out);
+    for (int i = 0; i < 2; i++) {
+        kc[i] = dev_upload(hc, cache);
+        vc[i] = dev_upload(hc, cache);
+        dq[i] = dev_upload(q, q_out * 4);
+        dk[i] = dev_upload(k, kvd * 4);
+        dout[i] = dev_alloc(n_out * 4);
+        dxq[i] = dev_alloc(xqb);
+        dev_poison(dout[i], n_out * 4);
+        dev_poison(dxq[i], xqb);
+    }
+    float *dqn = norms ? dev_upload(qn, hd * 4) : NULL, *dkn = norms ? dev_upload(kn, hd * 4) : NULL;
+    uint32_t *d_pos = dev_upload(&pos, 4);
+    const size_t wsb0 = cuda_attention_decode_ws_bytes(nh, nkv, hd, max_kv);
+    const size_t wsb1 = cuda_attention_fused_ws_bytes(nh, nkv, hd, max_kv);
+    float *ws0 = dev_alloc(wsb0), *ws1 = dev_alloc(wsb1);
+    const int rc = cuda_attention_decode_fused(dq[1], g * hd, dk[1], dv, dqn, dkn, eps, n_rot, base,
+                                               kc[1], vc[1], f16, nh, nkv, hd, d_pos, max_kv,
+                                               scale, gated, dout[1], dxq[1], ws1, wsb1, 0);
+    const char *on = getenv("LAMINA_CUDA_ATTN_FUSED");
+    const bool takes = on && !strcmp(on, "1") && f16 &&
+                       (hd == 32 || hd == 64 || hd == 128 || hd == 256) && nh / nkv <= 16;
+    if (!takes) {
+        CHECK(rc == -ENOTSUP, "attention fused: heads %u/%u hd %u f16 %d should be refused (%d, "
+              "LAMINA_CUDA_ATTN_FUSED %s)", nh, nkv, hd, f16, rc, on ? on : "unset");
+    } else {
+        CHECK(rc == 0, "attention fused launch (heads %u/%u hd %u pos %u)", nh, nkv, hd, pos);
+        CHECK(cuda_attn_prep(dq[0], q_out, g * hd, nh, dk[0], dv, kvd, nkv, hd, dqn, dkn, eps,
+                             n_rot, base, kc[0], vc[0], f16, 1, 0, d_pos, 0) == 0,
+              "attn_prep launch");
+        CHECK(cuda_attention_decode_at_xq(dq[0], g * hd, kc[0], vc[0], f16, nh, nkv, hd, d_pos,
+                                          max_kv, scale, gated, dout[0], dxq[0], ws0, wsb0,
+                                          0) == 0, "attention decode_at_xq launch");
+        float *o[3] = {xmalloc(n_out * 4), xmalloc(n_out * 4), xmalloc(n_out * 4)};
+        uint8_t *cb[2] = {xmalloc(cache), xmalloc(cache)}, *hq[2] = {xmalloc(xqb), xmalloc(xqb)};
+        dev_download(o[0], dout[0], n_out * 4);
+        dev_download(o[1], dout[1], n_out * 4);
+        dev_download(hq[0], dxq[1], xqb);
+        for (int which = 0; which < 2; which++) {
+            dev_download(cb[0], which ? vc[0] : kc[0], cache);
+            dev_download(cb[1], which ? vc[1] : kc[1], cache);
+            CHECK(!memcmp(cb[0], cb[1], cache),
+                  "attention fused: the %s cache differs from attn_prep's (heads %u/%u hd %u "
+                  "rot %u pos %u)", which ? "v" : "k", nh, nkv, hd, n_rot, pos);
+        }
+        const double err = max_abs_err(o[1], o[0], n_out);
+        const int bad = xq_mismatches(o[1], hq[0], (uint32_t)n_out);
+        /* again from the same inputs (the caches hold the same rows): the same bytes */
+        dev_poison(dout[1], n_out * 4);
+        dev_poison(dxq[1], xqb);
+        CHECK(cuda_attention_decode_fused(dq[1], g * hd, dk[1], dv, dqn, dkn, eps, n_rot, base,
+                                          kc[1], vc[1], f16, nh, nkv, hd, d_pos, max_kv, scale,
+                                          gated, dout[1], dxq[1], ws1, wsb1, 0) == 0,
+              "attention fused launch (again)");
+        dev_download(o[2], dout[1], n_out * 4);
+        dev_download(hq[1], dxq[1], xqb);
+        CHECK(err <= 2e-5 && bad == 0,
+              "attention fused heads %u/%u hd %u rot %u gated %d norms %d pos %u max_kv %u: "
+              "err %.3g against prep + decode, %d rounded bytes off", nh, nkv, hd, n_rot, gated,
+              norms, pos, max_kv, err, bad);
+        CHECK(!memcmp(o[1], o[2], n_out * 4) && !memcmp(hq[0], hq[1], xqb),
+              "attention fused not deterministic (heads %u/%u hd %u pos %u)", nh, nkv, hd, pos);
+        MEASURE("attention fused heads %u/%u hd %u rot %u gated %d norms %d pos %u max_kv %u: "
+                "max abs err %.2g against prep + decode (tol 2e-5), caches byte-identical",
+                nh, nkv, hd, n_rot, gated, norms, pos, max_kv, err);
+        if (timed) { /* 200 dependent launches of each form after 20, the mean per step */
+            cudaEvent_t ev[2];
+            CU(cudaEventCreate(&ev[0]));
+            CU(cudaEventCreate(&ev[1]));
+            float ms[2];
+            for (int f = 0; f < 2; f++) {
+                for (int it = -20; it < 200; it++) {
+                    if (it == 0)
+                        CU(cudaEventRecord(ev[0], 0));
+                    if (f)
+                        cuda_attention_decode_fused(dq[1], g * hd, dk[1], dv, dqn, dkn, eps, n_rot,
+                                                    base, kc[1], vc[1], f16, nh, nkv, hd, d_pos,
+                                                    max_kv, scale, gated, dout[1], dxq[1], ws1,
+                                                    wsb1, 0);
+                    else if (!cuda_attn_prep(dq[0], q_out, g * hd, nh, dk[0], dv, kvd, nkv, hd,
+                                             dqn, dkn, eps, n_rot, base, kc[0], vc[0], f16, 1, 0,
+                                             d_pos, 0))
+                        cuda_attention_decode_at_xq(dq[0], g * hd, kc[0], vc[0], f16, nh, nkv, hd,
+                                                    d_pos, max_kv, scale, gated, dout[0], dxq[0],
+                                                    ws0, wsb0, 0);
+                }
+                CU(cudaEventRecord(ev[1], 0));
+                CU(cudaEventSynchronize(ev[1]));
+                CU(cudaEventElapsedTime(&ms[f], ev[0], ev[1]));
+            }
+            MEASURE("attention decode heads %u/%u hd %u pos %u max_kv %u, one step: fused %.2f us, "
+                    "prep + decode + merge %.2f us (mean of 200 dependent steps)", nh, nkv, hd,
+                    pos, max_kv, ms[1] * 1e3 / 200, ms[0] * 1e3 / 200);
+            cudaEventDestroy(ev[0]);
+            cudaEventDestroy(ev[1]);
+        }
+        for (int i = 0; i < 3; i++)
+            free(o[i]);
+        free(cb[0]), free(cb[1]), free(hq[0]), free(hq[1]);
+    }
+    for (int i = 0; i < 2; i++)
+        cudaFree(kc[i]), cudaFree(vc[i]), cudaFree(dq[i]), cudaFree(dk[i]), cudaFree(dout[i]),
+            cudaFree(dxq[i]);
+    cudaFree(dv), cudaFree(dqn), cudaFree(dkn), cudaFree(d_pos), cudaFree(ws0), cudaFree(ws1);
+    free(q), free(k), free(v), free(qn), free(kn), free(hc);
+}
+
+static void test_attention_fused(struct rng *r)
+{
+    setenv("LAMINA_CUDA_ATTN_FUSED", "1", 1); /* opt-in */
+    static const uint32_t poss[] = {0, 1, 31, 32, 33, 100, 127, 640, 1023, 5000};
+    for (size_t i = 0; i < sizeof poss / sizeof poss[0]; i++) {
+        /* qwen3next (timed at 100 and 640 positions of a context of 4096), qwen3moe */
+        const bool timed = poss[i] == 100 || poss[i] == 640;
+        attn_fused_case(r, 16, 2, 256, 64, true, true, poss[i], poss[i] + 1, true, false);
+        attn_fused_case(r, 16, 2, 256, 64, true, true, poss[i], poss[i] + 4000, true, timed);
+        attn_fused_case(r, 32, 4, 128, 128, false, true, poss[i], poss[i] + 9, true, false);
+    }
+    attn_fused_case(r, 64, 4, 128, 128, false, false, 300, 2048, true, false); /* 16 heads a block */
+    attn_fused_case(r, 8, 8, 64, 32, true, true, 70, 71, true, false);         /* MHA */
+    attn_fused_case(r, 4, 2, 32, 16, false, true, 45, 4096, true, false);
+    attn_fused_case(r, 16, 2, 256, 64, true, true, 69999, 70000, true, true); /* 32 splits of 2188 */
+    attn_fused_case(r, 16, 2, 256, 64, true, true, 10, 11, false, false);      /* refused: f32 cache */
+    attn_fused_case(r, 12, 1, 96, 32, true, true, 10, 11, true, false);        /* refused: hd 96 */
+    attn_fused_case(r, 32, 1, 64, 64, false, true, 10, 11, true, false);       /* refused: 32 a block */
+    unsetenv("LAMINA_CUDA_ATTN_FUSED"); /* not asked for: refused, nothing launched */
+    attn_fused_case(r, 16, 2, 256, 64, true, true, 10, 11, true, false);
+}
+
 /* The stream-ordered pool releases its memory at every synchronisation by
  * default; a threshold keeps it, as the worker should. */
 static void keep_pool_memory(void)
@@ -1272,6 +1436,7 @@ int main(int argc, char **argv)
         test_rope(&r);
         test_kv_store(&r);
         test_attn_prep(&r);
+        test_attention_fused(&r);
         test_attention_decode(&r);
         test_attention_prefill(&r);
     }

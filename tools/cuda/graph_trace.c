@@ -185,7 +185,8 @@ int main(int argc, char **argv)
     }
     struct backend_config bc = {.model = m, .layer_begin = 0, .layer_end = m->hp.n_layer,
                                 .n_ctx = (uint32_t)prompt + 8 + (uint32_t)steps + 8,
-                                .max_batch = (uint32_t)prompt, .lmhead = true};
+                                .max_batch = (uint32_t)prompt, .lmhead = true,
+                                .kv_f16 = true}; /* the engine's default cache */
     struct backend *b = backend_create("cuda", &bc);
     const size_t n = m->hp.n_embd;
     float *h = malloc((size_t)prompt * n * sizeof(float));
