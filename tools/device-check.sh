@@ -15,6 +15,12 @@
 #     .devpack.tar.xz and .devdebs (run unpacks the pack).
 #     BASE_BIN=PATH also packs that lamina as .devbin/lamina-base, for an A/B in
 #     one call: BENCH_VARIANTS=";LAMINA_BIN=.devbin/lamina-base" (see bench).
+#     AS_SM=NN (75, 86, 89) builds the device code for the virtual architecture
+#     compute_NN into sm_90 code (build-dev-smNN) and records NN in the pack: run
+#     then sets LAMINA_CUDA_AS_SM=NN (kernels/cuda/caps.h), and the H200 runs the
+#     code paths of an sm_NN card (Turing, Ampere, Ada), host decisions and the
+#     card's shared memory limit included, e.g. `AS_SM=75 tools/device-check.sh
+#     stage` then `run tests`.
 # There (the device call runs it from the repository root; logs go to $OUT):
 #   tools/device-check.sh run [tests] [bench] [profile] [llama]
 #     tests    run every GPU test (what `make test-gpu` runs) from .devbin/
@@ -43,6 +49,11 @@ mkdir -p "$OUT"
 stage() {
     local B=build-dev
     local what=${1:-all}
+    local archs="-gencode=arch=compute_90,code=sm_90"
+    if [ -n "${AS_SM:-}" ]; then
+        B=build-dev-sm$AS_SM
+        archs="-gencode=arch=compute_$AS_SM,code=sm_90"
+    fi
     local gpu_tests
     gpu_tests=$(ls tests/gpu/test_*.c | sed "s|^tests/gpu/\(.*\)\.c$|$B/tests/gpu/\1|")
     # TESTS="test_a test_b" (as for run): only those tests in the pack, which must stay
@@ -53,10 +64,11 @@ stage() {
     fi
     [ "$what" = bin ] && gpu_tests=""
     # shellcheck disable=SC2086
-    make -j"$(nproc)" BUILD=$B CUDA_ARCHS="-gencode=arch=compute_90,code=sm_90" \
+    make -j"$(nproc)" BUILD=$B CUDA_ARCHS="$archs" \
         $B/lamina $B/lamina-worker $B/tools/bench_ipc $gpu_tests || exit 1
     rm -rf .devbin && mkdir -p .devbin/tests/gpu .devbin/tools .devbin/lib
     cp $B/lamina $B/lamina-worker .devbin/
+    [ -z "${AS_SM:-}" ] || echo "$AS_SM" >.devbin/as_sm
     # shellcheck disable=SC2086
     [ -z "$gpu_tests" ] || cp $gpu_tests .devbin/tests/gpu/
     cp $B/tools/bench_ipc .devbin/tools/ 2>/dev/null
@@ -67,7 +79,7 @@ stage() {
     # toolkit may lack it)
     CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
     if [ "$what" != bin ] && [ -f "$CUDA_HOME/include/cupti.h" ]; then
-        make -j"$(nproc)" BUILD=$B CUDA_ARCHS="-gencode=arch=compute_90,code=sm_90" \
+        make -j"$(nproc)" BUILD=$B CUDA_ARCHS="$archs" \
             $B/tools/graph_trace && cp $B/tools/graph_trace .devbin/tools/ &&
             cp -L "$CUDA_HOME"/lib64/libcupti.so.* .devbin/lib/ 2>/dev/null
     fi
@@ -93,7 +105,8 @@ stage() {
     # one compressed file for the carry (its limit is 64 MiB; the CUDA fat
     # binaries and f32 fixtures shrink about 3x)
     if [ "$what" = bin ]; then
-        tar -cf - .devbin/lamina .devbin/lamina-worker | xz -T2 -6 >.devpack.tar.xz
+        tar -cf - .devbin/lamina .devbin/lamina-worker $([ -f .devbin/as_sm ] && echo .devbin/as_sm) |
+            xz -T2 -6 >.devpack.tar.xz
     else
         tar -cf - .devbin .fixtures | xz -T2 -6 >.devpack.tar.xz
     fi
@@ -102,6 +115,7 @@ stage() {
 
 libs() {
     if [ -f .devpack.tar.xz ]; then
+        rm -f .devbin/as_sm # a machine kept warm may hold an earlier call's
         tar -xJf .devpack.tar.xz || { echo "device-check: cannot unpack .devpack.tar.xz"; exit 1; }
     fi
     # .peerpack.tar.xz: .peerbuild/bin/llama-bench, built by hand elsewhere and carried (never
@@ -114,6 +128,12 @@ libs() {
     export LD_LIBRARY_PATH=/tmp/devlib/usr/lib/x86_64-linux-gnu:/tmp/devlib/lib/x86_64-linux-gnu:$ROOT/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export LAMINA_FIXTURES=$ROOT/.fixtures
     export NCCL_NVLS_ENABLE=0
+    # a pack staged with AS_SM: its device code is for that architecture (stage)
+    if [ -f .devbin/as_sm ]; then
+        export LAMINA_CUDA_AS_SM
+        LAMINA_CUDA_AS_SM=$(cat .devbin/as_sm)
+        echo "device-check: binaries for compute_$LAMINA_CUDA_AS_SM, LAMINA_CUDA_AS_SM=$LAMINA_CUDA_AS_SM"
+    fi
 }
 
 # The call brings back few files: every test's log goes into tests.log,

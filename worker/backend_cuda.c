@@ -139,6 +139,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "common/stats.h"
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/deltanet.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/mmq.h"
@@ -2389,7 +2390,31 @@ static int cb_select_device(struct backend_cuda *c)
         return -ENODEV;
     }
     c->device = (int)dev;
-    return CUDA_CHECK(cudaSetDevice(c->device));
+    if (CUDA_CHECK(cudaSetDevice(c->device)))
+        return -EIO;
+    /* a card the build has no code for, or a LAMINA_CUDA_AS_SM it cannot
+     * honour, fails here, named, rather than at the first launch */
+    int cc = 0, optin = 0, major = 0, minor = 0;
+    int rc = cuda_caps_get(&cc, &optin);
+    if (rc)
+        return rc;
+    if (CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                          c->device)) ||
+        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
+                                          c->device)))
+        return -EIO;
+    const char *as = getenv("LAMINA_CUDA_AS_SM");
+    if (as && *as)
+        log_warn("LAMINA_CUDA_AS_SM: device %d runs as a card of compute capability %d.%d "
+                 "(%d bytes of shared memory a block)",
+                 c->device, cc / 10, cc % 10, optin);
+    else if (cc < 10 * major + minor)
+        log_warn("cuda device %d (compute capability %d.%d) runs this build's code for %d.%d, "
+                 "without the later paths (where that code is PTX, the driver compiles it at "
+                 "first use: minutes the first time, then cached); build with "
+                 "CUDA_ARCHS=\"-gencode=arch=compute_%d%d,code=sm_%d%d\" for the card's own",
+                 c->device, major, minor, cc / 10, cc % 10, major, minor, major, minor);
+    return 0;
 }
 
 /* Residency flags per layer; counts bytes of resident experts. */

@@ -136,6 +136,9 @@ static __global__ void __launch_bounds__(ARGMAX_THREADS)
         }
         cl.sync(); /* block 0 has read them before any block exits */
     }
+#else
+    if (gridDim.x > 1) /* clusters are launched on sm_90 and later only (caps.h) */
+        __trap();
 #endif
     if (blockIdx.x == 0 && threadIdx.x == 0)
         out[blockIdx.y] = bi == INT32_MAX ? 0 : bi;
@@ -144,11 +147,7 @@ static __global__ void __launch_bounds__(ARGMAX_THREADS)
 /* Blocks per row: a cluster on sm_90 and later for long rows. */
 static unsigned argmax_blocks(uint32_t n_vocab)
 {
-    int dev = 0, major = 0;
-    if (n_vocab < ARGMAX_CLUSTER_MIN || cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-        return 1;
-    return major >= 9 ? ARGMAX_CLUSTER : 1;
+    return n_vocab >= ARGMAX_CLUSTER_MIN && device_sm90() ? ARGMAX_CLUSTER : 1;
 }
 
 extern "C" int cuda_argmax(const float *d_logits, uint32_t n_vocab, uint32_t S, int32_t *d_out,

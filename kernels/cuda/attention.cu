@@ -897,6 +897,9 @@ template <int DPL>
 static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     attn_fused_kernel(const struct af_args a)
 {
+#if defined(__CUDA_ARCH__) && !ATTN_HAVE_CP_ASYNC
+    __trap(); /* launched on sm_80 and later only (af_takes, caps.h): its ring is cp.async */
+#endif
     extern __shared__ uint4 s_dyn[]; /* ring (2 tiles), the warps' rows, new k and v */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t split = blockIdx.x, j = blockIdx.y, h = j * a.NG + warp;
@@ -1099,14 +1102,10 @@ static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
     const size_t acc = (size_t)ATTN_DECODE_WARPS * NR * DPL * 32 * sizeof(float);
     const size_t smem = ring && R::BYTES > acc ? R::BYTES : acc;
     if (smem > 40 * 1024) { /* past 48 KiB with the static arrays: opt in */
-        const cudaError_t e = cudaFuncSetAttribute(
-            attn_decode_kernel<DPL, NR, F16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-            (int)smem);
-        if (e != cudaSuccess) {
-            log_error("cuda_attention: %zu bytes of shared memory refused: %s", smem,
-                      cudaGetErrorString(e));
-            return -EIO;
-        }
+        const int rc = cuda_caps_allow_smem((const void *)attn_decode_kernel<DPL, NR, F16>,
+                                            smem, "cuda_attention");
+        if (rc)
+            return rc;
     }
     pdl_launch(attn_decode_kernel<DPL, NR, F16>, grid, ATTN_DECODE_WARPS * 32, smem, stream, a);
     return 0;
@@ -1247,11 +1246,7 @@ static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t
 static int attn_decode(const struct attn_args &a, bool f16, cudaStream_t stream)
 {
     const int nr = a.NG <= 1 ? 1 : a.NG <= 2 ? 2 : a.NG <= 4 ? 4 : 8;
-    int dev = 0, major = 0;
-    const bool cp_async = cudaGetDevice(&dev) == cudaSuccess &&
-                          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                                 dev) == cudaSuccess &&
-                          major >= 8;
+    const bool cp_async = cuda_caps_cc() >= 80;
     const dim3 grid(a.n_splits, a.units);
     const int dpl = attn_dpl(a.hd);
     int rc = f16 ? attn_launch_decode<true>(a, dpl, nr, grid, cp_async, stream)
@@ -1402,26 +1397,17 @@ static bool af_takes(bool f16, uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
     if (!f16 || (hd != 32 && hd != 64 && hd != 128 && hd != 256) || n_head % n_head_kv ||
         n_head / n_head_kv > AF_MAX_NG || n_head_kv > AF_MAX_KV)
         return false;
-    int dev = 0, major = 0, optin = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
-               cudaSuccess &&
-           major >= 8 &&
-           cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
-               cudaSuccess &&
-           smem + 1024 <= (size_t)optin;
+    int cc = 0, optin = 0;
+    return !cuda_caps_get(&cc, &optin) && cc >= 80 && smem + 1024 <= (size_t)optin;
 }
 
 template <int DPL>
 static int af_launch(const struct af_args &a, size_t smem, cudaStream_t stream)
 {
-    const cudaError_t e = cudaFuncSetAttribute(
-        attn_fused_kernel<DPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) {
-        log_error("cuda_attention_decode_fused: %zu bytes of shared memory refused: %s", smem,
-                  cudaGetErrorString(e));
-        return -EIO;
-    }
+    const int rc = cuda_caps_allow_smem((const void *)attn_fused_kernel<DPL>, smem,
+                                        "cuda_attention_decode_fused");
+    if (rc)
+        return rc;
     pdl_launch(attn_fused_kernel<DPL>, dim3(a.cap, a.n_head_kv), a.NG * 32, smem, stream, a);
     return OPS_LAUNCH_CHECK("cuda_attention_decode_fused");
 }

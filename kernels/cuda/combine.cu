@@ -337,6 +337,7 @@ static __global__ void __launch_bounds__(kClusterThreads)
 #else
     (void)h, (void)Y, (void)w, (void)k, (void)so, (void)gate, (void)f, (void)n, (void)nw,
         (void)eps, (void)y, (void)xq, (void)mix, (void)gsp;
+    __trap(); /* launched on sm_90 and later only (caps.h): never silently nothing */
 #endif
 }
 
@@ -352,11 +353,8 @@ static unsigned combine_cluster_size(uint32_t n, uint32_t k)
     if (env && env[0] == '0')
         return 0;
     const unsigned W = cuda_norm_wide_threads(n);
-    int dev = 0, major = 0;
     if (!combine_one_round(n, k, W) || W % kClusterThreads ||
-        W / kClusterThreads < 2 || cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        major < 9) {
+        W / kClusterThreads < 2 || !device_sm90()) {
         (void)cudaGetLastError();
         return 0;
     }

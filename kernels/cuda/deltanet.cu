@@ -791,6 +791,8 @@ __global__ void __launch_bounds__(256) dn_heads_split_kernel(const struct dn_hea
 #pragma unroll
     for (int m = 0; m < NC; m++)
         srow[sub + 4 * m] = st[m];
+#else
+    __trap(); /* launched on sm_90 and later only (caps.h): never silently nothing */
 #endif
 }
 
@@ -895,6 +897,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int m = 0; m < NC; m++)
         srow[sub + 4 * m] = st[m];
+#else
+    __trap(); /* launched on sm_90 and later only (caps.h): never silently nothing */
 #endif
 }
 
@@ -1357,18 +1361,17 @@ static bool dn_split_fits(uint32_t dv, uint32_t nb)
     return n_warps % nb == 0 && n_warps / nb >= 2;
 }
 
-/* The current device's compute capability (major) and one attribute of it
- * into *value; -EIO (logged with what) when a query fails. */
-static int dn_device(const char *what, enum cudaDeviceAttr attr, int *major, int *value)
+/* The current device's compute capability (10 x major + minor, caps.h) and
+ * its multiprocessor count into *sms; -EIO (logged with what) when a query
+ * fails, caps.h's codes where it refuses. */
+static int dn_device(const char *what, int *cc, int *sms)
 {
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(value, attr, dev);
-    if (e != cudaSuccess) {
-        log_error("%s: device query failed: %s", what, cudaGetErrorString(e));
+    const int rc = cuda_caps_get(cc, nullptr);
+    if (rc)
+        return rc;
+    *sms = cuda_caps_sms();
+    if (*sms <= 0) {
+        log_error("%s: the device's multiprocessors cannot be read", what);
         return -EIO;
     }
     return 0;
@@ -1397,15 +1400,15 @@ static int dn_split_blocks(uint32_t nv, uint32_t dv, const char *what, uint32_t 
     const char *env = getenv("LAMINA_CUDA_DN_SPLIT");
     if (env && env[0] == '0')
         return 0;
-    int major = 0, sms = 0;
-    const int rc = dn_device(what, cudaDevAttrMultiProcessorCount, &major, &sms);
+    int cc = 0, sms = 0;
+    const int rc = dn_device(what, &cc, &sms);
     if (rc)
         return rc;
     if (sms <= 0) {
         log_error("%s: the device reports %d multiprocessors", what, sms);
         return -EIO;
     }
-    if (major < 9)
+    if (cc < 90)
         return 0;
     const uint32_t want = env ? (uint32_t)atoi(env) : 0;
     if (want == 2 || want == 4 || want == 8) {
@@ -1814,6 +1817,8 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
 #pragma unroll
     for (int m = 0; m < NC; m++)
         srow[sub + 4 * m] = st[m];
+#else
+    __trap(); /* launched on sm_90 and later only (caps.h): never silently nothing */
 #endif
 }
 
@@ -1948,12 +1953,11 @@ extern "C" int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_
         (type != QUANT_TYPE_Q4_0 && type != QUANT_TYPE_Q8_0) || n > 16384 ||
         ((uintptr_t)d_x & 3) || !cuda_mvq_pays(n, rows))
         return -ENOTSUP;
-    int major = 0, sms = 0;
-    const int rc = dn_device("cuda_deltanet_in_conv_heads", cudaDevAttrMultiProcessorCount,
-                             &major, &sms);
+    int cc = 0, sms = 0;
+    const int rc = dn_device("cuda_deltanet_in_conv_heads", &cc, &sms);
     if (rc)
         return rc;
-    if (major < 9 || sms <= 0)
+    if (cc < 90 || sms <= 0)
         return -ENOTSUP;
     const struct dn_heads_args p = {d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w,
                                     d_y,     nk,    nv,   dv,    1,   tiled, eps};
@@ -1985,10 +1989,9 @@ extern "C" size_t cuda_deltanet_work_bytes(uint32_t nv, uint32_t dk, uint32_t dv
  * sm_80 or later, smem bytes of shared memory per block). */
 static int dn_chunk_device(size_t smem, bool *ok)
 {
-    int major = 0, optin = 0;
-    const int rc = dn_device("cuda_deltanet_heads_chunked", cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                             &major, &optin);
-    *ok = !rc && major >= 8 && (size_t)optin >= smem;
+    int cc = 0, optin = 0;
+    const int rc = cuda_caps_get(&cc, &optin);
+    *ok = !rc && cc >= 80 && (size_t)optin >= smem;
     return rc;
 }
 
@@ -1996,15 +1999,12 @@ template <int D>
 static int dn_chunk_launch(const struct dn_chunk_args &p, cudaStream_t stream)
 {
     const size_t smem = dn_prep_smem_floats(D, D) * sizeof(float);
-    cudaError_t e = cudaFuncSetAttribute(dn_prep_kernel<D, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) {
-        log_error("cuda_deltanet_heads_chunked: %zu bytes of shared memory refused: %s", smem,
-                  cudaGetErrorString(e));
-        return -EIO;
-    }
+    int rc = cuda_caps_allow_smem((const void *)dn_prep_kernel<D, D>, smem,
+                                  "cuda_deltanet_heads_chunked");
+    if (rc)
+        return rc;
     dn_prep_kernel<D, D><<<dim3(p.n_chunks, p.nv), DN_CK_THREADS, smem, stream>>>(p);
-    int rc = dn_check_launch("cuda_deltanet_heads_chunked (prep)");
+    rc = dn_check_launch("cuda_deltanet_heads_chunked (prep)");
     if (rc)
         return rc;
     dn_state_kernel<D, D><<<dim3(D / DN_SLICE, p.nv), DN_CK_THREADS, 0, stream>>>(p);

@@ -248,14 +248,9 @@ constexpr uint32_t kCluster = 8; /* blocks sharing the rounding (sm_90 and later
  * fails) and whether it launches clusters (compute capability 9.0 or later). */
 uint32_t sm_count(bool *clusters)
 {
-    int dev = 0, n = 0, major = 0;
-    const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) ==
-                        cudaSuccess && n > 0;
-    *clusters = ok &&
-                cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
-                    cudaSuccess && major >= 9;
-    return ok ? static_cast<uint32_t>(n) : 132u;
+    const int n = cuda_caps_sms();
+    *clusters = n > 0 && device_sm90();
+    return n > 0 ? static_cast<uint32_t>(n) : 132u;
 }
 
 template <int TYPE, int G, int PL, int VR>

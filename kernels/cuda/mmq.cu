@@ -53,6 +53,8 @@ extern "C" {
 #include "model/quant.h"
 }
 
+#include "kernels/cuda/caps.h"
+
 namespace {
 
 constexpr int kThreads = 128;              /* 4 warps: 2 along weight rows x 2 along columns */
@@ -581,6 +583,7 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
             }
 #else
     (void)a;
+    __trap(); /* launched on sm_80 and later only (device_check, caps.h) */
 #endif
 }
 
@@ -602,17 +605,18 @@ bool block_shape(uint32_t type, uint32_t *ee, uint32_t *eb)
  * the device cannot be asked. */
 int device_check(const char *what, int *n_sm)
 {
-    int dev, major;
+    int dev, cc = 0;
+    const int rc = cuda_caps_get(&cc, nullptr);
+    if (rc)
+        return rc;
     cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess)
-        err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (err == cudaSuccess)
         err = cudaDeviceGetAttribute(n_sm, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) {
         log_error("%s: device query failed: %s", what, cudaGetErrorString(err));
         return -EIO;
     }
-    return major >= 8 ? 0 : -ENOTSUP;
+    return cc >= 80 ? 0 : -ENOTSUP;
 }
 
 /* -ENOTSUP (not logged: the caller falls back) for what the kernels do not
@@ -661,13 +665,9 @@ int launch_mm(const char *what, const Args &a, unsigned grid_x, cudaStream_t str
 {
     constexpr int smem = Tile<T, NT>::SMEM;
     auto kernel = mmq_kernel<T, NT, EXPERTS>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           smem);
-    if (err != cudaSuccess) {
-        log_error("%s: %d bytes of shared memory refused: %s", what, smem,
-                  cudaGetErrorString(err));
-        return -EIO;
-    }
+    const int rc = cuda_caps_allow_smem((const void *)kernel, smem, what);
+    if (rc)
+        return rc;
     const dim3 grid(grid_x, static_cast<unsigned>((a.n_rows + kBM - 1) / kBM));
     kernel<<<grid, kThreads, smem, stream>>>(a);
     return launch_check(what);
@@ -832,14 +832,9 @@ extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32
     const int nt = mean >= 24 ? 4 : mean >= 12 ? 2 : 1;
     const uint32_t bn = 16u * nt;
     const size_t gsmem = 3ull * n_expert * sizeof(int);
-    cudaError_t err = cudaFuncSetAttribute(group_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(gsmem));
-    if (err != cudaSuccess) {
-        log_error("%s: %zu bytes of shared memory for %u experts refused: %s", what, gsmem,
-                  n_expert, cudaGetErrorString(err));
-        return -EIO;
-    }
+    rc = cuda_caps_allow_smem((const void *)group_kernel, gsmem, what);
+    if (rc)
+        return rc;
     group_kernel<<<1, kGroupThreads, gsmem, stream>>>(d_ids, d_addr, n_pairs, n_expert,
                                                       static_cast<int>(bn), tiles, sorted,
                                                       n_tiles);

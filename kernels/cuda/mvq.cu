@@ -663,19 +663,11 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 }
 
 /* Two blocks per SM of the current device: the blocks a launch should have
- * (looked up once; 264, an H200's, if the query fails). */
+ * (264, an H200's, if the query fails). */
 uint32_t want_blocks()
 {
-    static int sms = 0;
-    if (!sms) {
-        int dev = 0, n = 0;
-        sms = cudaGetDevice(&dev) == cudaSuccess &&
-                      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) ==
-                          cudaSuccess && n > 0
-                  ? n
-                  : 132;
-    }
-    return 2u * static_cast<uint32_t>(sms);
+    const int sms = cuda_caps_sms();
+    return 2u * static_cast<uint32_t>(sms > 0 ? sms : 132);
 }
 
 /* Which expert products copy their tiles by tma (ST): on devices of compute

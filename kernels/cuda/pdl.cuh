@@ -37,6 +37,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/caps.h"
+
 /* Waits until the kernels this one depends on have completed and their
  * writes are visible (griddepcontrol.wait). */
 static __device__ __forceinline__ void pdl_wait()
@@ -73,14 +75,11 @@ static __device__ __forceinline__ void pdl_prefetch_l2(const void *p, size_t byt
 #endif
 }
 
-/* Whether the current device has compute capability 9.0 or later. */
+/* Whether the current device has compute capability 9.0 or later (as
+ * caps.h gives it: LAMINA_CUDA_AS_SM may lower it). */
 static inline bool device_sm90()
 {
-    int dev = 0, major = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
-               cudaSuccess &&
-           major >= 9;
+    return cuda_caps_cc() >= 90;
 }
 
 /* Whether launches on the current device use PDL: compute capability 9.0 or
@@ -103,19 +102,21 @@ static inline bool pdl_on()
  * every launch keeps them resident together. Default kCarveout: on an H200 (228 KB of shared
  * memory an SM at most) 50 % (a 132 KB split) decodes 4.8 % faster than the driver's choice,
  * 100 % 0.7 %, 60 % 3 %, 75 % 2 % slower, 40 %, 25 % and 10 % 4-7 % slower (less room for
- * the gate/up tiles beside the router; docs/perf.md). LAMINA_CUDA_CARVEOUT=N (0-100) asks
- * for N %, -1 for none (the driver's choice); anything else: the default. Read at each
- * launch, as pdl_on. */
+ * the gate/up tiles beside the router; docs/perf.md). Measured on an H200 only: before
+ * compute capability 9.0 (no PDL, so no overlap to keep) the default is the driver's
+ * choice. LAMINA_CUDA_CARVEOUT=N (0-100) asks for N %, -1 for none (the driver's
+ * choice); anything else: the default. Read at each launch, as pdl_on. */
 constexpr int kCarveout = 50;
 
 static inline int pdl_carveout()
 {
     const char *env = getenv("LAMINA_CUDA_CARVEOUT");
+    const int dflt = device_sm90() ? kCarveout : -1;
     if (!env || !*env)
-        return kCarveout;
+        return dflt;
     char *end = nullptr;
     const long v = strtol(env, &end, 10);
-    return *end || v < -1 || v > 100 ? kCarveout : static_cast<int>(v);
+    return *end || v < -1 || v > 100 ? dflt : static_cast<int>(v);
 }
 
 /* Launches kernel<<<grid, block, smem, stream>>>(args...) through

@@ -121,6 +121,7 @@
 
 #include "common/log.h"
 #include "kernels/cpu/threadpool.h"
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/ops.h"
 #include "model/arch.h"
 #include "model/gguf.h"
@@ -856,9 +857,7 @@ static void tbc_shpair(void)
             CHECK(a && b && !memcmp(a, b, sz), "%s: the fused DeltaNet input differs from the "
                   "product then conv + heads (max %.3g)", quant_type_name(types[t]),
                   a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
-            int major = 0, dev = 0;
-            cudaGetDevice(&dev);
-            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+            const int major = cuda_caps_cc() / 10; /* as the kernels see it (caps.h) */
             if (major >= 9) {
                 setenv("LAMINA_CUDA_SKIP", "dn.in_heads", 1);
                 CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run without the fused input");

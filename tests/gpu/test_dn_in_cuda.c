@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include "common/log.h"
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/deltanet.h"
 #include "kernels/cuda/matvec.h"
 #include "model/quant.h"
@@ -328,14 +329,12 @@ static void tdn_refusals(void)
 int main(void)
 {
     log_init("test", -1);
-    int n_dev = 0, dev = 0, major = 0;
+    int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
         fprintf(stderr, "test_dn_in_cuda: no CUDA device present\n");
         return 1;
     }
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    const bool sm90 = major >= 9;
+    const bool sm90 = cuda_caps_cc() >= 90; /* LAMINA_CUDA_AS_SM may lower it (caps.h) */
     const struct tdn_case cases[] = {
         {16, 32, 128, 128, 2048, 4, QUANT_TYPE_Q4_0, false}, /* qwen3next 80b-a3b */
         {16, 32, 128, 128, 2048, 4, QUANT_TYPE_Q8_0, true},  /* qwen35moe: tiled */

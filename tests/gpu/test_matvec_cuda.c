@@ -27,6 +27,7 @@
  * the three final rows must be equal bit for bit (a kernel that read before
  * its wait would show); both graphs are timed.
  */
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/matvec.h"
 
 #include <errno.h>
@@ -744,9 +745,7 @@ static void test_tma(struct rng *r)
         {QUANT_TYPE_Q4_0, 64, 16384, 0, false}, /* two passes a row: lane loads */
     };
     const uint32_t E = 12, P = 11;
-    int dev = 0, major = 0;
-    CU(cudaGetDevice(&dev));
-    CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    const int major = cuda_caps_cc() / 10; /* LAMINA_CUDA_AS_SM may lower it (caps.h) */
     int n_tma = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         const struct tma_case *c = &cases[i];

@@ -24,6 +24,7 @@
  * 512 x (2048 x 512) with 5120 pairs (down-like), each beside
  * cuda_matmul / cuda_matvec_experts on the same data.
  */
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/mmq.h"
 
 #include <errno.h>
@@ -621,9 +622,10 @@ int main(void)
     }
     struct cudaDeviceProp prop;
     CU(cudaGetDeviceProperties(&prop, 0));
-    printf("device: %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major,
-           prop.minor);
-    if (prop.major < 8) {
+    const int cc = cuda_caps_cc(); /* LAMINA_CUDA_AS_SM may lower it (caps.h) */
+    printf("device: %s, %d SMs, sm_%d%d, as sm_%d\n", prop.name, prop.multiProcessorCount,
+           prop.major, prop.minor, cc);
+    if (cc < 80) {
         CHECK(cuda_mmq(QUANT_TYPE_Q4_0, NULL, 144, 1, 256, NULL, 256, 1, NULL, 1, NULL, 0) ==
                   -ENOTSUP,
               "mmq before sm_80 must answer -ENOTSUP");

@@ -39,6 +39,7 @@
 #include "common/log.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/mvq.h"
 #include "kernels/cuda/ops.h"
 #include "model/quant.h"
@@ -1295,7 +1296,8 @@ static void attn_fused_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t h
                                                scale, gated, dout[1], dxq[1], ws1, wsb1, 0);
     const char *on = getenv("LAMINA_CUDA_ATTN_FUSED");
     const bool takes = on && !strcmp(on, "1") && f16 &&
-                       (hd == 32 || hd == 64 || hd == 128 || hd == 256) && nh / nkv <= 16;
+                       (hd == 32 || hd == 64 || hd == 128 || hd == 256) && nh / nkv <= 16 &&
+                       cuda_caps_cc() >= 80; /* its ring is cp.async (caps.h) */
     if (!takes) {
         CHECK(rc == -ENOTSUP, "attention fused: heads %u/%u hd %u f16 %d should be refused (%d, "
               "LAMINA_CUDA_ATTN_FUSED %s)", nh, nkv, hd, f16, rc, on ? on : "unset");

@@ -57,6 +57,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/mvq.h"
 #include "kernels/cuda/ops.h"
@@ -716,6 +717,7 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
 static void test_gate_up_gq(uint32_t type, uint32_t dtype, uint32_t E, uint32_t n, uint32_t F,
                             uint32_t k, bool poll, bool gq, struct rng *r)
 {
+    gq = gq && cuda_caps_cc() >= 90; /* the form is sm_90's (caps.h) */
     char what[128];
     snprintf(what, sizeof(what), "gate/up gq %s, down %s, E %u n %u F %u k %u%s",
              quant_type_name(type), quant_type_name(dtype), E, n, F, k,
