@@ -48,8 +48,10 @@
  * prep, the decode and the merge of one token in one launch, a warp per query
  * head, the cached rows read before the PDL wait, the splits merged by the
  * block that completes a kv head (its comment has the details). Opt-in
- * (LAMINA_CUDA_ATTN_FUSED=1): in the decode graph on an H200 it took 26 us a
- * layer against 14 for the three launches (docs/perf.md).
+ * (LAMINA_CUDA_ATTN_FUSED=1): in the decode graph on an H200 its first form
+ * took 26 us a layer against 14 for the three launches (docs/perf.md); this
+ * form (a lane per position, the rope's sines in shared memory, smaller
+ * code) has not run on a GPU yet.
  *
  * Prefill (n_tok > 1): grid (token tile, kv head x head group, split). The
  * block's 8 warps own 64 rows (BQ = 64/NG tokens x NG heads); the block loads
@@ -807,20 +809,21 @@ static __device__ __forceinline__ void af_plan(uint32_t n_kv, uint32_t cap, uint
 }
 
 /* Tile i of positions [t0, t1) (t1: the first not read from the cache) of
- * kv head j into ring slot i % 2 (K rows, then V rows, hd halves each) by
+ * kv head j into ring slot i % 2 (K rows, then V rows, hd halves each, 16
+ * bytes apart so that lanes reading one row each hit distinct banks) by
  * cp.async, one group committed (empty past the rows). */
 static __device__ __forceinline__ void af_issue(const struct af_args &a, char *ring, uint32_t j,
                                                 uint32_t t0, uint32_t t1, uint32_t i)
 {
-    const uint32_t rb = a.hd * 2, cpr = rb / 16; /* bytes, 16-byte pieces of a row */
+    const uint32_t rb = a.hd * 2, cpr = rb / 16, rs = rb + 16; /* bytes, pieces, stride */
     const uint32_t rows = t1 > t0 ? min(t1 - t0, (uint32_t)AF_T) : 0;
-    char *slot = ring + (size_t)(i % 2) * 2 * AF_T * rb;
+    char *slot = ring + (size_t)(i % 2) * 2 * AF_T * rs;
     const size_t kv_row = (size_t)a.n_head_kv * rb;
     for (uint32_t c = threadIdx.x; c < 2 * rows * cpr; c += blockDim.x) {
         const uint32_t kv = c / (rows * cpr), r = c % (rows * cpr) / cpr, p = c % cpr;
         const char *src = (const char *)(kv ? a.vc : a.kc) + (size_t)(t0 + r) * kv_row +
                           (size_t)j * rb + p * 16;
-        attn_cp_async<16>(slot + ((size_t)kv * AF_T + r) * rb + p * 16, src);
+        attn_cp_async<16>(slot + ((size_t)kv * AF_T + r) * rs + p * 16, src);
     }
     attn_cp_commit();
 }
@@ -829,12 +832,11 @@ static __device__ __forceinline__ void af_issue(const struct af_args &a, char *r
  * RMSNorm with weights wn (lane L's elements L + 32 m; NULL: none; the
  * block sum replayed as its warps and its final butterfly), then the rope
  * of the first 2 * half elements through s (hd floats of the warp's own);
- * returns with s holding the row. cs: the lane's sines and cosines. */
+ * returns with s holding the row. sc: the pairs' sines and cosines. */
 template <int DPL>
 static __device__ __forceinline__ void af_prep_row(const struct af_args &a, float (&x)[DPL],
                                                    const float (&wn)[DPL], bool norm,
-                                                   const float (&sn)[DPL], const float (&cs)[DPL],
-                                                   float *s)
+                                                   const float *sc, float *s)
 {
     const int lane = threadIdx.x & 31;
     if (norm) {
@@ -858,9 +860,9 @@ static __device__ __forceinline__ void af_prep_row(const struct af_args &a, floa
     for (int m = 0; m < DPL; m++) {
         const uint32_t i = 32 * m + lane;
         if (i < a.half)
-            x[m] = s[i] * cs[m] - s[i + a.half] * sn[m];
+            x[m] = s[i] * sc[2 * i + 1] - s[i + a.half] * sc[2 * i];
         else if (i < 2 * a.half)
-            x[m] = s[i - a.half] * sn[m] + s[i] * cs[m];
+            x[m] = s[i - a.half] * sc[2 * (i - a.half)] + s[i] * sc[2 * (i - a.half) + 1];
     }
     __syncwarp();
 #pragma unroll
@@ -881,7 +883,7 @@ static __device__ __forceinline__ void af_out(const struct af_args &a, uint32_t 
         s[lane * DPL + d] = o[d];
     __syncwarp();
     const size_t n = (size_t)a.n_head * a.hd;
-#pragma unroll
+#pragma unroll 1
     for (int m = 0; m < DPL; m++) {
         const float x = s[32 * m + lane];
         a.out[(size_t)h * a.hd + 32 * m + lane] = x;
@@ -903,11 +905,12 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     extern __shared__ uint4 s_dyn[]; /* ring (2 tiles), the warps' rows, new k and v */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t split = blockIdx.x, j = blockIdx.y, h = j * a.NG + warp;
-    const uint32_t rb = a.hd * 2;
+    const uint32_t rs = a.hd * 2 + 16; /* ring row stride, bytes */
     char *ring = (char *)s_dyn;
-    float *s_row = (float *)(ring + (size_t)4 * AF_T * rb) + (size_t)warp * a.hd;
-    __half *s_kn = (__half *)((float *)(ring + (size_t)4 * AF_T * rb) + (size_t)a.NG * a.hd);
+    float *s_row = (float *)(ring + (size_t)4 * AF_T * rs) + (size_t)warp * a.hd;
+    __half *s_kn = (__half *)((float *)(ring + (size_t)4 * AF_T * rs) + (size_t)a.NG * a.hd);
     __half *s_vn = s_kn + a.hd;
+    float *s_sc = (float *)(s_vn + a.hd); /* sin, cos of rope pair i0 at 2 i0, 2 i0 + 1 */
     __shared__ unsigned int s_last;
 
     /* before the wait: the plan, the cached rows, weights, sines and cosines */
@@ -922,19 +925,19 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     const uint32_t n_tiles = attn_dev_div_up(c1 - c0, AF_T);
     af_issue(a, ring, j, c0, cached, 0);
     af_issue(a, ring, j, c0 + AF_T, cached, 1);
-    float qn[DPL], kn[DPL], sn[DPL], cs[DPL];
+    float qn[DPL], kn[DPL];
 #pragma unroll
     for (int m = 0; m < DPL; m++) {
         const uint32_t i = 32 * m + lane;
         qn[m] = a.q_norm ? a.q_norm[i] : 1.0f;
         kn[m] = a.k_norm ? a.k_norm[i] : 1.0f;
-        sn[m] = 0.0f, cs[m] = 1.0f;
-        if (i < 2 * a.half) { /* attn_prep_kernel's theta */
-            const uint32_t i0 = i < a.half ? i : i - a.half;
-            const float theta = (float)pos * powf(a.base, -(float)(2 * i0) / (float)(2 * a.half));
-            sincosf(theta, &sn[m], &cs[m]);
-        }
     }
+    /* the rope's sines and cosines, pair i0 by thread i0 (one sincosf in the code) */
+    for (uint32_t i0 = threadIdx.x; i0 < a.half; i0 += blockDim.x) { /* attn_prep's theta */
+        const float theta = (float)pos * powf(a.base, -(float)(2 * i0) / (float)(2 * a.half));
+        sincosf(theta, &s_sc[2 * i0], &s_sc[2 * i0 + 1]);
+    }
+    __syncthreads(); /* s_sc */
     pdl_wait(); /* q, k and v come from the kernel before */
     pdl_trigger();
 
@@ -954,7 +957,7 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
         gf[d] = a.gated ? attn_gate_of(gf[d]) : 1.0f;
     const size_t at = (size_t)pos * a.n_head_kv * a.hd + (size_t)j * a.hd;
     if (do_k) { /* k (warp 0) and v (warp 1, or 0) of the position: cache and s_kn, s_vn */
-        af_prep_row<DPL>(a, xk, kn, a.k_norm != nullptr, sn, cs, s_row);
+        af_prep_row<DPL>(a, xk, kn, a.k_norm != nullptr, s_sc, s_row);
 #pragma unroll
         for (int m = 0; m < DPL; m++) {
             const __half x = __float2half_rn(s_row[32 * m + lane]);
@@ -971,34 +974,49 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
             s_vn[32 * m + lane] = x;
         }
     }
-    af_prep_row<DPL>(a, xq, qn, a.q_norm != nullptr, sn, cs, s_row);
-    float q[DPL], acc[DPL];
+    af_prep_row<DPL>(a, xq, qn, a.q_norm != nullptr, s_sc, s_row);
+    /* q * scale * log2(e) in s_row (the decode kernel's product), read as float4s */
 #pragma unroll
-    for (int d = 0; d < DPL; d++) {
-        q[d] = s_row[lane * DPL + d] * a.scale_log2;
+    for (int m = 0; m < DPL; m++)
+        s_row[32 * m + lane] *= a.scale_log2;
+    __syncwarp();
+    float acc[DPL];
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
         acc[d] = 0.0f;
-    }
     float m_run = -INFINITY, l = 0.0f;
     const size_t off = (size_t)lane * DPL;
+    const float4 *q4 = (const float4 *)s_row;
     for (uint32_t i = 0; i < n_tiles; i++) {
         attn_cp_wait<1>(); /* this thread's copies of tile i */
         __syncthreads();   /* everyone's, and s_kn / s_vn */
         const uint32_t t0 = c0 + i * AF_T, nv = min((uint32_t)AF_T, c1 - t0);
-        const char *sk = ring + (size_t)(i % 2) * 2 * AF_T * rb, *sv = sk + (size_t)AF_T * rb;
-        float sc[32];
-#pragma unroll
-        for (int p = 0; p < AF_T; p++) {
-            const char *row = t0 + p == pos ? (const char *)s_kn : sk + (size_t)p * rb;
-            float kf[DPL];
-            attn_load<DPL, true>(row, off, true, kf);
+        const char *sk = ring + (size_t)(i % 2) * 2 * AF_T * rs, *sv = sk + (size_t)AF_T * rs;
+        /* lane p: the score of position t0 + p over the whole row (loops, not unrolled
+         * over positions: the kernel's code stays small) */
+        float s = -INFINITY;
+        if ((uint32_t)lane < nv) {
+            const uint4 *kr = (const uint4 *)(t0 + lane == pos ? (const char *)s_kn
+                                                               : sk + (size_t)lane * rs);
             float dot = 0.0f;
-#pragma unroll
-            for (int d = 0; d < DPL; d++)
-                dot = fmaf(q[d], kf[d], dot);
-            sc[p] = dot;
+#pragma unroll 2
+            for (uint32_t c = 0; c < a.hd / 8; c++) {
+                const uint4 k8 = kr[c];
+                const float4 qa = q4[2 * c], qb = q4[2 * c + 1];
+                const __half2 *kh = (const __half2 *)&k8;
+                const float2 k0 = __half22float2(kh[0]), k1 = __half22float2(kh[1]);
+                const float2 k2 = __half22float2(kh[2]), k3 = __half22float2(kh[3]);
+                dot = fmaf(qa.x, k0.x, dot);
+                dot = fmaf(qa.y, k0.y, dot);
+                dot = fmaf(qa.z, k1.x, dot);
+                dot = fmaf(qa.w, k1.y, dot);
+                dot = fmaf(qb.x, k2.x, dot);
+                dot = fmaf(qb.y, k2.y, dot);
+                dot = fmaf(qb.z, k3.x, dot);
+                dot = fmaf(qb.w, k3.y, dot);
+            }
+            s = dot;
         }
-        float s = attn_reduce_scatter(sc, lane);
-        s = (uint32_t)lane < nv ? s : -INFINITY;
         const float m_new = fmaxf(m_run, ops_warp_max(s));
         const float e = m_new != -INFINITY ? exp2f(s - m_new) : 0.0f;
         const float c = m_new != -INFINITY ? exp2f(m_run - m_new) : 1.0f;
@@ -1007,17 +1025,15 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
 #pragma unroll
         for (int d = 0; d < DPL; d++)
             acc[d] *= c;
-#pragma unroll
-        for (int p = 0; p < AF_T; p++) {
+#pragma unroll 4
+        for (uint32_t p = 0; p < nv; p++) {
             const float w = __shfl_sync(OPS_FULL_MASK, e, p);
-            if ((uint32_t)p < nv) {
-                const char *row = t0 + p == pos ? (const char *)s_vn : sv + (size_t)p * rb;
-                float vf[DPL];
-                attn_load<DPL, true>(row, off, true, vf);
+            const char *row = t0 + p == pos ? (const char *)s_vn : sv + (size_t)p * rs;
+            float vf[DPL];
+            attn_load<DPL, true>(row, off, true, vf);
 #pragma unroll
-                for (int d = 0; d < DPL; d++)
-                    acc[d] = fmaf(w, vf[d], acc[d]);
-            }
+            for (int d = 0; d < DPL; d++)
+                acc[d] = fmaf(w, vf[d], acc[d]);
         }
         __syncthreads(); /* slot i % 2 read by every warp */
         af_issue(a, ring, j, c0 + (i + 2) * AF_T, cached, i + 2);
@@ -1375,7 +1391,8 @@ static uint32_t af_cap(uint32_t max_kv)
 
 static size_t af_smem(uint32_t hd, uint32_t ng)
 {
-    return (size_t)4 * AF_T * hd * 2 + (size_t)ng * hd * sizeof(float) + (size_t)2 * hd * 2;
+    return (size_t)4 * AF_T * (hd * 2 + 16) + (size_t)ng * hd * sizeof(float) +
+           (size_t)2 * hd * 2 + (size_t)hd * sizeof(float);
 }
 
 extern "C" size_t cuda_attention_fused_ws_bytes(uint32_t n_head, uint32_t n_head_kv, uint32_t hd,
@@ -1387,7 +1404,7 @@ extern "C" size_t cuda_attention_fused_ws_bytes(uint32_t n_head, uint32_t n_head
 }
 
 /* Whether the fused decode is asked for (LAMINA_CUDA_ATTN_FUSED=1, read at
- * each call: opt-in, as it decodes slower than the three launches on an
+ * each call: opt-in, as it decoded slower than the three launches on an
  * H200 so far, docs/perf.md) and takes the shape on this device. */
 static bool af_takes(bool f16, uint32_t n_head, uint32_t n_head_kv, uint32_t hd, size_t smem)
 {
