@@ -258,7 +258,9 @@ struct backend_cuda {
     void *dn_work, *mmq_work;         /* chunked DeltaNet prefill; int8 prefill products */
     void *mmq_side;                   /* the int8 products' scratch of the side stream */
     size_t dn_work_bytes, mmq_work_bytes, mmq_side_bytes;
-    bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ) */
+    bool mmq;                         /* prefill products on int8 tensor cores (LAMINA_CUDA_MMQ;
+                                       * sm_80 and later) */
+    bool chunked;                     /* chunked DeltaNet prefill (sm_80 and later) */
     bool fuse;                        /* decode: fused conv + DeltaNet heads (LAMINA_CUDA_FUSE) */
     bool dn_in;                       /* decode: the DeltaNet input product fused with them
                                        * too (LAMINA_CUDA_DN_IN=1) */
@@ -740,7 +742,7 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->col_ctr = cb_take(c, &off, CUDA_TAIL_COLS_MAX);
     c->d_argmax = cb_take(c, &off, CB_LOGIT_ROWS);
     c->dn_work_bytes = 0;
-    for (uint32_t l = c->l0; l < c->l1; l++)
+    for (uint32_t l = c->l0; l < c->l1 && c->chunked; l++)
         if (c->m->layers[l].recurrent)
             c->dn_work_bytes = cuda_deltanet_work_bytes(hp->ssm_nv, hp->ssm_dk, hp->ssm_dv,
                                                         (uint32_t)B);
@@ -2403,6 +2405,9 @@ static int cb_select_device(struct backend_cuda *c)
         CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
                                           c->device)))
         return -EIO;
+    /* the prefill's tensor-core forms: their scratch only where they run */
+    c->mmq = c->mmq && cc >= 80;
+    c->chunked = cc >= 80;
     const char *as = getenv("LAMINA_CUDA_AS_SM");
     if (as && *as)
         log_warn("LAMINA_CUDA_AS_SM: device %d runs as a card of compute capability %d.%d "
