@@ -223,6 +223,16 @@ extern "C" int cuda_caps_allow_smem(const void *kernel, size_t bytes, const char
     return 0;
 }
 
+extern "C" bool cuda_caps_fits_default(const void *kernel, size_t bytes)
+{
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return bytes + fa.sharedSizeBytes <= 48 * 1024;
+}
+
 extern "C" int cuda_caps_probe(int *d_arch, size_t smem, cudaStream_t stream)
 {
     if (!d_arch || smem < sizeof(int)) {

@@ -20,6 +20,7 @@
 #ifndef KERNELS_CUDA_CAPS_H
 #define KERNELS_CUDA_CAPS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include <cuda_runtime.h>
@@ -63,6 +64,11 @@ int cuda_caps_sms(void);
  * the card's opt-in limit as cuda_caps_get gives it, -EIO where the runtime
  * refuses (both logged with `what`). */
 int cuda_caps_allow_smem(const void *kernel, size_t bytes, const char *what);
+
+/* Whether `kernel` (a __global__ function) launches with `bytes` of dynamic
+ * shared memory without opting in: they and its static shared memory within
+ * 48 KiB (false where its attributes cannot be read). */
+bool cuda_caps_fits_default(const void *kernel, size_t bytes);
 
 /* Enqueues a one-thread kernel with `smem` bytes of dynamic shared memory
  * (at least an int; cuda_caps_allow_smem first) that writes __CUDA_ARCH__

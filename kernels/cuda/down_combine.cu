@@ -266,7 +266,9 @@ int go(DcArgs a, cudaStream_t stream)
         return -ENOTSUP;
     const size_t smem = static_cast<size_t>(a.P) * a.nb * (32 + 2 * sizeof(float)) +
                         static_cast<size_t>(a.P) * a.T * sizeof(float);
-    if (smem > 48 * 1024)
+    if (!cuda_caps_fits_default(clusters ? (const void *)down_combine_kernel<TYPE, G, PL, VR, true>
+                                          : (const void *)down_combine_kernel<TYPE, G, PL, VR, false>,
+                                smem))
         return -ENOTSUP;
     const uint32_t tiles = (a.n + a.T - 1) / a.T;
     if (clusters) /* the grid a whole number of clusters (blocks past n only round) */

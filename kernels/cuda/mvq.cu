@@ -716,7 +716,9 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
     const size_t x_bytes = (static_cast<size_t>(a.nb) * 40 + 15) / 16 * 16;
     const size_t tile_bytes = static_cast<size_t>(rows_per_block) * a.row_bytes + 48;
     const bool st = jobs > 1 && tma_wanted(a) && a.nb <= static_cast<uint32_t>(U * G) &&
-                    x_bytes + tile_bytes <= 48 * 1024;
+                    x_bytes + tile_bytes <= 48 * 1024 &&
+                    cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true>,
+                                           x_bytes + tile_bytes);
     if (st)
         smem = x_bytes + tile_bytes;
     last_tma = st;
@@ -724,7 +726,9 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
     if (a.gq) { /* GQ: tma, a tile of 32 rows, a gate tile and its up tile a cluster */
         last_tma = false;
         if constexpr ((kThreads / G) * R == 32) {
-            if (!st || tail || tiles != 2 * a.gq_half || grid.x != tiles)
+            if (!st || tail || tiles != 2 * a.gq_half || grid.x != tiles ||
+                !cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true, true>,
+                                        smem))
                 return -ENOTSUP;
             last_tma = true;
             pdl_launch_cluster(mvq_kernel<TYPE, G, U, R, false, 3, true, true>, grid, kThreads, 2,
