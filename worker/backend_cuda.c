@@ -59,7 +59,9 @@
  * output (LAMINA_CUDA_DN_IN=1: on sm_90 with Q4_0 or Q8_0 input rows the
  * product, conv and heads in one launch, cuda_deltanet_in_conv_heads, a
  * cluster per key head computing the rows its heads read: the same bits,
- * slower on an H200 so far, docs/perf.md); then add+norm, router, top-k, routed gate|up (one 2F-row
+ * slower on an H200 so far, docs/perf.md; LAMINA_CUDA_DN_IN=tail: the same
+ * launch without clusters, cuda_deltanet_in_tail, each value head's conv +
+ * heads run by the block that completes the rows it reads; unmeasured); then add+norm, router, top-k, routed gate|up (one 2F-row
  * product when gate and up share a row format: they sit back to back per
  * expert), routed down with the SiLU gate inside (int8 path), and the MoE
  * combine fused with the next layer's attention norm (only the first layer
@@ -264,6 +266,8 @@ struct backend_cuda {
     bool fuse;                        /* decode: fused conv + DeltaNet heads (LAMINA_CUDA_FUSE) */
     bool dn_in;                       /* decode: the DeltaNet input product fused with them
                                        * too (LAMINA_CUDA_DN_IN=1) */
+    bool dn_tail;                     /* the same, conv + heads as the product's tails
+                                       * (LAMINA_CUDA_DN_IN=tail) */
     unsigned tails;                   /* decode: CB_TAIL_* as product tails
                                        * (kernels/cuda/tail.h; LAMINA_CUDA_TAIL) */
     unsigned int *tail_ctr;           /* the main stream's tail counter (scratch, zeroed) */
@@ -1449,6 +1453,43 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
         }
         cb_unlaunch(c); /* not launched: the product, then conv and heads */
     }
+    if (S == 1 && L->dn1.n_out && !raw && c->fuse && c->dn_tail) {
+        /* the input product with each value head's conv + heads as the tail of the block
+         * that completes the rows the head reads; y also rounded where the output product
+         * takes it (cb_mm_yq) */
+        const struct cb_mat *w = &L->dn1;
+        int8_t *yq = c->yq_on && cuda_mvq_xq_ok(L->out.type, L->out.n_out, L->out.n_in)
+                         ? c->yq
+                         : NULL;
+        rc = CB_K(c, "dn.in_tail",
+                  cuda_deltanet_in_tail(w->type, w->d, w->row_bytes, (uint32_t)n, c->xa,
+                                        c->xq_ready ? c->xq : NULL, c->dec, L->conv_st, L->conv,
+                                        hp->ssm_conv, L->ssm_st, L->ssm_a, L->dt_bias,
+                                        L->ssm_norm, c->y, yq, hp->ssm_nk, hp->ssm_nv,
+                                        hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled, hp->eps,
+                                        c->stream));
+        if (rc == -ENOTSUP && yq) { /* perhaps only the rounded y: without it */
+            cb_unlaunch(c);
+            yq = NULL;
+            rc = CB_K(c, "dn.in_tail",
+                      cuda_deltanet_in_tail(w->type, w->d, w->row_bytes, (uint32_t)n, c->xa,
+                                            c->xq_ready ? c->xq : NULL, c->dec, L->conv_st,
+                                            L->conv, hp->ssm_conv, L->ssm_st, L->ssm_a,
+                                            L->dt_bias, L->ssm_norm, c->y, NULL, hp->ssm_nk,
+                                            hp->ssm_nv, hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled,
+                                            hp->eps, c->stream));
+        }
+        if (rc != -ENOTSUP) {
+            if (rc)
+                return rc;
+            if (yq)
+                return cb_mm_yq(c, "dn.out", &L->out, c->yq, c->y, c->mix, tail);
+            if (tail)
+                return cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
+            return cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
+        }
+        cb_unlaunch(c); /* not launched: the product, then conv and heads */
+    }
     const uint64_t before = c->launches;
     if (S == 1 && L->dn1.n_out) {
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
@@ -2584,6 +2625,7 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     const char *fu = getenv("LAMINA_CUDA_FUSE"), *di = getenv("LAMINA_CUDA_DN_IN");
     c->fuse = !(fu && !strcmp(fu, "0"));
     c->dn_in = di && !strcmp(di, "1");
+    c->dn_tail = di && !strcmp(di, "tail");
     const char *ta = getenv("LAMINA_CUDA_TAIL");
     c->tails = ta ? cb_tail_mask(ta) : CB_TAIL_NORM | CB_TAIL_TOPK;
     const char *pf = getenv("LAMINA_CUDA_PF");

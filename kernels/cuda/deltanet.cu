@@ -1603,6 +1603,12 @@ struct dn_in_args {
     uint32_t hb, ht;      /* blocks per value head; heads threads per block */
 };
 
+/* What the tail form (cuda_deltanet_in_tail) adds. */
+struct dn_tail_args {
+    const int8_t *xq;     /* the row already rounded (mvq::xq_row_bytes layout) or NULL */
+    uint32_t rows_all;    /* nk * rows_g */
+};
+
 /* Row vi of key head g's group, as its index in the stacked matrix. */
 template <int DK>
 __device__ __forceinline__ uint32_t dn_in_row(const struct dn_heads_args &p, uint32_t g,
@@ -1702,6 +1708,121 @@ __device__ __forceinline__ void dn_in_sum(const struct dn_in_args &a,
 }
 
 
+/* The fused input kernels' dynamic shared memory: the rounded row (levels,
+ * scales, sums: mvq's layout) and the block's row indices. */
+struct dn_in_smem {
+    int8_t *q;
+    float *d, *s;
+    uint32_t *rows;
+};
+
+__device__ __forceinline__ struct dn_in_smem dn_in_carve(int4 *s_dyn, uint32_t nbx)
+{
+    struct dn_in_smem m;
+    m.q = reinterpret_cast<int8_t *>(s_dyn);
+    m.d = reinterpret_cast<float *>(m.q + nbx * 32);
+    m.s = m.d + nbx;
+    m.rows = reinterpret_cast<uint32_t *>(m.s + nbx);
+    return m;
+}
+
+/* Passes a row takes (DN_IN_U blocks a lane each) and steps (tiles x
+ * passes) for nr rows. */
+template <int G>
+__device__ __forceinline__ uint32_t dn_in_steps(uint32_t nbx, uint32_t nr, uint32_t *passes)
+{
+    *passes = (nbx + DN_IN_U * G - 1) / (DN_IN_U * G);
+    const uint32_t tile_rows = (DN_IN_THREADS / G) * DN_IN_R;
+    return (nr + tile_rows - 1) / tile_rows * *passes;
+}
+
+/* passes of weight registers in flight per lane group (DN_IN_NBUF) */
+template <int TYPE>
+__host__ __device__ constexpr int dn_in_nb()
+{
+    return DN_IN_NBUF(TYPE);
+}
+
+/* The first NB steps' rows and weight words into registers (before the PDL
+ * wait). */
+template <int TYPE, int G>
+__device__ __forceinline__ void dn_in_first(const struct dn_in_args &a, const uint32_t *s_rows,
+                                            uint32_t nr, uint32_t passes, uint32_t steps,
+                                            uint32_t (&v)[dn_in_nb<TYPE>()][DN_IN_U][DN_IN_R][9],
+                                            uint32_t (&sh)[dn_in_nb<TYPE>()][DN_IN_U][DN_IN_R],
+                                            uint32_t (&rw)[dn_in_nb<TYPE>()][DN_IN_R])
+{
+#pragma unroll
+    for (int k = 0; k < dn_in_nb<TYPE>(); k++)
+        if ((uint32_t)k < steps) {
+            dn_in_rows<G>(s_rows, nr, passes, k, rw[k]);
+            dn_in_issue<TYPE, G>(a, rw[k], k % passes, v[k], sh[k]);
+        }
+}
+
+/* The activation row into shared memory as mvq_kernel holds it: copied
+ * where it comes rounded (xq: levels, scales, sums, the layout of s_q,
+ * s_d, s_s), else rounded from a.x (mvq_kernel's maths), eight blocks'
+ * loads in flight a warp. After the PDL wait; a barrier follows. */
+__device__ __forceinline__ void dn_in_row_in(const struct dn_in_args &a, const int8_t *xq,
+                                             int4 *s_dyn, int8_t *s_q, float *s_d, float *s_s)
+{
+    const uint32_t t = threadIdx.x, warp = t / 32;
+    if (xq) {
+        const uint2 *src = reinterpret_cast<const uint2 *>(xq);
+        uint2 *dst = reinterpret_cast<uint2 *>(s_dyn);
+        for (uint32_t k = t; k < a.nbx * 5; k += DN_IN_THREADS)
+            dst[k] = __ldcg(src + k);
+        return;
+    }
+    constexpr uint32_t n_warps = DN_IN_THREADS / 32, XB = 8;
+    for (uint32_t b0 = warp; b0 < a.nbx; b0 += XB * n_warps) {
+        float xv[XB];
+#pragma unroll
+        for (uint32_t k = 0; k < XB; k++) {
+            const uint32_t b = b0 + k * n_warps;
+            xv[k] = b < a.nbx ? a.x[b * 32 + t % 32] : 0.0f;
+        }
+#pragma unroll
+        for (uint32_t k = 0; k < XB; k++) {
+            const uint32_t b = b0 + k * n_warps;
+            mvq::round_block(xv[k], b, b < a.nbx, s_q, s_d, s_s);
+        }
+    }
+}
+
+/* The block's rows: every step summed while the next NB steps' loads are
+ * in flight (dn_in_sum writes each row at its last pass). */
+template <int TYPE, int G>
+__device__ __forceinline__ void dn_in_products(const struct dn_in_args &a,
+                                               const uint32_t *s_rows, uint32_t nr,
+                                               uint32_t passes, uint32_t steps,
+                                               uint32_t (&v)[dn_in_nb<TYPE>()][DN_IN_U][DN_IN_R][9],
+                                               uint32_t (&sh)[dn_in_nb<TYPE>()][DN_IN_U][DN_IN_R],
+                                               uint32_t (&rw)[dn_in_nb<TYPE>()][DN_IN_R],
+                                               const int8_t *s_q, const float *s_d,
+                                               const float *s_s)
+{
+    constexpr int NB = dn_in_nb<TYPE>();
+    float acc[DN_IN_R];
+#pragma unroll
+    for (int r = 0; r < DN_IN_R; r++)
+        acc[r] = 0.0f;
+    for (uint32_t s0 = 0; s0 < steps; s0 += NB) {
+#pragma unroll
+        for (int k = 0; k < NB; k++) {
+            const uint32_t s1 = s0 + k;
+            if (s1 >= steps)
+                break;
+            dn_in_sum<TYPE, G>(a, rw[k], s1 % passes, passes, v[k], sh[k], s_q, s_d, s_s, acc);
+            if (s1 + NB < steps) {
+                dn_in_rows<G>(s_rows, nr, passes, s1 + NB, rw[k]);
+                dn_in_issue<TYPE, G>(a, rw[k], (s1 + NB) % passes, v[k], sh[k]);
+            }
+        }
+    }
+}
+
 template <int DK, int TYPE, int G>
 __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     dn_in_conv_heads_kernel(const struct dn_heads_args p, const struct dn_conv_args c,
@@ -1710,9 +1831,10 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int NC = DK / 16, NQ = DK >= 32 ? DK / 32 : 1;
     extern __shared__ int4 s_dyn[];
-    int8_t *s_q = reinterpret_cast<int8_t *>(s_dyn);
-    float *s_d = reinterpret_cast<float *>(s_q + a.nbx * 32), *s_s = s_d + a.nbx;
-    uint32_t *s_rows = reinterpret_cast<uint32_t *>(s_s + a.nbx); /* per row indices */
+    const struct dn_in_smem sm = dn_in_carve(s_dyn, a.nbx);
+    int8_t *s_q = sm.q;
+    float *s_d = sm.d, *s_s = sm.s;
+    uint32_t *s_rows = sm.rows;
     __shared__ float4 qs[DK / 4], ks[DK / 4];
     __shared__ float sc[2];
     __shared__ float red[16];
@@ -1724,9 +1846,8 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     const uint32_t j = act ? (bsub * a.ht + t) / 4 : 0;
     const uint32_t r0 = rank * a.per;
     const uint32_t nr = r0 < a.rows_g ? min(a.per, a.rows_g - r0) : 0;
-    const uint32_t passes = (a.nbx + DN_IN_U * G - 1) / (DN_IN_U * G);
-    const uint32_t tile_rows = (DN_IN_THREADS / G) * DN_IN_R;
-    const uint32_t steps = (nr + tile_rows - 1) / tile_rows * passes;
+    uint32_t passes;
+    const uint32_t steps = dn_in_steps<G>(a.nbx, nr, &passes);
     float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
 
     /* before the wait: the block's rows and state rows in L2 (a thread a
@@ -1747,51 +1868,14 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     /* NB passes of registers (the heads' phase needs more registers than
      * the product's two-row passes, so the product may hold several) */
     __syncthreads(); /* s_rows */
-    constexpr int NB = DN_IN_NBUF(TYPE);
+    constexpr int NB = dn_in_nb<TYPE>();
     uint32_t v[NB][DN_IN_U][DN_IN_R][9], sh[NB][DN_IN_U][DN_IN_R], rw[NB][DN_IN_R];
-#pragma unroll
-    for (int k = 0; k < NB; k++)
-        if ((uint32_t)k < steps) {
-            dn_in_rows<G>(s_rows, nr, passes, k, rw[k]);
-            dn_in_issue<TYPE, G>(a, rw[k], k % passes, v[k], sh[k]);
-        }
+    dn_in_first<TYPE, G>(a, s_rows, nr, passes, steps, v, sh, rw);
     pdl_wait(); /* x comes from the kernel before; dec and y may still be read */
     pdl_trigger();
-
-    /* the activation row rounded into shared memory (mvq_kernel's maths),
-     * eight blocks' loads in flight a warp */
-    constexpr uint32_t n_warps = DN_IN_THREADS / 32, XB = 8;
-    for (uint32_t b0 = warp; b0 < a.nbx; b0 += XB * n_warps) {
-        float xv[XB];
-#pragma unroll
-        for (uint32_t k = 0; k < XB; k++) {
-            const uint32_t b = b0 + k * n_warps;
-            xv[k] = b < a.nbx ? a.x[b * 32 + t % 32] : 0.0f;
-        }
-#pragma unroll
-        for (uint32_t k = 0; k < XB; k++) {
-            const uint32_t b = b0 + k * n_warps;
-            mvq::round_block(xv[k], b, b < a.nbx, s_q, s_d, s_s);
-        }
-    }
+    dn_in_row_in(a, nullptr, s_dyn, s_q, s_d, s_s);
     __syncthreads();
-    float acc[DN_IN_R];
-#pragma unroll
-    for (int r = 0; r < DN_IN_R; r++)
-        acc[r] = 0.0f;
-    for (uint32_t s0 = 0; s0 < steps; s0 += NB) {
-#pragma unroll
-        for (int k = 0; k < NB; k++) {
-            const uint32_t s1 = s0 + k;
-            if (s1 >= steps)
-                break;
-            dn_in_sum<TYPE, G>(a, rw[k], s1 % passes, passes, v[k], sh[k], s_q, s_d, s_s, acc);
-            if (s1 + NB < steps) {
-                dn_in_rows<G>(s_rows, nr, passes, s1 + NB, rw[k]);
-                dn_in_issue<TYPE, G>(a, rw[k], (s1 + NB) % passes, v[k], sh[k]);
-            }
-        }
-    }
+    dn_in_products<TYPE, G>(a, s_rows, nr, passes, steps, v, sh, rw, s_q, s_d, s_s);
     /* the cluster's rows written (release) and visible here (acquire); every
      * block of the cluster runs from here on (distributed shared memory) */
     cg::this_cluster().sync();
@@ -1906,27 +1990,357 @@ static int dn_in_launch(const struct dn_heads_args &p, const struct dn_conv_args
     return dn_check_launch("cuda_deltanet_in_conv_heads");
 }
 
+template <int DK, int TYPE, int G>
+static int dn_tail_launch(const struct dn_heads_args &p, const struct dn_conv_args &c,
+                          struct dn_in_args a, struct dn_tail_args ta, int sms,
+                          cudaStream_t stream);
+
+/* The fused input's launch for G lanes a row: the cluster form, or with ta
+ * the tail form. */
+template <int DK, int TYPE, int G>
+static int dn_in_form(const struct dn_heads_args &p, const struct dn_conv_args &c,
+                      const struct dn_in_args &a, const struct dn_tail_args *ta, int sms,
+                      cudaStream_t stream)
+{
+    return ta ? dn_tail_launch<DK, TYPE, G>(p, c, a, *ta, sms, stream)
+              : dn_in_launch<DK, TYPE, G>(p, c, a, sms, stream);
+}
+
 template <int DK, int TYPE>
 static int dn_in_go(const struct dn_heads_args &p, const struct dn_conv_args &c,
-                    const struct dn_in_args &a, int sms, cudaStream_t stream)
+                    const struct dn_in_args &a, const struct dn_tail_args *ta, int sms,
+                    cudaStream_t stream)
 {
     switch (mvq::lanes_per_row(a.nbx)) {
-    case 32: return dn_in_launch<DK, TYPE, 32>(p, c, a, sms, stream);
-    case 16: return dn_in_launch<DK, TYPE, 16>(p, c, a, sms, stream);
-    default: return dn_in_launch<DK, TYPE, 8>(p, c, a, sms, stream);
+    case 32: return dn_in_form<DK, TYPE, 32>(p, c, a, ta, sms, stream);
+    case 16: return dn_in_form<DK, TYPE, 16>(p, c, a, ta, sms, stream);
+    default: return dn_in_form<DK, TYPE, 8>(p, c, a, ta, sms, stream);
     }
 }
 
 template <int TYPE>
 static int dn_in_dk(uint32_t dk, const struct dn_heads_args &p, const struct dn_conv_args &c,
-                    const struct dn_in_args &a, int sms, cudaStream_t stream)
+                    const struct dn_in_args &a, const struct dn_tail_args *ta, int sms,
+                    cudaStream_t stream)
 {
     switch (dk) {
-    case 16: return dn_in_go<16, TYPE>(p, c, a, sms, stream);
-    case 32: return dn_in_go<32, TYPE>(p, c, a, sms, stream);
-    case 64: return dn_in_go<64, TYPE>(p, c, a, sms, stream);
-    default: return dn_in_go<128, TYPE>(p, c, a, sms, stream);
+    case 16: return dn_in_go<16, TYPE>(p, c, a, ta, sms, stream);
+    case 32: return dn_in_go<32, TYPE>(p, c, a, ta, sms, stream);
+    case 64: return dn_in_go<64, TYPE>(p, c, a, ta, sms, stream);
+    default: return dn_in_go<128, TYPE>(p, c, a, ta, sms, stream);
     }
+}
+
+/*
+ * The DeltaNet decode input with conv + heads as tails of the product
+ * (cuda_deltanet_in_tail): the product of the fused kernel above without
+ * its clusters. The key heads' rows (dn_in_row's order within a key head,
+ * the key heads one after another) are cut into consecutive shares of `per`
+ * rows, one a block, `per` a whole number of the block's row tiles and as
+ * many blocks as two an SM hold: the product runs as wide as the plain
+ * int8 product. Value head i of key head g reads g's q and k rows and its
+ * own v, z, beta and alpha rows; each block, once its rows are written and
+ * fenced, counts itself in dn_in_arrived of every value head whose rows it
+ * wrote, and the block that brings a head's count to the number of blocks
+ * that write its rows (dn_tail_want) sets it back to 0 and runs that head's
+ * conv + heads step itself (dn_tail_head: dn_conv_heads_split_kernel's
+ * step, the head's rows in passes of 64, its sum of o^2 over the head's
+ * warps in order): no cluster, no launch, and the other heads' steps run
+ * at the same time in the blocks that complete them. The q and k conv
+ * state of g is rewritten by the last of g's value heads' steps to have
+ * read it (dn_conv_qk_readers, r readers). Outputs and states equal the
+ * product then cuda_deltanet_conv_heads(_yq) bit for bit.
+ */
+
+/* Value heads of the arrival counters (nv at most). */
+#define DN_TAIL_MAX_NV 4096
+/* (key head, value head) pairs one block may count itself in */
+#define DN_TAIL_MAX_PAIRS 64
+
+/* Per value head: blocks of the current dn_in_tail_kernel launch that have
+ * written rows the head reads; the last one sets it back to 0 (one launch
+ * at a time per device, as dn_conv_readers). */
+__device__ unsigned int dn_in_arrived[DN_TAIL_MAX_NV];
+
+/* Whether the rows [lo, hi) of a key head's group (hi > lo) hold rows that
+ * value head i of it reads: q and k, or i's v, z, beta and alpha. */
+template <int DK>
+__device__ __forceinline__ bool dn_tail_reads(const struct dn_heads_args &p, uint32_t lo,
+                                              uint32_t hi, uint32_t i)
+{
+    const uint32_t ph = 2 * p.dv + 2, h0 = 2 * DK + i * ph;
+    return lo < 2 * DK || (lo < h0 + ph && hi > h0);
+}
+
+/* Block b's rows of key head g's group, [*lo, *hi) in the group's order
+ * (empty: *lo == *hi). */
+__device__ __forceinline__ void dn_tail_span(const struct dn_in_args &a,
+                                             const struct dn_tail_args &ta, uint32_t b,
+                                             uint32_t g, uint32_t *lo, uint32_t *hi)
+{
+    const uint32_t b0 = b * a.per, b1 = min(b0 + a.per, ta.rows_all);
+    const uint32_t g0 = g * a.rows_g, g1 = g0 + a.rows_g;
+    const uint32_t l = max(b0, g0), u = min(b1, g1);
+    *lo = l < u ? l - g0 : 0;
+    *hi = l < u ? u - g0 : 0;
+}
+
+/* How many blocks write rows that value head i of key head g reads. */
+template <int DK>
+__device__ __forceinline__ uint32_t dn_tail_want(const struct dn_heads_args &p,
+                                                 const struct dn_in_args &a,
+                                                 const struct dn_tail_args &ta, uint32_t g,
+                                                 uint32_t i)
+{
+    const uint32_t first = g * a.rows_g / a.per, last = ((g + 1) * a.rows_g - 1) / a.per;
+    uint32_t n = 0;
+    for (uint32_t b = first; b <= last; b++) {
+        uint32_t lo, hi;
+        dn_tail_span(a, ta, b, g, &lo, &hi);
+        n += lo < hi && dn_tail_reads<DK>(p, lo, hi, i);
+    }
+    return n;
+}
+
+/* Value head i of key head g: its conv + heads step by the whole block
+ * (DN_IN_THREADS threads, the head's rows in passes of DN_IN_THREADS / 4,
+ * at most two), dn_conv_heads_split_kernel's maths in its order: the same
+ * bits. After the block's last arrival (the other blocks' rows seen
+ * through L2). */
+template <int DK>
+__device__ __forceinline__ void dn_tail_head(const struct dn_heads_args &p,
+                                             const struct dn_conv_args &c, uint32_t g, uint32_t i,
+                                             float4 *qs, float4 *ks, float *sc, float *red)
+{
+    constexpr int NC = DK / 16, NQ = DK >= 32 ? DK / 32 : 1, PR = DN_IN_THREADS / 4;
+    const uint32_t t = threadIdx.x, warp = t / 32, sub = t % 4;
+    const uint32_t h = p.tiled ? g + i * p.nk : g * (p.nv / p.nk) + i;
+    const uint32_t np = (p.dv + PR - 1) / PR; /* 1 or 2 (dv <= 128) */
+    float ov[2] = {0.0f, 0.0f}, zv[2] = {0.0f, 0.0f}, wv[2] = {0.0f, 0.0f};
+    /* warps 0 and 1: the new q and k conv state, kept here over the step (registers) */
+    __shared__ float s_nqk[64][NQ][DN_MAX_K - 1];
+#pragma unroll
+    for (uint32_t ps = 0; ps < 2; ps++) {
+        if (ps >= np)
+            break;
+        const uint32_t jj = ps * PR + t / 4;
+        const bool act = jj < p.dv;
+        const uint32_t j = act ? jj : 0;
+        float4 *srow = reinterpret_cast<float4 *>(p.state + ((size_t)h * p.dv + j) * DK);
+        struct dn_tok<DK> cur = {};
+        if (act) {
+            float nqk[NQ][DN_MAX_K - 1];
+            dn_conv_in<DK, false>(p, c, h, g, j, nullptr, cur, nqk);
+            if (warp <= 1 && ps + 1 == np)
+#pragma unroll
+                for (int m = 0; m < NQ; m++)
+#pragma unroll
+                    for (int k = 0; k + 1 < DN_MAX_K; k++)
+                        s_nqk[t][m][k] = nqk[m][k];
+        }
+        float4 st[NC];
+#pragma unroll
+        for (int m = 0; m < NC; m++)
+            st[m] = act ? __ldcg(srow + sub + 4 * m) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float o = dn_rows<DK>(p, cur, st, qs, ks, sc);
+        const float ss = dn_warp_sq(act ? o : 0.0f);
+        if (act && t % 32 == 0)
+            red[ps * (PR / 8) + warp] = ss;
+        if (act) {
+#pragma unroll
+            for (int m = 0; m < NC; m++)
+                srow[sub + 4 * m] = st[m];
+        }
+        ov[ps] = o;
+        zv[ps] = cur.z;
+        wv[ps] = act ? p.norm_w[j] : 0.0f;
+        __syncthreads(); /* qs, ks and sc read; red written */
+    }
+    /* warps 0 and 1 have read g's q and k conv state (every pass) */
+    unsigned ticket = 0u;
+    if (warp <= 1)
+        ticket = dn_conv_ticket(2 * g + warp);
+    float total = 0.0f;
+    for (uint32_t w = 0; w < p.dv / 8; w++)
+        total += red[w];
+#pragma unroll
+    for (int ps = 0; ps < 2; ps++) {
+        if ((uint32_t)ps >= np)
+            break;
+        const uint32_t jj = ps * PR + t / 4;
+        const bool act = jj < p.dv;
+        const float yj = act ? dn_out(p, h, 0, jj, ov[ps], total, zv[ps], wv[ps]) : 0.0f;
+        if (p.yq)
+            dn_out_q(p, h, ps * PR, min((uint32_t)PR, p.dv - ps * PR), yj);
+        __syncthreads(); /* dn_out_q's rows read; red read */
+    }
+    if (warp <= 1 && dn_conv_is_last(2 * g + warp, ticket, p.nv / p.nk)) {
+        float nqk[NQ][DN_MAX_K - 1];
+#pragma unroll
+        for (int m = 0; m < NQ; m++)
+#pragma unroll
+            for (int k = 0; k + 1 < DN_MAX_K; k++)
+                nqk[m][k] = s_nqk[t][m][k];
+        dn_conv_store_qk<DK>(p, c, g, nqk);
+    }
+}
+
+template <int DK, int TYPE, int G>
+__global__ void __launch_bounds__(DN_IN_THREADS, 2)
+    dn_in_tail_kernel(const struct dn_heads_args p, const struct dn_conv_args c,
+                      const struct dn_in_args a, const struct dn_tail_args ta)
+{
+    extern __shared__ int4 s_dyn[];
+    const struct dn_in_smem sm = dn_in_carve(s_dyn, a.nbx);
+    __shared__ uint32_t s_pairs[DN_TAIL_MAX_PAIRS]; /* (g, i) this block completes */
+    __shared__ uint32_t s_n_pairs;
+    __shared__ float4 qs[DK / 4], ks[DK / 4]; /* the heads' step's */
+    __shared__ float sc[2], red[16];
+    const uint32_t t = threadIdx.x, r = p.nv / p.nk;
+    const uint32_t r0 = blockIdx.x * a.per;
+    const uint32_t nr = r0 < ta.rows_all ? min(a.per, ta.rows_all - r0) : 0;
+    uint32_t passes;
+    const uint32_t steps = dn_in_steps<G>(a.nbx, nr, &passes);
+
+    /* before the wait: the block's rows in L2 (a thread a row), its share of
+     * the delta state and of the conv taps, decay and dt; NB passes of
+     * weights in registers */
+    for (uint32_t lr = t; lr < nr; lr += DN_IN_THREADS) {
+        const uint32_t gr = r0 + lr, row = dn_in_row<DK>(p, gr / a.rows_g, gr % a.rows_g);
+        sm.rows[lr] = row;
+        pdl_prefetch_l2(a.w + (size_t)row * a.row_bytes, a.row_bytes);
+    }
+    if (t == 0) {
+        const size_t bytes = (size_t)p.nv * p.dv * DK * sizeof(float);
+        const size_t share = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~(size_t)15;
+        const size_t off = (size_t)blockIdx.x * share;
+        if (off < bytes)
+            pdl_prefetch_l2(reinterpret_cast<const uint8_t *>(p.state) + off,
+                            bytes - off < share ? bytes - off : share);
+        dn_prefetch_taps<DK>(p, c);
+        if (blockIdx.x == 0)
+            pdl_prefetch_l2(p.a, p.nv * sizeof(float)), pdl_prefetch_l2(p.dt, p.nv * sizeof(float));
+        s_n_pairs = 0;
+    }
+    __syncthreads(); /* s_rows */
+    constexpr int NB = dn_in_nb<TYPE>();
+    uint32_t v[NB][DN_IN_U][DN_IN_R][9], sh[NB][DN_IN_U][DN_IN_R], rw[NB][DN_IN_R];
+    dn_in_first<TYPE, G>(a, sm.rows, nr, passes, steps, v, sh, rw);
+    pdl_wait(); /* x comes from the kernel before; dec and y may still be read */
+    pdl_trigger();
+    dn_in_row_in(a, ta.xq, s_dyn, sm.q, sm.d, sm.s);
+    __syncthreads();
+    dn_in_products<TYPE, G>(a, sm.rows, nr, passes, steps, v, sh, rw, sm.q, sm.d, sm.s);
+
+    /* the block's arrival at every value head whose rows it wrote */
+    __threadfence(); /* this thread's rows before the block's count */
+    __syncthreads();
+    if (nr) {
+        const uint32_t g0 = r0 / a.rows_g, g1 = (r0 + nr - 1) / a.rows_g;
+        for (uint32_t q = t; q < (g1 - g0 + 1) * r; q += DN_IN_THREADS) {
+            const uint32_t g = g0 + q / r, i = q % r;
+            uint32_t lo, hi;
+            dn_tail_span(a, ta, blockIdx.x, g, &lo, &hi);
+            if (lo >= hi || !dn_tail_reads<DK>(p, lo, hi, i))
+                continue;
+            const uint32_t h = p.tiled ? g + i * p.nk : g * r + i;
+            const uint32_t want = dn_tail_want<DK>(p, a, ta, g, i);
+            if (atomicAdd(&dn_in_arrived[h], 1u) == want - 1) {
+                atomicExch(&dn_in_arrived[h], 0u);
+                s_pairs[atomicAdd(&s_n_pairs, 1u)] = g * r + i;
+            }
+        }
+    }
+    __syncthreads();
+    const uint32_t n_pairs = s_n_pairs;
+    if (!n_pairs)
+        return;
+    __threadfence(); /* the other blocks' rows, read through L2 */
+    for (uint32_t k = 0; k < n_pairs; k++)
+        dn_tail_head<DK>(p, c, s_pairs[k] / r, s_pairs[k] % r, qs, ks, sc, red);
+}
+
+template <int DK, int TYPE, int G>
+static int dn_tail_launch(const struct dn_heads_args &p, const struct dn_conv_args &c,
+                          struct dn_in_args a, struct dn_tail_args ta, int sms,
+                          cudaStream_t stream)
+{
+    const uint32_t rows_g = 2 * DK + p.nv / p.nk * (2 * p.dv + 2);
+    const uint32_t tile_rows = (DN_IN_THREADS / G) * DN_IN_R;
+    const uint64_t rows_all = (uint64_t)p.nk * rows_g;
+    /* shares of whole tiles, as many blocks as two an SM hold */
+    const uint64_t slots = 2 * (uint64_t)sms;
+    uint64_t per = (rows_all + slots - 1) / slots;
+    per = (per + tile_rows - 1) / tile_rows * tile_rows;
+    const uint64_t blocks = (rows_all + per - 1) / per;
+    /* the (key head, value head) pairs a block may count itself in */
+    const uint64_t groups = (per + rows_g - 1) / rows_g + 1;
+    if (rows_all > UINT32_MAX || per > 4096 || groups * (p.nv / p.nk) > DN_TAIL_MAX_PAIRS)
+        return -ENOTSUP;
+    a.rows_g = rows_g;
+    a.per = (uint32_t)per;
+    ta.rows_all = (uint32_t)rows_all;
+    const size_t smem = (size_t)a.nbx * 32 + 2 * sizeof(float) * a.nbx + per * sizeof(uint32_t);
+    const int rc = cuda_caps_allow_smem((const void *)dn_in_tail_kernel<DK, TYPE, G>, smem,
+                                        "cuda_deltanet_in_tail");
+    if (rc)
+        return rc;
+    pdl_launch(dn_in_tail_kernel<DK, TYPE, G>, dim3((uint32_t)blocks), dim3(DN_IN_THREADS), smem,
+               stream, p, c, a, ta);
+    return dn_check_launch("cuda_deltanet_in_tail");
+}
+
+/* Both fused inputs' entry: the cluster form (tail false: no rounded row
+ * in or y out) or the tail form. */
+static int dn_in_fused(uint32_t type, const void *d_w, size_t row_bytes, uint32_t n,
+                       const float *d_x, const int8_t *d_xq, float *d_dec, float *d_conv_state,
+                       const float *d_conv_w, uint32_t K, float *d_state, const float *d_a,
+                       const float *d_dt, const float *d_norm_w, float *d_y, int8_t *d_yq,
+                       uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv, bool tiled, float eps,
+                       bool tail, cudaStream_t stream)
+{
+    const char *what = tail ? "cuda_deltanet_in_tail" : "cuda_deltanet_in_conv_heads";
+    const size_t kd = (size_t)nk * dk, vd = (size_t)nv * dv, cd = 2 * kd + vd;
+    float *z = d_dec ? d_dec + cd : NULL, *beta = z ? z + vd : NULL;
+    float *alpha = beta ? beta + nv : NULL;
+    if (!dn_heads_args_ok(d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w, d_y, nk, nv, dk,
+                          dv, 1) ||
+        K == 0 || K > DN_MAX_K || (K > 1 && !d_conv_state) || !d_conv_w || !d_w ||
+        (!d_x && !d_xq) || n == 0 || n % 32 || row_bytes == 0 || nk > DN_MAX_NK ||
+        nv > DN_TAIL_MAX_NV) {
+        log_error("%s: bad arguments (K %u, max %d; dk %u, dv %u, nk %u (max %d), nv %u (max "
+                  "%d); n %u: a multiple of 32; the row as floats%s)", what, K, DN_MAX_K, dk, dv,
+                  nk, DN_MAX_NK, nv, DN_TAIL_MAX_NV, n, tail ? " or rounded" : "");
+        return -EINVAL;
+    }
+    const char *split = getenv("LAMINA_CUDA_DN_SPLIT");
+    const uint64_t rows = cd + vd + 2 * (uint64_t)nv;
+    if ((!tail && split && split[0] == '0') ||
+        (type != QUANT_TYPE_Q4_0 && type != QUANT_TYPE_Q8_0) || n > 16384 ||
+        ((uintptr_t)d_x & 3) || ((uintptr_t)d_xq & 15) || ((uintptr_t)d_yq & 15) ||
+        (d_yq && dv % 32) || !cuda_mvq_pays(n, rows))
+        return -ENOTSUP;
+    int cc = 0, sms = 0;
+    const int rc = dn_device(what, &cc, &sms);
+    if (rc)
+        return rc;
+    if (cc < 90 || sms <= 0)
+        return -ENOTSUP;
+    struct dn_heads_args p = {d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w,
+                              d_y,     nk,    nv,   dv,    1,   tiled, eps};
+    p.yq = d_yq;
+    const struct dn_conv_args c = {d_conv_state, d_conv_w, d_dec, K};
+    struct dn_in_args a = {};
+    a.w = static_cast<const uint8_t *>(d_w);
+    a.row_bytes = row_bytes;
+    a.x = d_x;
+    a.dec = d_dec;
+    a.nbx = n / 32;
+    struct dn_tail_args ta = {};
+    ta.xq = d_xq;
+    const struct dn_tail_args *tp = tail ? &ta : nullptr;
+    return type == QUANT_TYPE_Q4_0 ? dn_in_dk<QUANT_TYPE_Q4_0>(dk, p, c, a, tp, sms, stream)
+                                   : dn_in_dk<QUANT_TYPE_Q8_0>(dk, p, c, a, tp, sms, stream);
 }
 
 extern "C" int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_t row_bytes,
@@ -1937,39 +2351,26 @@ extern "C" int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_
                                            uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
                                            bool tiled, float eps, cudaStream_t stream)
 {
-    const size_t kd = (size_t)nk * dk, vd = (size_t)nv * dv, cd = 2 * kd + vd;
-    float *z = d_dec + cd, *beta = z + vd, *alpha = beta + nv;
-    if (!dn_heads_args_ok(d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w, d_y, nk, nv, dk,
-                          dv, 1) ||
-        K == 0 || K > DN_MAX_K || (K > 1 && !d_conv_state) || !d_conv_w || !d_w || !d_x ||
-        n == 0 || n % 32 || row_bytes == 0) {
-        log_error("cuda_deltanet_in_conv_heads: bad arguments (K %u, max %d; dk %u, dv %u, nk %u, "
-                  "nv %u; n %u: a multiple of 32)", K, DN_MAX_K, dk, dv, nk, nv, n);
+    if (!d_x) {
+        log_error("cuda_deltanet_in_conv_heads: bad arguments (no activation row)");
         return -EINVAL;
     }
-    const char *split = getenv("LAMINA_CUDA_DN_SPLIT");
-    const uint64_t rows = cd + vd + 2 * (uint64_t)nv;
-    if ((split && split[0] == '0') ||
-        (type != QUANT_TYPE_Q4_0 && type != QUANT_TYPE_Q8_0) || n > 16384 ||
-        ((uintptr_t)d_x & 3) || !cuda_mvq_pays(n, rows))
-        return -ENOTSUP;
-    int cc = 0, sms = 0;
-    const int rc = dn_device("cuda_deltanet_in_conv_heads", &cc, &sms);
-    if (rc)
-        return rc;
-    if (cc < 90 || sms <= 0)
-        return -ENOTSUP;
-    const struct dn_heads_args p = {d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w,
-                                    d_y,     nk,    nv,   dv,    1,   tiled, eps};
-    const struct dn_conv_args c = {d_conv_state, d_conv_w, d_dec, K};
-    struct dn_in_args a = {};
-    a.w = static_cast<const uint8_t *>(d_w);
-    a.row_bytes = row_bytes;
-    a.x = d_x;
-    a.dec = d_dec;
-    a.nbx = n / 32;
-    return type == QUANT_TYPE_Q4_0 ? dn_in_dk<QUANT_TYPE_Q4_0>(dk, p, c, a, sms, stream)
-                                   : dn_in_dk<QUANT_TYPE_Q8_0>(dk, p, c, a, sms, stream);
+    return dn_in_fused(type, d_w, row_bytes, n, d_x, NULL, d_dec, d_conv_state, d_conv_w, K,
+                       d_state, d_a, d_dt, d_norm_w, d_y, NULL, nk, nv, dk, dv, tiled, eps, false,
+                       stream);
+}
+
+extern "C" int cuda_deltanet_in_tail(uint32_t type, const void *d_w, size_t row_bytes,
+                                     uint32_t n, const float *d_x, const int8_t *d_xq,
+                                     float *d_dec, float *d_conv_state, const float *d_conv_w,
+                                     uint32_t K, float *d_state, const float *d_a,
+                                     const float *d_dt, const float *d_norm_w, float *d_y,
+                                     int8_t *d_yq, uint32_t nk, uint32_t nv, uint32_t dk,
+                                     uint32_t dv, bool tiled, float eps, cudaStream_t stream)
+{
+    return dn_in_fused(type, d_w, row_bytes, n, d_x, d_xq, d_dec, d_conv_state, d_conv_w, K,
+                       d_state, d_a, d_dt, d_norm_w, d_y, d_yq, nk, nv, dk, dv, tiled, eps, true,
+                       stream);
 }
 
 static bool dn_chunk_dims_ok(uint32_t dk, uint32_t dv)

@@ -99,6 +99,27 @@ int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_t row_bytes
                                 float *d_y, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
                                 bool tiled, float eps, cudaStream_t stream);
 
+/* cuda_deltanet_in_conv_heads' product and step in one launch without
+ * clusters: the key heads' rows cut into shares of whole row tiles, as many
+ * blocks as two an SM hold (the plain int8 product's width), and each value
+ * head's conv + heads step run as a tail by the block that completes the
+ * rows that head reads (a counter per value head), while the other blocks
+ * go on. d_xq: the activation row already rounded (cuda_mvq_xq's layout,
+ * 16-byte aligned; the previous layer's combine writes it), or NULL: d_x
+ * (floats) rounded by each block. d_yq: y also rounded for the output
+ * product as cuda_deltanet_conv_heads_yq writes it (16-byte aligned, dv a
+ * multiple of 32), or NULL. dec, y, yq and both states equal the product
+ * then cuda_deltanet_conv_heads(_yq) bit for bit. sm_90 and later, Q4_0 or
+ * Q8_0 rows the int8 kernels take (cuda_mvq_pays); -ENOTSUP (nothing
+ * launched) otherwise, -EINVAL for bad arguments, -EIO for a failed launch.
+ * Launches on one device must not run concurrently (device counters). */
+int cuda_deltanet_in_tail(uint32_t type, const void *d_w, size_t row_bytes, uint32_t n,
+                          const float *d_x, const int8_t *d_xq, float *d_dec, float *d_conv_state,
+                          const float *d_conv_w, uint32_t K, float *d_state, const float *d_a,
+                          const float *d_dt, const float *d_norm_w, float *d_y, int8_t *d_yq,
+                          uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv, bool tiled,
+                          float eps, cudaStream_t stream);
+
 /* Bytes of work memory cuda_deltanet_heads_chunked needs for nv value heads
  * of dk x dv and S tokens: 0 when those S tokens take the token-by-token
  * kernel (S < 16, or dk != dv, or dk not 64 or 128), else about

@@ -72,8 +72,9 @@
  *     positions, 10 greedy decode steps): the shared expert as pair k of the
  *     routed decode products against its own branch (LAMINA_CUDA_SHPAIR=0):
  *     byte-identical; the DeltaNet input product, conv and heads in one
- *     launch (LAMINA_CUDA_DN_IN=1) against two: byte-identical, and on sm_90
- *     leaving the fused launch out changes the decode steps (it ran); the
+ *     launch (LAMINA_CUDA_DN_IN=1: clusters; =tail: each head's step the tail
+ *     of the block completing its rows) against two: byte-identical, and on
+ *     sm_90 leaving the fused launch out changes the decode steps (it ran); the
  *     down product and combine by rows (LAMINA_CUDA_TAIL=norm,topk,rows):
  *     byte-identical, and one kernel a layer fewer than when it declines
  *     (LAMINA_CUDA_EARLY=0: it ran in every layer); the gate/up product's
@@ -849,29 +850,38 @@ static void tbc_shpair(void)
             MEASURE("shared expert as pair k (%s, tiny qwen3next, 6 prompt + 10 decode steps): "
                     "logits byte-identical to its own branch", quant_type_name(types[t]));
             /* the DeltaNet input product, conv and heads as one launch (sm_90,
-             * LAMINA_CUDA_DN_IN=1) against the product and conv + heads: the same
-             * bits; skipping the fused launch changes the decode steps where it
-             * runs */
-            setenv("LAMINA_CUDA_DN_IN", "1", 1);
-            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, DeltaNet input fused");
-            CHECK(a && b && !memcmp(a, b, sz), "%s: the fused DeltaNet input differs from the "
-                  "product then conv + heads (max %.3g)", quant_type_name(types[t]),
-                  a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+             * LAMINA_CUDA_DN_IN=1: clusters, =tail: each head's step the tail of
+             * the block completing its rows) against the product and conv + heads:
+             * the same bits; skipping the fused launch changes the decode steps
+             * where it runs */
+            static const char *const forms[][3] = {{"1", "dn.in_heads", "clusters"},
+                                                   {"tail", "dn.in_tail", "tails"}};
             const int major = cuda_caps_cc() / 10; /* as the kernels see it (caps.h) */
-            if (major >= 9) {
-                setenv("LAMINA_CUDA_SKIP", "dn.in_heads", 1);
-                CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run without the fused input");
-                unsetenv("LAMINA_CUDA_SKIP");
-                CHECK(a && b && memcmp(a + 6 * (size_t)m->hp.n_vocab,
-                                       b + 6 * (size_t)m->hp.n_vocab,
-                                       sz - 6 * (size_t)m->hp.n_vocab * sizeof(float)),
-                      "%s: LAMINA_CUDA_SKIP=dn.in_heads left the decode steps unchanged: the "
-                      "fused DeltaNet input did not run", quant_type_name(types[t]));
+            for (int f = 0; f < 2; f++) {
+                setenv("LAMINA_CUDA_DN_IN", forms[f][0], 1);
+                CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, DeltaNet input fused (%s)",
+                      forms[f][2]);
+                CHECK(a && b && !memcmp(a, b, sz), "%s: the fused DeltaNet input (%s) differs "
+                      "from the product then conv + heads (max %.3g)",
+                      quant_type_name(types[t]), forms[f][2],
+                      a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
+                if (major >= 9) {
+                    setenv("LAMINA_CUDA_SKIP", forms[f][1], 1);
+                    CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run without the fused input");
+                    unsetenv("LAMINA_CUDA_SKIP");
+                    CHECK(a && b && memcmp(a + 6 * (size_t)m->hp.n_vocab,
+                                           b + 6 * (size_t)m->hp.n_vocab,
+                                           sz - 6 * (size_t)m->hp.n_vocab * sizeof(float)),
+                          "%s: LAMINA_CUDA_SKIP=%s left the decode steps unchanged: the fused "
+                          "DeltaNet input (%s) did not run", quant_type_name(types[t]),
+                          forms[f][1], forms[f][2]);
+                }
+                unsetenv("LAMINA_CUDA_DN_IN");
+                MEASURE("fused DeltaNet input, %s (%s, tiny qwen3next): logits byte-identical to "
+                        "the product then conv + heads%s", forms[f][2],
+                        quant_type_name(types[t]),
+                        major >= 9 ? "; it ran (skipping it changes the decode steps)" : "");
             }
-            unsetenv("LAMINA_CUDA_DN_IN");
-            MEASURE("fused DeltaNet input (%s, tiny qwen3next): logits byte-identical to the "
-                    "product then conv + heads%s", quant_type_name(types[t]),
-                    major >= 9 ? "; it ran (skipping it changes the decode steps)" : "");
             /* the down product and the combine as one launch cut by rows
              * (LAMINA_CUDA_TAIL=norm,topk,rows) against the default: the same bits;
              * with the early reads off (LAMINA_CUDA_EARLY=0) it declines and the
