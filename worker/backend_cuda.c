@@ -61,11 +61,12 @@
  * cluster per key head computing the rows its heads read: the same bits,
  * slower on an H200 so far, docs/perf.md; LAMINA_CUDA_DN_IN=tail: the same
  * launch without clusters, cuda_deltanet_in_tail, each value head's conv +
- * heads run by the block that completes the rows it reads; unmeasured); then add+norm, router, top-k, routed gate|up (one 2F-row
- * product when gate and up share a row format: they sit back to back per
- * expert), routed down with the SiLU gate inside (int8 path), and the MoE
- * combine fused with the next layer's attention norm (only the first layer
- * of the range normalises h itself). The int8 decode products keep their
+ * heads run by the block that completes the rows it reads; unmeasured);
+ * then add+norm, router, top-k, routed gate|up (one 2F-row product when
+ * gate and up share a row format: they sit back to back per expert),
+ * routed down with the SiLU gate inside (int8 path), and the MoE combine
+ * fused with the next layer's attention norm (only the first layer of the
+ * range normalises h itself). The int8 decode products keep their
  * activation rounding off the path after their PDL waits: the gate/up
  * product rounds its input (written two launches back) before its wait
  * (LAMINA_CUDA_X_EARLY=0: after), and the early combine also writes

@@ -119,6 +119,7 @@
 #include "kernels/cuda/deltanet.h"
 
 #include <errno.h>
+#include <string.h>
 
 #include <mutex>
 
@@ -1607,6 +1608,9 @@ struct dn_in_args {
 struct dn_tail_args {
     const int8_t *xq;     /* the row already rounded (mvq::xq_row_bytes layout) or NULL */
     uint32_t rows_all;    /* nk * rows_g */
+    bool owners;          /* each head's step in a block named in advance (dn_tail_owner),
+                           * which waits for the head's rows; else in the block that
+                           * completes them */
 };
 
 /* Row vi of key head g's group, as its index in the stacked matrix. */
@@ -2041,15 +2045,25 @@ static int dn_in_dk(uint32_t dk, const struct dn_heads_args &p, const struct dn_
  * int8 product. Value head i of key head g reads g's q and k rows and its
  * own v, z, beta and alpha rows; each block, once its rows are written and
  * fenced, counts itself in dn_in_arrived of every value head whose rows it
- * wrote, and the block that brings a head's count to the number of blocks
- * that write its rows (dn_tail_want) sets it back to 0 and runs that head's
- * conv + heads step itself (dn_tail_head: dn_conv_heads_split_kernel's
- * step, the head's rows in passes of 64, its sum of o^2 over the head's
- * warps in order): no cluster, no launch, and the other heads' steps run
- * at the same time in the blocks that complete them. The q and k conv
- * state of g is rewritten by the last of g's value heads' steps to have
- * read it (dn_conv_qk_readers, r readers). Outputs and states equal the
- * product then cuda_deltanet_conv_heads(_yq) bit for bit.
+ * wrote, and the head's conv + heads step (dn_tail_head:
+ * dn_conv_heads_split_kernel's step, the head's rows in passes of 64, its
+ * sum of o^2 over the head's warps in order) runs in one block of the
+ * launch: no cluster, no launch of its own. Which block:
+ *   - owners (the default where every block of the grid is resident at
+ *     once): head h's owner, dn_tail_owner, the heads spread over the grid,
+ *     after its own rows waits (thread 0 polling with acquire loads) until
+ *     the count reaches the number of blocks that write h's rows
+ *     (dn_tail_want), sets it back to 0 and runs the step: one head a block
+ *     while the heads are no more than the blocks;
+ *   - completing blocks (LAMINA_CUDA_DN_TAIL=last, or where the grid is not
+ *     all resident): the block whose count completes the head sets it back
+ *     to 0 and runs the step. No block waits for another, but a block that
+ *     completes several heads runs their steps one after another (a block
+ *     of g's q and k rows that ends last completes all of g's heads).
+ * The q and k conv state of g is rewritten by the last of g's value heads'
+ * steps to have read it (dn_conv_qk_readers, r readers). Outputs and states
+ * equal the product then cuda_deltanet_conv_heads(_yq) bit for bit, either
+ * way.
  */
 
 /* Value heads of the arrival counters (nv at most). */
@@ -2108,7 +2122,7 @@ __device__ __forceinline__ uint32_t dn_tail_want(const struct dn_heads_args &p,
  * bits. After the block's last arrival (the other blocks' rows seen
  * through L2). */
 template <int DK>
-__device__ __forceinline__ void dn_tail_head(const struct dn_heads_args &p,
+__device__ __noinline__ void dn_tail_head(const struct dn_heads_args &p,
                                              const struct dn_conv_args &c, uint32_t g, uint32_t i,
                                              float4 *qs, float4 *ks, float *sc, float *red)
 {
@@ -2185,6 +2199,64 @@ __device__ __forceinline__ void dn_tail_head(const struct dn_heads_args &p,
     }
 }
 
+/* The block that runs value head h's step with owners: spread over the
+ * grid (nv heads over `blocks` blocks, in order). */
+__device__ __forceinline__ uint32_t dn_tail_owner(uint32_t h, uint32_t nv, uint32_t blocks)
+{
+    return (uint32_t)((uint64_t)h * blocks / nv);
+}
+
+__device__ __forceinline__ uint32_t dn_ld_acquire(const unsigned int *p)
+{
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long dn_ns()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Thread 0 of head h's owner: waits until the `want` blocks that write
+ * the head's rows have counted themselves, then sets the count back to 0
+ * (every arrival of this launch is in). Every block of the launch is
+ * resident (the launcher checks the occupancy), so they all arrive; one
+ * that never does ends the launch with an error after 4 s instead of a
+ * hang. */
+__device__ __forceinline__ void dn_tail_wait(uint32_t h, uint32_t want)
+{
+    const unsigned long long t0 = dn_ns();
+    while (dn_ld_acquire(&dn_in_arrived[h]) < want)
+        if (dn_ns() - t0 > 4000000000ull)
+            __trap();
+    dn_in_arrived[h] = 0u;
+}
+
+/* Owner form: the block's heads (those dn_tail_owner gives it), each after
+ * its rows are in (its state rows were asked for in L2 before the PDL wait). */
+template <int DK>
+__device__ __forceinline__ void dn_tail_owned(const struct dn_heads_args &p,
+                                              const struct dn_conv_args &c,
+                                              const struct dn_in_args &a,
+                                              const struct dn_tail_args &ta, float4 *qs,
+                                              float4 *ks, float *sc, float *red)
+{
+    const uint32_t b = blockIdx.x, blocks = gridDim.x, r = p.nv / p.nk;
+    /* heads h with dn_tail_owner(h) == b: from ceil(b nv / blocks) */
+    for (uint32_t h = (uint32_t)(((uint64_t)b * p.nv + blocks - 1) / blocks);
+         h < p.nv && dn_tail_owner(h, p.nv, blocks) == b; h++) {
+        const uint32_t g = p.tiled ? h % p.nk : h / r, i = p.tiled ? h / p.nk : h % r;
+        if (threadIdx.x == 0)
+            dn_tail_wait(h, dn_tail_want<DK>(p, a, ta, g, i));
+        __syncthreads();
+        __threadfence(); /* the other blocks' rows, read through L2 */
+        dn_tail_head<DK>(p, c, g, i, qs, ks, sc, red);
+    }
+}
+
 template <int DK, int TYPE, int G>
 __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     dn_in_tail_kernel(const struct dn_heads_args p, const struct dn_conv_args c,
@@ -2244,12 +2316,20 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
             if (lo >= hi || !dn_tail_reads<DK>(p, lo, hi, i))
                 continue;
             const uint32_t h = p.tiled ? g + i * p.nk : g * r + i;
+            if (ta.owners) {
+                atomicAdd(&dn_in_arrived[h], 1u); /* the owner waits for the count */
+                continue;
+            }
             const uint32_t want = dn_tail_want<DK>(p, a, ta, g, i);
             if (atomicAdd(&dn_in_arrived[h], 1u) == want - 1) {
                 atomicExch(&dn_in_arrived[h], 0u);
                 s_pairs[atomicAdd(&s_n_pairs, 1u)] = g * r + i;
             }
         }
+    }
+    if (ta.owners) {
+        dn_tail_owned<DK>(p, c, a, ta, qs, ks, sc, red);
+        return;
     }
     __syncthreads();
     const uint32_t n_pairs = s_n_pairs;
@@ -2258,6 +2338,39 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     __threadfence(); /* the other blocks' rows, read through L2 */
     for (uint32_t k = 0; k < n_pairs; k++)
         dn_tail_head<DK>(p, c, s_pairs[k] / r, s_pairs[k] % r, qs, ks, sc, red);
+}
+
+/* Blocks of `kernel` (DN_IN_THREADS threads, smem bytes of dynamic shared
+ * memory) an SM holds at once on the current device, asked once per device,
+ * kernel and size (0 where the runtime cannot say). */
+static int dn_tail_resident(const void *kernel, size_t smem)
+{
+    static std::mutex lock;
+    static struct {
+        int dev;
+        const void *kernel;
+        size_t smem;
+        int n;
+    } seen[32];
+    static int n_seen = 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    std::lock_guard<std::mutex> guard(lock);
+    for (int k = 0; k < n_seen; k++)
+        if (seen[k].dev == dev && seen[k].kernel == kernel && seen[k].smem == smem)
+            return seen[k].n;
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, DN_IN_THREADS, smem) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+    }
+    if (n_seen < 32)
+        seen[n_seen++] = {dev, kernel, smem, n};
+    return n;
 }
 
 template <int DK, int TYPE, int G>
@@ -2285,6 +2398,14 @@ static int dn_tail_launch(const struct dn_heads_args &p, const struct dn_conv_ar
                                         "cuda_deltanet_in_tail");
     if (rc)
         return rc;
+    /* owners wait for other blocks: only where every block is resident at once
+     * (LAMINA_CUDA_DN_TAIL=last, read at each launch: the completing blocks run
+     * the steps, whatever the residency) */
+    const char *form = getenv("LAMINA_CUDA_DN_TAIL");
+    ta.owners = !(form && !strcmp(form, "last")) &&
+                (uint64_t)dn_tail_resident((const void *)dn_in_tail_kernel<DK, TYPE, G>, smem) *
+                        (uint64_t)sms >=
+                    blocks;
     pdl_launch(dn_in_tail_kernel<DK, TYPE, G>, dim3((uint32_t)blocks), dim3(DN_IN_THREADS), smem,
                stream, p, c, a, ta);
     return dn_check_launch("cuda_deltanet_in_tail");

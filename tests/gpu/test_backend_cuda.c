@@ -854,11 +854,15 @@ static void tbc_shpair(void)
              * the block completing its rows) against the product and conv + heads:
              * the same bits; skipping the fused launch changes the decode steps
              * where it runs */
-            static const char *const forms[][3] = {{"1", "dn.in_heads", "clusters"},
-                                                   {"tail", "dn.in_tail", "tails"}};
+            static const char *const forms[][3] = {
+                {"1", "dn.in_heads", "clusters"},
+                {"tail", "dn.in_tail", "tails in owner blocks"},
+                {"tail", "dn.in_tail", "tails in completing blocks"}};
             const int major = cuda_caps_cc() / 10; /* as the kernels see it (caps.h) */
-            for (int f = 0; f < 2; f++) {
+            for (int f = 0; f < 3; f++) {
                 setenv("LAMINA_CUDA_DN_IN", forms[f][0], 1);
+                if (f == 2)
+                    setenv("LAMINA_CUDA_DN_TAIL", "last", 1);
                 CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, DeltaNet input fused (%s)",
                       forms[f][2]);
                 CHECK(a && b && !memcmp(a, b, sz), "%s: the fused DeltaNet input (%s) differs "
@@ -877,6 +881,7 @@ static void tbc_shpair(void)
                           forms[f][1], forms[f][2]);
                 }
                 unsetenv("LAMINA_CUDA_DN_IN");
+                unsetenv("LAMINA_CUDA_DN_TAIL");
                 MEASURE("fused DeltaNet input, %s (%s, tiny qwen3next): logits byte-identical to "
                         "the product then conv + heads%s", forms[f][2],
                         quant_type_name(types[t]),

@@ -16,6 +16,9 @@
  *     floats on even steps and rounded (the host's rounding, mvq's layout) on
  *     odd ones, and where dv is a multiple of 32 also writes y rounded (yq),
  *     which must equal the host's rounding of the reference y byte for byte;
+ *     its two ways of running the heads' steps (in owner blocks that wait for
+ *     the rows, the default where every block is resident; in the blocks that
+ *     complete them, LAMINA_CUDA_DN_TAIL=last) on three of the shapes;
  *   - on a device of compute capability 9.0 or later the fused launches must
  *     take the 80b shape, the cluster form the clusters of one block (returns
  *     0, not -ENOTSUP); a row length the int8
@@ -375,13 +378,16 @@ static void tdn_run(const struct tdn_case *c, uint64_t seed, unsigned must, bool
         b.xq_on = true;
         const double t0 = tdn_time(&b, 0), t1 = fused[1] ? tdn_time(&b, 1) : -1.0;
         const double t2 = fused[2] ? tdn_time(&b, 2) : -1.0;
+        setenv("LAMINA_CUDA_DN_TAIL", "last", 1); /* the completing blocks run the steps */
+        const double t2l = fused[2] ? tdn_time(&b, 2) : -1.0;
+        unsetenv("LAMINA_CUDA_DN_TAIL");
         const double t3 = tdn_time(&b, 3), t4 = tdn_time(&b, 4);
         const double t5 = b.yq ? tdn_time(&b, 5) : -1.0;
         MEASURE("dn_in 80b shape: product + conv_heads %.2f us (product alone %.2f, conv_heads "
                 "alone %.2f; the backend's pair, rounded row in, yq out, early states: %.2f), "
                 "fused with clusters %.2f us, fused with tails (rounded row in, yq out) %.2f us "
-                "per step (median of 5 x 200 eager steps; -1: not taken)",
-                t0, t3, t4, t5, t1, t2);
+                "(owners), %.2f us (completing blocks) per step (median of 5 x 200 eager steps; "
+                "-1: not taken)", t0, t3, t4, t5, t1, t2, t2l);
     }
     free(x);
     free(xq);
@@ -483,13 +489,20 @@ int main(void)
         {4, 4, 16, 16, 256, 4, QUANT_TYPE_Q4_0, false},      /* clusters of one block */
     };
     const size_t n_cases = sizeof(cases) / sizeof(cases[0]);
-    /* on sm_90 both fused forms must take the 80b shapes, the cluster form
-     * the clusters of one block (one value head a key head, dv 16: one block
-     * a head) */
+    /* on sm_90 both fused forms must take the 80b shape (the tail form its
+     * tiled Q8_0 twin too), the cluster form the clusters of one block (one
+     * value head a key head, dv 16: one block a head) */
     for (size_t i = 0; i < n_cases; i++) {
-        const unsigned must = !sm90 ? 0u : i <= 1 ? 6u : i == n_cases - 1 ? 2u : 0u;
+        const unsigned must = !sm90 ? 0u : i == 0 ? 6u : i == 1 ? 4u : i == n_cases - 1 ? 2u : 0u;
         tdn_run(&cases[i], 1000 + i, must, i == 0);
     }
+    /* the tail form's other way: each head's step in the block that completes
+     * its rows (LAMINA_CUDA_DN_TAIL=last) instead of in its owner */
+    setenv("LAMINA_CUDA_DN_TAIL", "last", 1);
+    tdn_run(&cases[0], 2000, sm90 ? 4u : 0u, false);
+    tdn_run(&cases[3], 2003, 0u, false);
+    tdn_run(&cases[n_cases - 1], 2007, 0u, false);
+    unsetenv("LAMINA_CUDA_DN_TAIL");
     tdn_refusals();
     return test_main_result("test_dn_in_cuda");
 }
