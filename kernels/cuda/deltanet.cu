@@ -2049,17 +2049,20 @@ static int dn_in_dk(uint32_t dk, const struct dn_heads_args &p, const struct dn_
  * dn_conv_heads_split_kernel's step, the head's rows in passes of 64, its
  * sum of o^2 over the head's warps in order) runs in one block of the
  * launch: no cluster, no launch of its own. Which block:
- *   - owners (the default where every block of the grid is resident at
- *     once): head h's owner, dn_tail_owner, the heads spread over the grid,
- *     after its own rows waits (thread 0 polling with acquire loads) until
- *     the count reaches the number of blocks that write h's rows
- *     (dn_tail_want), sets it back to 0 and runs the step: one head a block
- *     while the heads are no more than the blocks;
- *   - completing blocks (LAMINA_CUDA_DN_TAIL=last, or where the grid is not
- *     all resident): the block whose count completes the head sets it back
- *     to 0 and runs the step. No block waits for another, but a block that
- *     completes several heads runs their steps one after another (a block
- *     of g's q and k rows that ends last completes all of g's heads).
+ *   - owners (the default): head h's owner, dn_tail_owner, the heads spread
+ *     over the grid, after its own rows waits (thread 0 polling with
+ *     acquire loads) until the count reaches the number of blocks that write
+ *     h's rows (dn_tail_want), at most DN_TAIL_WAIT_NS, then counts itself as
+ *     one arrival more; the arrival that completes the count (the owner's,
+ *     unless it stopped waiting first) sets it back to 0 and its block runs
+ *     the step: one head a block while the heads are no more than the
+ *     blocks, and no block waits without bound for one that may not be
+ *     resident;
+ *   - completing blocks (LAMINA_CUDA_DN_TAIL=last): the block whose arrival
+ *     completes the head's count sets it back to 0 and runs the step. No
+ *     block waits, but a block that completes several heads runs their
+ *     steps one after another (a block of g's q and k rows that ends last
+ *     completes all of g's heads).
  * The q and k conv state of g is rewritten by the last of g's value heads'
  * steps to have read it (dn_conv_qk_readers, r readers). Outputs and states
  * equal the product then cuda_deltanet_conv_heads(_yq) bit for bit, either
@@ -2209,7 +2212,8 @@ __device__ __forceinline__ uint32_t dn_tail_owner(uint32_t h, uint32_t nv, uint3
 __device__ __forceinline__ uint32_t dn_ld_acquire(const unsigned int *p)
 {
     uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    const size_t g = __cvta_generic_to_global(p);
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(g) : "memory");
     return v;
 }
 
@@ -2220,19 +2224,28 @@ __device__ __forceinline__ unsigned long long dn_ns()
     return t;
 }
 
-/* Thread 0 of head h's owner: waits until the `want` blocks that write
- * the head's rows have counted themselves, then sets the count back to 0
- * (every arrival of this launch is in). Every block of the launch is
- * resident (the launcher checks the occupancy), so they all arrive; one
- * that never does ends the launch with an error after 4 s instead of a
- * hang. */
-__device__ __forceinline__ void dn_tail_wait(uint32_t h, uint32_t want)
+/* How long an owner waits for a head's rows before it counts itself and
+ * leaves the step to the block that completes the count (ns). */
+#define DN_TAIL_WAIT_NS 100000ull
+
+/* Thread 0 of head h's owner: waits (acquire loads) until the `want` blocks
+ * that write the head's rows have counted themselves, or DN_TAIL_WAIT_NS
+ * have passed, then counts itself as one more arrival; whether that
+ * completed the count (want + 1): then the owner runs the step, else the
+ * block whose arrival completes it does. So no block waits for one that
+ * may not be resident (a grid wider than the SMs hold, an SM's shared
+ * memory split, MPS): at worst the wait is spent and the completing block
+ * runs the step, as with LAMINA_CUDA_DN_TAIL=last. */
+__device__ __forceinline__ bool dn_tail_wait(uint32_t h, uint32_t want)
 {
     const unsigned long long t0 = dn_ns();
-    while (dn_ld_acquire(&dn_in_arrived[h]) < want)
-        if (dn_ns() - t0 > 4000000000ull)
-            __trap();
-    dn_in_arrived[h] = 0u;
+    while (dn_ld_acquire(&dn_in_arrived[h]) < want && dn_ns() - t0 < DN_TAIL_WAIT_NS)
+        ;
+    if (atomicAdd(&dn_in_arrived[h], 1u) != want)
+        return false;
+    atomicExch(&dn_in_arrived[h], 0u); /* every arrival of this launch is in */
+    __threadfence();
+    return true;
 }
 
 /* Owner form: the block's heads (those dn_tail_owner gives it), each after
@@ -2246,12 +2259,17 @@ __device__ __forceinline__ void dn_tail_owned(const struct dn_heads_args &p,
 {
     const uint32_t b = blockIdx.x, blocks = gridDim.x, r = p.nv / p.nk;
     /* heads h with dn_tail_owner(h) == b: from ceil(b nv / blocks) */
+    __shared__ bool s_run;
     for (uint32_t h = (uint32_t)(((uint64_t)b * p.nv + blocks - 1) / blocks);
          h < p.nv && dn_tail_owner(h, p.nv, blocks) == b; h++) {
         const uint32_t g = p.tiled ? h % p.nk : h / r, i = p.tiled ? h / p.nk : h % r;
         if (threadIdx.x == 0)
-            dn_tail_wait(h, dn_tail_want<DK>(p, a, ta, g, i));
+            s_run = dn_tail_wait(h, dn_tail_want<DK>(p, a, ta, g, i));
         __syncthreads();
+        const bool run = s_run;
+        __syncthreads(); /* s_run read before the next head's wait writes it */
+        if (!run)
+            continue; /* a later arrival completes the count and runs the step */
         __threadfence(); /* the other blocks' rows, read through L2 */
         dn_tail_head<DK>(p, c, g, i, qs, ks, sc, red);
     }
@@ -2316,61 +2334,24 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
             if (lo >= hi || !dn_tail_reads<DK>(p, lo, hi, i))
                 continue;
             const uint32_t h = p.tiled ? g + i * p.nk : g * r + i;
-            if (ta.owners) {
-                atomicAdd(&dn_in_arrived[h], 1u); /* the owner waits for the count */
-                continue;
-            }
-            const uint32_t want = dn_tail_want<DK>(p, a, ta, g, i);
+            /* owners: the owner counts as one arrival more (dn_tail_wait), and a
+             * block runs the step only where the owner stopped waiting before it */
+            const uint32_t want = dn_tail_want<DK>(p, a, ta, g, i) + (ta.owners ? 1u : 0u);
             if (atomicAdd(&dn_in_arrived[h], 1u) == want - 1) {
                 atomicExch(&dn_in_arrived[h], 0u);
+                __threadfence(); /* the acquire side, before the block's barrier */
                 s_pairs[atomicAdd(&s_n_pairs, 1u)] = g * r + i;
             }
         }
     }
-    if (ta.owners) {
-        dn_tail_owned<DK>(p, c, a, ta, qs, ks, sc, red);
-        return;
-    }
     __syncthreads();
     const uint32_t n_pairs = s_n_pairs;
-    if (!n_pairs)
-        return;
-    __threadfence(); /* the other blocks' rows, read through L2 */
+    if (n_pairs)
+        __threadfence(); /* the other blocks' rows, read through L2 */
     for (uint32_t k = 0; k < n_pairs; k++)
         dn_tail_head<DK>(p, c, s_pairs[k] / r, s_pairs[k] % r, qs, ks, sc, red);
-}
-
-/* Blocks of `kernel` (DN_IN_THREADS threads, smem bytes of dynamic shared
- * memory) an SM holds at once on the current device, asked once per device,
- * kernel and size (0 where the runtime cannot say). */
-static int dn_tail_resident(const void *kernel, size_t smem)
-{
-    static std::mutex lock;
-    static struct {
-        int dev;
-        const void *kernel;
-        size_t smem;
-        int n;
-    } seen[32];
-    static int n_seen = 0;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    std::lock_guard<std::mutex> guard(lock);
-    for (int k = 0; k < n_seen; k++)
-        if (seen[k].dev == dev && seen[k].kernel == kernel && seen[k].smem == smem)
-            return seen[k].n;
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, DN_IN_THREADS, smem) !=
-        cudaSuccess) {
-        (void)cudaGetLastError();
-        n = 0;
-    }
-    if (n_seen < 32)
-        seen[n_seen++] = {dev, kernel, smem, n};
-    return n;
+    if (ta.owners)
+        dn_tail_owned<DK>(p, c, a, ta, qs, ks, sc, red);
 }
 
 template <int DK, int TYPE, int G>
@@ -2398,14 +2379,10 @@ static int dn_tail_launch(const struct dn_heads_args &p, const struct dn_conv_ar
                                         "cuda_deltanet_in_tail");
     if (rc)
         return rc;
-    /* owners wait for other blocks: only where every block is resident at once
-     * (LAMINA_CUDA_DN_TAIL=last, read at each launch: the completing blocks run
-     * the steps, whatever the residency) */
+    /* owners (LAMINA_CUDA_DN_TAIL=last, read at each launch: the completing
+     * blocks run the steps) */
     const char *form = getenv("LAMINA_CUDA_DN_TAIL");
-    ta.owners = !(form && !strcmp(form, "last")) &&
-                (uint64_t)dn_tail_resident((const void *)dn_in_tail_kernel<DK, TYPE, G>, smem) *
-                        (uint64_t)sms >=
-                    blocks;
+    ta.owners = !(form && !strcmp(form, "last"));
     pdl_launch(dn_in_tail_kernel<DK, TYPE, G>, dim3((uint32_t)blocks), dim3(DN_IN_THREADS), smem,
                stream, p, c, a, ta);
     return dn_check_launch("cuda_deltanet_in_tail");
@@ -2427,18 +2404,18 @@ static int dn_in_fused(uint32_t type, const void *d_w, size_t row_bytes, uint32_
     if (!dn_heads_args_ok(d_state, d_dec, beta, alpha, d_a, d_dt, z, d_norm_w, d_y, nk, nv, dk,
                           dv, 1) ||
         K == 0 || K > DN_MAX_K || (K > 1 && !d_conv_state) || !d_conv_w || !d_w ||
-        (!d_x && !d_xq) || n == 0 || n % 32 || row_bytes == 0 || nk > DN_MAX_NK ||
-        nv > DN_TAIL_MAX_NV) {
-        log_error("%s: bad arguments (K %u, max %d; dk %u, dv %u, nk %u (max %d), nv %u (max "
-                  "%d); n %u: a multiple of 32; the row as floats%s)", what, K, DN_MAX_K, dk, dv,
-                  nk, DN_MAX_NK, nv, DN_TAIL_MAX_NV, n, tail ? " or rounded" : "");
+        (!d_x && !d_xq) || n == 0 || n % 32 || row_bytes == 0) {
+        log_error("%s: bad arguments (K %u, max %d; dk %u, dv %u, nk %u, nv %u; n %u: a "
+                  "multiple of 32; the row as floats%s)", what, K, DN_MAX_K, dk, dv, nk, nv, n,
+                  tail ? " or rounded" : "");
         return -EINVAL;
     }
     const char *split = getenv("LAMINA_CUDA_DN_SPLIT");
     const uint64_t rows = cd + vd + 2 * (uint64_t)nv;
-    if ((!tail && split && split[0] == '0') ||
+    /* the tail form's device counters: key heads and value heads at most */
+    if ((!tail && split && split[0] == '0') || (tail && (nk > DN_MAX_NK || nv > DN_TAIL_MAX_NV)) ||
         (type != QUANT_TYPE_Q4_0 && type != QUANT_TYPE_Q8_0) || n > 16384 ||
-        ((uintptr_t)d_x & 3) || ((uintptr_t)d_xq & 15) || ((uintptr_t)d_yq & 15) ||
+        (!d_xq && ((uintptr_t)d_x & 3)) || ((uintptr_t)d_xq & 15) || ((uintptr_t)d_yq & 15) ||
         (d_yq && dv % 32) || !cuda_mvq_pays(n, rows))
         return -ENOTSUP;
     int cc = 0, sms = 0;

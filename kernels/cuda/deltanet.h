@@ -104,9 +104,9 @@ int cuda_deltanet_in_conv_heads(uint32_t type, const void *d_w, size_t row_bytes
  * blocks as two an SM hold (the plain int8 product's width), and each value
  * head's conv + heads step run in one block of the launch once the rows
  * that head reads are in (a counter per value head): in a block named for
- * it in advance that waits for them, where every block of the grid is
- * resident at once, else (or with LAMINA_CUDA_DN_TAIL=last, read at each
- * launch) in the block that completes them, while the other blocks go on. d_xq: the activation row already rounded (cuda_mvq_xq's layout,
+ * it in advance that waits for them (a bounded wait: past it, the block that
+ * completes them), or with LAMINA_CUDA_DN_TAIL=last (read at each launch)
+ * in the block that completes them, while the other blocks go on. d_xq: the activation row already rounded (cuda_mvq_xq's layout,
  * 16-byte aligned; the previous layer's combine writes it), or NULL: d_x
  * (floats) rounded by each block. d_yq: y also rounded for the output
  * product as cuda_deltanet_conv_heads_yq writes it (16-byte aligned, dv a

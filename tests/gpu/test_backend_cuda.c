@@ -72,9 +72,11 @@
  *     positions, 10 greedy decode steps): the shared expert as pair k of the
  *     routed decode products against its own branch (LAMINA_CUDA_SHPAIR=0):
  *     byte-identical; the DeltaNet input product, conv and heads in one
- *     launch (LAMINA_CUDA_DN_IN=1: clusters; =tail: each head's step the tail
- *     of the block completing its rows) against two: byte-identical, and on
- *     sm_90 leaving the fused launch out changes the decode steps (it ran); the
+ *     launch (LAMINA_CUDA_DN_IN=1: clusters; =tail: each head's step in an
+ *     owner block or, LAMINA_CUDA_DN_TAIL=last, in the block completing its
+ *     rows) against two: byte-identical, and on sm_90 a kernel fewer a
+ *     DeltaNet layer (it ran in each) and leaving the fused launch out
+ *     changes the decode steps; the
  *     down product and combine by rows (LAMINA_CUDA_TAIL=norm,topk,rows):
  *     byte-identical, and one kernel a layer fewer than when it declines
  *     (LAMINA_CUDA_EARLY=0: it ran in every layer); the gate/up product's
@@ -845,6 +847,10 @@ static void tbc_shpair(void)
             const size_t sz = 16 * (size_t)m->hp.n_vocab * sizeof(float);
             float *a = malloc(sz), *b = malloc(sz);
             CHECK(a && b && tbc_greedy16(m, a) == 0, "cuda run, shared pair");
+            const uint64_t k_default = tbc_step_kernels;
+            uint32_t n_dn = 0; /* DeltaNet layers: a fused input takes a kernel off each */
+            for (uint32_t l = 0; l < m->hp.n_layer; l++)
+                n_dn += m->layers[l].recurrent;
             tbc_same_bits(m, types[t], a, b, "LAMINA_CUDA_SHPAIR", "0",
                           "the shared expert on its own branch (not as a pair)");
             MEASURE("shared expert as pair k (%s, tiny qwen3next, 6 prompt + 10 decode steps): "
@@ -865,11 +871,19 @@ static void tbc_shpair(void)
                     setenv("LAMINA_CUDA_DN_TAIL", "last", 1);
                 CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, DeltaNet input fused (%s)",
                       forms[f][2]);
+                const uint64_t k_fused = tbc_step_kernels;
                 CHECK(a && b && !memcmp(a, b, sz), "%s: the fused DeltaNet input (%s) differs "
                       "from the product then conv + heads (max %.3g)",
                       quant_type_name(types[t]), forms[f][2],
                       a && b ? tbc_maxdiff(a, b, 16 * (size_t)m->hp.n_vocab) : 0.0);
                 if (major >= 9) {
+                    /* it ran in every DeltaNet layer: a kernel fewer in each (a
+                     * declined launch falls back to the two it replaces) */
+                    CHECK(k_fused + n_dn == k_default,
+                          "%s: %llu kernels a decode step with the fused DeltaNet input (%s), "
+                          "%llu without, %u DeltaNet layers: it did not run in every one",
+                          quant_type_name(types[t]), (unsigned long long)k_fused, forms[f][2],
+                          (unsigned long long)k_default, n_dn);
                     setenv("LAMINA_CUDA_SKIP", forms[f][1], 1);
                     CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run without the fused input");
                     unsetenv("LAMINA_CUDA_SKIP");
@@ -883,9 +897,12 @@ static void tbc_shpair(void)
                 unsetenv("LAMINA_CUDA_DN_IN");
                 unsetenv("LAMINA_CUDA_DN_TAIL");
                 MEASURE("fused DeltaNet input, %s (%s, tiny qwen3next): logits byte-identical to "
-                        "the product then conv + heads%s", forms[f][2],
-                        quant_type_name(types[t]),
-                        major >= 9 ? "; it ran (skipping it changes the decode steps)" : "");
+                        "the product then conv + heads; %llu kernels a decode step against "
+                        "%llu%s", forms[f][2], quant_type_name(types[t]),
+                        (unsigned long long)k_fused, (unsigned long long)k_default,
+                        major >= 9 ? "; it ran in every DeltaNet layer (skipping it changes the "
+                                     "decode steps)"
+                                   : "");
             }
             /* the down product and the combine as one launch cut by rows
              * (LAMINA_CUDA_TAIL=norm,topk,rows) against the default: the same bits;
