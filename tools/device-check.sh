@@ -111,6 +111,13 @@ stage() {
         tar -cf - .devbin .fixtures | xz -T2 -6 >.devpack.tar.xz
     fi
     du -sh .devbin .devdebs .fixtures .devpack.tar.xz
+    # the call carries at most 64 MiB in all (the pack, .devdebs and any peer pack)
+    local carry
+    carry=$(du -cb .devpack.tar.xz .devdebs | tail -1 | cut -f1)
+    if [ "$carry" -gt $((64 * 1024 * 1024)) ]; then
+        echo "device-check: .devpack.tar.xz and .devdebs come to $((carry / 1048576)) MiB," \
+            "past the call's 64 MiB carry: stage again with TESTS=\"...\" (fewer tests)"
+    fi
 }
 
 libs() {
