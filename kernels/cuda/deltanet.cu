@@ -1611,6 +1611,7 @@ struct dn_tail_args {
     bool owners;          /* each head's step in a block named in advance (dn_tail_owner),
                            * which waits for the head's rows; else in the block that
                            * completes them */
+    uint32_t pre;         /* product steps whose weights load before the PDL wait */
 };
 
 /* Row vi of key head g's group, as its index in the stacked matrix. */
@@ -1747,18 +1748,20 @@ __host__ __device__ constexpr int dn_in_nb()
     return DN_IN_NBUF(TYPE);
 }
 
-/* The first NB steps' rows and weight words into registers (before the PDL
- * wait). */
+/* Steps k0 .. k1 - 1 of the first NB (their rows and weight words into
+ * registers): all of them before the PDL wait, or some before and the rest
+ * after it. */
 template <int TYPE, int G>
 __device__ __forceinline__ void dn_in_first(const struct dn_in_args &a, const uint32_t *s_rows,
                                             uint32_t nr, uint32_t passes, uint32_t steps,
                                             uint32_t (&v)[dn_in_nb<TYPE>()][DN_IN_U][DN_IN_R][9],
                                             uint32_t (&sh)[dn_in_nb<TYPE>()][DN_IN_U][DN_IN_R],
-                                            uint32_t (&rw)[dn_in_nb<TYPE>()][DN_IN_R])
+                                            uint32_t (&rw)[dn_in_nb<TYPE>()][DN_IN_R],
+                                            uint32_t k0 = 0, uint32_t k1 = dn_in_nb<TYPE>())
 {
 #pragma unroll
     for (int k = 0; k < dn_in_nb<TYPE>(); k++)
-        if ((uint32_t)k < steps) {
+        if ((uint32_t)k < steps && (uint32_t)k >= k0 && (uint32_t)k < k1) {
             dn_in_rows<G>(s_rows, nr, passes, k, rw[k]);
             dn_in_issue<TYPE, G>(a, rw[k], k % passes, v[k], sh[k]);
         }
@@ -2315,9 +2318,12 @@ __global__ void __launch_bounds__(DN_IN_THREADS, 2)
     __syncthreads(); /* s_rows */
     constexpr int NB = dn_in_nb<TYPE>();
     uint32_t v[NB][DN_IN_U][DN_IN_R][9], sh[NB][DN_IN_U][DN_IN_R], rw[NB][DN_IN_R];
-    dn_in_first<TYPE, G>(a, sm.rows, nr, passes, steps, v, sh, rw);
+    /* ta.pre steps' weights before the wait (loads in flight there slow the
+     * kernel running beside this one), the others' after it */
+    dn_in_first<TYPE, G>(a, sm.rows, nr, passes, steps, v, sh, rw, 0, ta.pre);
     pdl_wait(); /* x comes from the kernel before; dec and y may still be read */
     pdl_trigger();
+    dn_in_first<TYPE, G>(a, sm.rows, nr, passes, steps, v, sh, rw, ta.pre);
     dn_in_row_in(a, ta.xq, s_dyn, sm.q, sm.d, sm.s);
     __syncthreads();
     dn_in_products<TYPE, G>(a, sm.rows, nr, passes, steps, v, sh, rw, sm.q, sm.d, sm.s);
@@ -2383,6 +2389,12 @@ static int dn_tail_launch(const struct dn_heads_args &p, const struct dn_conv_ar
      * blocks run the steps) */
     const char *form = getenv("LAMINA_CUDA_DN_TAIL");
     ta.owners = !(form && !strcmp(form, "last"));
+    /* LAMINA_CUDA_DN_TAIL_PRE=N (read at each launch): the first N steps' weights
+     * into registers before the PDL wait (default 1, as the plain products hold
+     * one tile; at most the registers' dn_in_nb) */
+    const char *pre = getenv("LAMINA_CUDA_DN_TAIL_PRE");
+    const long pv = pre ? strtol(pre, NULL, 10) : 1;
+    ta.pre = pv < 0 ? 0u : pv > dn_in_nb<TYPE>() ? (uint32_t)dn_in_nb<TYPE>() : (uint32_t)pv;
     pdl_launch(dn_in_tail_kernel<DK, TYPE, G>, dim3((uint32_t)blocks), dim3(DN_IN_THREADS), smem,
                stream, p, c, a, ta);
     return dn_check_launch("cuda_deltanet_in_tail");

@@ -21,7 +21,9 @@
  *     LAMINA_CUDA_DN_TAIL=last) on four of the shapes (which block ran a step
  *     is not observable here: the bits are the same);
  *   - shapes for the tail form's edges besides: dv 96 (a second pass of 32
- *     rows), and eight value heads over six blocks (owners of two heads);
+ *     rows), and eight value heads over six blocks (owners of two heads); the
+ *     80b shapes again with 4 and 0 steps' weights loaded before the PDL wait
+ *     (LAMINA_CUDA_DN_TAIL_PRE; default 1), timed with 0, 1, 2 and 4;
  *   - on a device of compute capability 9.0 or later the fused launches must
  *     take the 80b shape, the cluster form the clusters of one block (returns
  *     0, not -ENOTSUP); a row length the int8
@@ -384,6 +386,16 @@ static void tdn_run(const struct tdn_case *c, uint64_t seed, unsigned must, bool
         setenv("LAMINA_CUDA_DN_TAIL", "last", 1); /* the completing blocks run the steps */
         const double t2l = fused[2] ? tdn_time(&b, 2) : -1.0;
         unsetenv("LAMINA_CUDA_DN_TAIL");
+        /* the tail form with 0, 2 and 4 steps' weights loaded before the wait (default 1) */
+        double tp[3] = {-1.0, -1.0, -1.0};
+        static const char *const pres[3] = {"0", "2", "4"};
+        for (int i = 0; i < 3 && fused[2]; i++) {
+            setenv("LAMINA_CUDA_DN_TAIL_PRE", pres[i], 1);
+            tp[i] = tdn_time(&b, 2);
+        }
+        unsetenv("LAMINA_CUDA_DN_TAIL_PRE");
+        MEASURE("dn_in 80b shape, tails (owners) by steps loaded before the wait: 0 %.2f, 1 "
+                "(default) %.2f, 2 %.2f, 4 %.2f us per step", tp[0], t2, tp[1], tp[2]);
         const double t3 = tdn_time(&b, 3), t4 = tdn_time(&b, 4);
         const double t5 = b.yq ? tdn_time(&b, 5) : -1.0;
         MEASURE("dn_in 80b shape: product + conv_heads %.2f us (product alone %.2f, conv_heads "
@@ -509,6 +521,13 @@ int main(void)
     tdn_run(&cases[n_cases - 3], 2008, 0u, false);
     tdn_run(&cases[n_cases - 2], 2009, 0u, false);
     unsetenv("LAMINA_CUDA_DN_TAIL");
+    /* the same bits whatever the weights loaded before the wait */
+    setenv("LAMINA_CUDA_DN_TAIL_PRE", "4", 1);
+    tdn_run(&cases[0], 2010, sm90 ? 4u : 0u, false);
+    tdn_run(&cases[1], 2011, sm90 ? 4u : 0u, false);
+    setenv("LAMINA_CUDA_DN_TAIL_PRE", "0", 1);
+    tdn_run(&cases[0], 2012, sm90 ? 4u : 0u, false);
+    unsetenv("LAMINA_CUDA_DN_TAIL_PRE");
     tdn_refusals();
     return test_main_result("test_dn_in_cuda");
 }
