@@ -1431,6 +1431,18 @@ static int cb_conv_heads(struct backend_cuda *c, const struct cb_layer *L, const
     }
 }
 
+/* A DeltaNet layer's decode output product over c->y (from the rounded y in
+ * c->yq where yq is set), with tail t or none. */
+static int cb_dn_out(struct backend_cuda *c, const struct cb_layer *L, const int8_t *yq,
+                     const struct cuda_tail *t)
+{
+    if (yq)
+        return cb_mm_yq(c, "dn.out", &L->out, yq, c->y, c->mix, t);
+    if (t)
+        return cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, t);
+    return cb_mm(c, "dn.out", &L->out, c->y, L->out.n_in, 1, c->mix, c->hp->n_embd);
+}
+
 static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_t S,
                        const struct cuda_tail *tail, bool raw)
 {
@@ -1448,48 +1460,32 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
                                               L->ssm_st, L->ssm_a, L->dt_bias, L->ssm_norm, c->y,
                                               hp->ssm_nk, hp->ssm_nv, hp->ssm_dk, hp->ssm_dv,
                                               hp->ssm_tiled, hp->eps, c->stream));
-        if (rc != -ENOTSUP) {
-            if (tail)
-                return rc ? rc : cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
-            return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
-        }
+        if (rc != -ENOTSUP)
+            return rc ? rc : cb_dn_out(c, L, NULL, tail);
         cb_unlaunch(c); /* not launched: the product, then conv and heads */
     }
     if (S == 1 && L->dn1.n_out && !raw && c->fuse && c->dn_tail) {
-        /* the input product with each value head's conv + heads as the tail of the block
-         * that completes the rows the head reads; y also rounded where the output product
-         * takes it (cb_mm_yq) */
+        /* the input product with each value head's conv + heads in a block of the same
+         * launch; y also rounded where the output product takes it (cb_mm_yq) */
         const struct cb_mat *w = &L->dn1;
         int8_t *yq = c->yq_on && cuda_mvq_xq_ok(L->out.type, L->out.n_out, L->out.n_in)
                          ? c->yq
                          : NULL;
-        rc = CB_K(c, "dn.in_tail",
-                  cuda_deltanet_in_tail(w->type, w->d, w->row_bytes, (uint32_t)n, c->xa,
-                                        c->xq_ready ? c->xq : NULL, c->dec, L->conv_st, L->conv,
-                                        hp->ssm_conv, L->ssm_st, L->ssm_a, L->dt_bias,
-                                        L->ssm_norm, c->y, yq, hp->ssm_nk, hp->ssm_nv,
-                                        hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled, hp->eps,
-                                        c->stream));
-        if (rc == -ENOTSUP && yq) { /* perhaps only the rounded y: without it */
-            cb_unlaunch(c);
-            yq = NULL;
+        for (;;) {
             rc = CB_K(c, "dn.in_tail",
                       cuda_deltanet_in_tail(w->type, w->d, w->row_bytes, (uint32_t)n, c->xa,
                                             c->xq_ready ? c->xq : NULL, c->dec, L->conv_st,
                                             L->conv, hp->ssm_conv, L->ssm_st, L->ssm_a,
-                                            L->dt_bias, L->ssm_norm, c->y, NULL, hp->ssm_nk,
+                                            L->dt_bias, L->ssm_norm, c->y, yq, hp->ssm_nk,
                                             hp->ssm_nv, hp->ssm_dk, hp->ssm_dv, hp->ssm_tiled,
                                             hp->eps, c->stream));
+            if (rc != -ENOTSUP || !yq)
+                break;
+            cb_unlaunch(c); /* perhaps only the rounded y: without it */
+            yq = NULL;
         }
-        if (rc != -ENOTSUP) {
-            if (rc)
-                return rc;
-            if (yq)
-                return cb_mm_yq(c, "dn.out", &L->out, c->yq, c->y, c->mix, tail);
-            if (tail)
-                return cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
-            return cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
-        }
+        if (rc != -ENOTSUP)
+            return rc ? rc : cb_dn_out(c, L, yq, tail);
         cb_unlaunch(c); /* not launched: the product, then conv and heads */
     }
     const uint64_t before = c->launches;
@@ -1509,11 +1505,7 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
                          ? c->yq
                          : NULL;
         rc = rc ? rc : cb_conv_heads(c, L, qkv, beta, alpha, z, &yq, c->launches > before);
-        if (yq)
-            return rc ? rc : cb_mm_yq(c, "dn.out", &L->out, c->yq, c->y, c->mix, tail);
-        if (tail)
-            return rc ? rc : cb_mm_tail(c, "dn.out", &L->out, c->y, c->mix, tail);
-        return rc ? rc : cb_mm(c, "dn.out", &L->out, c->y, vd, S, c->mix, n);
+        return rc ? rc : cb_dn_out(c, L, yq, tail);
     }
     rc = rc ? rc : CB_K(c, "dn.conv", cuda_deltanet_conv(L->conv_st, L->conv, hp->ssm_conv, qkv,
                                                         c->u, (uint32_t)cd, S, c->stream));
