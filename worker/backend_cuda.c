@@ -61,8 +61,8 @@
  * cluster per key head computing the rows its heads read: the same bits,
  * slower on an H200 so far, docs/perf.md; LAMINA_CUDA_DN_IN=tail: the same
  * launch without clusters, cuda_deltanet_in_tail, each value head's conv +
- * heads run in a block of it once the rows the head reads are in;
- * unmeasured);
+ * heads run in a block of it once the rows the head reads are in: the
+ * same bits, 40 % slower on an H200, docs/perf.md);
  * then add+norm, router, top-k, routed gate|up (one 2F-row product when
  * gate and up share a row format: they sit back to back per expert),
  * routed down with the SiLU gate inside (int8 path), and the MoE combine

@@ -49,9 +49,12 @@
  * head, the cached rows read before the PDL wait, the splits merged by the
  * block that completes a kv head (its comment has the details). Opt-in
  * (LAMINA_CUDA_ATTN_FUSED=1): in the decode graph on an H200 its first form
- * took 26 us a layer against 14 for the three launches (docs/perf.md); this
- * form (a lane per position, the rope's sines in shared memory, smaller
- * code) has not run on a GPU yet.
+ * took 26 us a layer against 14 for the three launches; this form (a lane
+ * per position, the rope's sines in shared memory, smaller code) takes 12.9
+ * against 14.3 and decodes 1.3 % faster at an empty context, but 3 % slower
+ * with 4096 tokens in it and 2.4 times slower an attention step at 70000
+ * (docs/perf.md): at most 32 splits a kv head (LAMINA_CUDA_ATTN_SPLITS=N, up
+ * to 128) where the split decode spreads a long context over 512 blocks.
  *
  * Prefill (n_tok > 1): grid (token tile, kv head x head group, split). The
  * block's 8 warps own 64 rows (BQ = 64/NG tokens x NG heads); the block loads
@@ -70,6 +73,7 @@
 #include "kernels/cuda/ops.h"
 
 #include <cuda_fp16.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/mvq.cuh"
@@ -772,7 +776,7 @@ static __global__ void __launch_bounds__(256) attn_combine_kernel(const struct a
  */
 enum {
     AF_T = 32,           /* positions per tile (one score a lane) */
-    AF_MAX_SPLITS = 32,  /* splits a kv head, at most */
+    AF_MAX_SPLITS = 128, /* splits a kv head, at most (af_splits: 32 unless asked) */
     AF_MAX_NG = 16,      /* query heads (warps) a block, at most */
     AF_MAX_KV = 64,      /* kv heads, at most (af_ctr) */
 };
@@ -1383,10 +1387,19 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
 
 /* ---- the fused decode (af_*, attn_fused_kernel) ---- */
 
+/* Splits a kv head at most: 32, or LAMINA_CUDA_ATTN_SPLITS=N (1 .. AF_MAX_SPLITS,
+ * read at each call: the workspace's size and the launch must read the same). */
+static uint32_t af_splits()
+{
+    const char *env = getenv("LAMINA_CUDA_ATTN_SPLITS");
+    const long n = env ? strtol(env, NULL, 10) : 0;
+    return n >= 1 && n <= AF_MAX_SPLITS ? (uint32_t)n : 32u;
+}
+
 static uint32_t af_cap(uint32_t max_kv)
 {
-    const uint32_t cap = attn_div_up(max_kv, AF_T);
-    return cap < AF_MAX_SPLITS ? cap : AF_MAX_SPLITS;
+    const uint32_t cap = attn_div_up(max_kv, AF_T), most = af_splits();
+    return cap < most ? cap : most;
 }
 
 static size_t af_smem(uint32_t hd, uint32_t ng)

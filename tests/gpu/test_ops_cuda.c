@@ -1366,9 +1366,11 @@ static void attn_fused_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t h
                 CU(cudaEventSynchronize(ev[1]));
                 CU(cudaEventElapsedTime(&ms[f], ev[0], ev[1]));
             }
-            MEASURE("attention decode heads %u/%u hd %u pos %u max_kv %u, one step: fused %.2f us, "
-                    "prep + decode + merge %.2f us (mean of 200 dependent steps)", nh, nkv, hd,
-                    pos, max_kv, ms[1] * 1e3 / 200, ms[0] * 1e3 / 200);
+            const char *sp = getenv("LAMINA_CUDA_ATTN_SPLITS");
+            MEASURE("attention decode heads %u/%u hd %u pos %u max_kv %u, one step: fused %.2f us "
+                    "(at most %s splits a kv head), prep + decode + merge %.2f us (mean of 200 "
+                    "dependent steps)", nh, nkv, hd, pos, max_kv, ms[1] * 1e3 / 200,
+                    sp ? sp : "32", ms[0] * 1e3 / 200);
             cudaEventDestroy(ev[0]);
             cudaEventDestroy(ev[1]);
         }
@@ -1398,6 +1400,28 @@ static void test_attention_fused(struct rng *r)
     attn_fused_case(r, 8, 8, 64, 32, true, true, 70, 71, true, false);         /* MHA */
     attn_fused_case(r, 4, 2, 32, 16, false, true, 45, 4096, true, false);
     attn_fused_case(r, 16, 2, 256, 64, true, true, 69999, 70000, true, true); /* 32 splits of 2188 */
+    attn_fused_case(r, 16, 2, 256, 64, true, true, 4095, 4096, true, true);   /* 32 splits of 128 */
+    /* more splits a kv head (LAMINA_CUDA_ATTN_SPLITS): the workspace grows with them, the
+     * results stay within the bound; values out of 1 .. 128 are the default's 32 */
+    const size_t ws32 = cuda_attention_fused_ws_bytes(16, 2, 256, 70000);
+    CHECK(ws32 == (size_t)32 * 16 * 258 * 4, "fused workspace at 32 splits: %zu bytes", ws32);
+    static const char *const splits[] = {"64", "128"};
+    for (int i = 0; i < 2; i++) {
+        setenv("LAMINA_CUDA_ATTN_SPLITS", splits[i], 1);
+        const size_t ws = cuda_attention_fused_ws_bytes(16, 2, 256, 70000);
+        CHECK(ws == (size_t)atoi(splits[i]) * 16 * 258 * 4,
+              "fused workspace at %s splits: %zu bytes", splits[i], ws);
+        attn_fused_case(r, 16, 2, 256, 64, true, true, 4095, 4096, true, true);
+        attn_fused_case(r, 16, 2, 256, 64, true, true, 69999, 70000, true, true);
+        attn_fused_case(r, 32, 4, 128, 128, false, true, 1000, 1009, true, false);
+    }
+    static const char *const ignored[] = {"0", "129", "x"};
+    for (int i = 0; i < 3; i++) {
+        setenv("LAMINA_CUDA_ATTN_SPLITS", ignored[i], 1);
+        CHECK(cuda_attention_fused_ws_bytes(16, 2, 256, 70000) == ws32,
+              "LAMINA_CUDA_ATTN_SPLITS=%s should leave the default's 32 splits", ignored[i]);
+    }
+    unsetenv("LAMINA_CUDA_ATTN_SPLITS");
     attn_fused_case(r, 16, 2, 256, 64, true, true, 10, 11, false, false);      /* refused: f32 cache */
     attn_fused_case(r, 12, 1, 96, 32, true, true, 10, 11, true, false);        /* refused: hd 96 */
     attn_fused_case(r, 32, 1, 64, 64, false, true, 10, 11, true, false);       /* refused: 32 a block */
