@@ -2,6 +2,11 @@
 # device-check: everything lamina does on the GPU machine, in one script.
 #
 # Here (a machine with nvcc, libzmq and protobuf-c):
+#   PACK=.devpack-NAME.tar.xz AS_SM=NN TESTS="..." tools/device-check.sh stage-tests
+#     only the GPU tests (and bench_ipc) into the pack named (5-11 MB a
+#     pack), the fixtures once into .devpack-fix.tar.xz: several packs for one
+#     call, e.g. the sm_86 and sm_75 paths' tests and a stage-bin pack for the
+#     benchmarks (PACK=.devpack-bin.tar.xz), run with use= steps (below)
 #   tools/device-check.sh stage-bin
 #     the same, but packs only .devbin/lamina and .devbin/lamina-worker (3-4 MB):
 #     for calls that run benchmarks only (bench, place, cards, llama) and must
@@ -33,6 +38,10 @@
 #     cards    one card against two (tools/bench-cards.sh, issue 6; two GPUs)
 #     ncu      Nsight Compute over the decode graph's kernels ($OUT/ncu.csv)
 #     trace    the decode graph's timeline kernel by kernel (tools/cuda/graph_trace, CUPTI)
+#     use=PACK unpack that pack over .devbin (its tests and its AS_SM replace
+#              the ones before) for the steps after it, e.g. `run use=.devpack-86.tar.xz
+#              tests use=.devpack-75.tar.xz tests use=.devpack-bin.tar.xz bench`
+#              (carry the packs, .devpack-fix.tar.xz and .devdebs)
 #     llama    run llama-bench -ngl 99 on the same file (one card), from
 #              .peerbuild/bin/llama-bench: llama.cpp built by hand from its
 #              public source (nothing here builds it), either on that machine
@@ -63,11 +72,14 @@ stage() {
             [ -f "tests/gpu/$t.c" ] && echo "$B/tests/gpu/$t"; done)
     fi
     [ "$what" = bin ] && gpu_tests=""
+    local bins="$B/lamina $B/lamina-worker"
+    [ "$what" = tests ] && bins=""
     # shellcheck disable=SC2086
     make -j"$(nproc)" BUILD=$B CUDA_ARCHS="$archs" \
-        $B/lamina $B/lamina-worker $B/tools/bench_ipc $gpu_tests || exit 1
+        $bins $B/tools/bench_ipc $gpu_tests || exit 1
     rm -rf .devbin && mkdir -p .devbin/tests/gpu .devbin/tools .devbin/lib
-    cp $B/lamina $B/lamina-worker .devbin/
+    # shellcheck disable=SC2086
+    [ -z "$bins" ] || cp $bins .devbin/
     [ -z "${AS_SM:-}" ] || echo "$AS_SM" >.devbin/as_sm
     # shellcheck disable=SC2086
     [ -z "$gpu_tests" ] || cp $gpu_tests .devbin/tests/gpu/
@@ -78,7 +90,7 @@ stage() {
     # tools/cuda/graph_trace where CUPTI is here, with NVIDIA's libcupti (the machine's
     # toolkit may lack it)
     CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
-    if [ "$what" != bin ] && [ -f "$CUDA_HOME/include/cupti.h" ]; then
+    if [ "$what" = all ] && [ -f "$CUDA_HOME/include/cupti.h" ]; then
         make -j"$(nproc)" BUILD=$B CUDA_ARCHS="$archs" \
             $B/tools/graph_trace && cp $B/tools/graph_trace .devbin/tools/ &&
             cp -L "$CUDA_HOME"/lib64/libcupti.so.* .devbin/lib/ 2>/dev/null
@@ -102,28 +114,46 @@ stage() {
         grep -qx "/$d/" .git/info/exclude || echo "/$d/" >>.git/info/exclude
     done
     grep -qx "/.devpack.tar.xz" .git/info/exclude || echo "/.devpack.tar.xz" >>.git/info/exclude
+    grep -qx "/.devpack-\*.tar.xz" .git/info/exclude || echo "/.devpack-*.tar.xz" >>.git/info/exclude
     # one compressed file for the carry (its limit is 64 MiB; the CUDA fat
-    # binaries and f32 fixtures shrink about 3x)
-    if [ "$what" = bin ]; then
-        tar -cf - .devbin/lamina .devbin/lamina-worker $([ -f .devbin/as_sm ] && echo .devbin/as_sm) |
-            xz -T2 -6 >.devpack.tar.xz
-    else
-        tar -cf - .devbin .fixtures | xz -T2 -6 >.devpack.tar.xz
-    fi
-    du -sh .devbin .devdebs .fixtures .devpack.tar.xz
+    # binaries and f32 fixtures shrink about 3x); PACK=NAME writes it there
+    local pack=${PACK:-.devpack.tar.xz}
+    case $what in
+    bin) tar -cf - .devbin/lamina .devbin/lamina-worker $([ -f .devbin/as_sm ] && echo .devbin/as_sm) |
+            xz -T2 -6 >"$pack" ;;
+    tests) tar -cf - .devbin | xz -T2 -6 >"$pack"
+        tar -cf - .fixtures | xz -T2 -6 >.devpack-fix.tar.xz ;;
+    *) tar -cf - .devbin .fixtures | xz -T2 -6 >"$pack" ;;
+    esac
+    du -sh .devbin .devdebs .fixtures "$pack"
     # the call carries at most 64 MiB in all (the pack, .devdebs and any peer pack)
     local carry
-    carry=$(du -cb .devpack.tar.xz .devdebs | tail -1 | cut -f1)
+    carry=$(du -cb "$pack" .devdebs | tail -1 | cut -f1)
     if [ "$carry" -gt $((64 * 1024 * 1024)) ]; then
-        echo "device-check: .devpack.tar.xz and .devdebs come to $((carry / 1048576)) MiB," \
+        echo "device-check: $pack and .devdebs come to $((carry / 1048576)) MiB," \
             "past the call's 64 MiB carry: stage again with TESTS=\"...\" (fewer tests)"
     fi
 }
 
+# Unpacks pack $1 over .devbin (its tests and its as_sm replace those there)
+# and sets LAMINA_CUDA_AS_SM from it, or unsets it.
+use_pack() {
+    rm -rf .devbin/as_sm .devbin/tests # a machine kept warm may hold an earlier call's
+    tar -xJf "$1" || { echo "device-check: cannot unpack $1"; exit 1; }
+    if [ -f .devbin/as_sm ]; then
+        export LAMINA_CUDA_AS_SM
+        LAMINA_CUDA_AS_SM=$(cat .devbin/as_sm)
+        echo "device-check: binaries for compute_$LAMINA_CUDA_AS_SM, LAMINA_CUDA_AS_SM=$LAMINA_CUDA_AS_SM"
+    else
+        unset LAMINA_CUDA_AS_SM
+    fi
+}
+
 libs() {
-    if [ -f .devpack.tar.xz ]; then
-        rm -f .devbin/as_sm # a machine kept warm may hold an earlier call's
-        tar -xJf .devpack.tar.xz || { echo "device-check: cannot unpack .devpack.tar.xz"; exit 1; }
+    [ ! -f .devpack.tar.xz ] || use_pack .devpack.tar.xz
+    # the fixtures of stage-tests packs, once
+    if [ -f .devpack-fix.tar.xz ] && [ ! -d .fixtures ]; then
+        tar -xJf .devpack-fix.tar.xz || echo "device-check: cannot unpack .devpack-fix.tar.xz"
     fi
     # .peerpack.tar.xz: .peerbuild/bin/llama-bench, built by hand elsewhere and carried (never
     # committed; nothing here builds it)
@@ -135,12 +165,6 @@ libs() {
     export LD_LIBRARY_PATH=/tmp/devlib/usr/lib/x86_64-linux-gnu:/tmp/devlib/lib/x86_64-linux-gnu:$ROOT/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export LAMINA_FIXTURES=$ROOT/.fixtures
     export NCCL_NVLS_ENABLE=0
-    # a pack staged with AS_SM: its device code is for that architecture (stage)
-    if [ -f .devbin/as_sm ]; then
-        export LAMINA_CUDA_AS_SM
-        LAMINA_CUDA_AS_SM=$(cat .devbin/as_sm)
-        echo "device-check: binaries for compute_$LAMINA_CUDA_AS_SM, LAMINA_CUDA_AS_SM=$LAMINA_CUDA_AS_SM"
-    fi
 }
 
 # The call brings back few files: every test's log goes into tests.log,
@@ -325,6 +349,7 @@ llama_bench() {
 case "${1:-}" in
 stage) stage ;;
 stage-bin) stage bin ;;
+stage-tests) stage tests ;;
 run)
     shift
     libs
@@ -338,12 +363,13 @@ run)
         llama) llama_bench ;;
         ncu) ncu_step ;;
         trace) trace ;;
+        use=*) use_pack "${step#use=}" ;;
         *) echo "device-check: unknown step $step" ;;
         esac
     done
     ;;
 *)
-    echo "usage: tools/device-check.sh stage | stage-bin | run [tests] [bench] [profile] [place] [cards] [llama] [ncu] [trace]" >&2
+    echo "usage: tools/device-check.sh stage | stage-bin | stage-tests | run [use=PACK] [tests] [bench] [profile] [place] [cards] [llama] [ncu] [trace] ..." >&2
     exit 2
     ;;
 esac
