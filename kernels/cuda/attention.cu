@@ -1111,6 +1111,23 @@ static uint32_t attn_div_up(uint64_t a, uint64_t b)
     return (uint32_t)((a + b - 1) / b);
 }
 
+/* The shared memory carveout of the decode kernel's launches: every launch's
+ * (pdl_carveout: 50 % on an H200, a 132 KB split, where one block of the f16
+ * ring at hd 256, 96 KiB, fits an SM and a long context's 512 blocks run one
+ * an SM), or LAMINA_CUDA_ATTN_CARVEOUT=N (0-100; -1 the driver's choice) for
+ * this kernel alone: an experiment (docs/perf.md, thirty-second session: the
+ * same step took 108.5 us at 70000 positions with sm_90's 50 % and 83.6
+ * with the driver's choice on the sm_86 path). Read at each launch. */
+static int attn_carveout()
+{
+    const char *env = getenv("LAMINA_CUDA_ATTN_CARVEOUT");
+    if (!env || !*env)
+        return pdl_carveout();
+    char *end = nullptr;
+    const long v = strtol(env, &end, 10);
+    return *end || v < -1 || v > 100 ? pdl_carveout() : static_cast<int>(v);
+}
+
 /* Launches one decode instance: with the cp.async ring where the device has
  * it (compute capability >= 8) and the instance uses one. */
 template <int DPL, int NR, bool F16>
@@ -1127,7 +1144,8 @@ static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
         if (rc)
             return rc;
     }
-    pdl_launch(attn_decode_kernel<DPL, NR, F16>, grid, ATTN_DECODE_WARPS * 32, smem, stream, a);
+    pdl_launch_cv(attn_decode_kernel<DPL, NR, F16>, grid, ATTN_DECODE_WARPS * 32, 1,
+                  attn_carveout(), smem, stream, a);
     return 0;
 }
 

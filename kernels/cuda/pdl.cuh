@@ -123,18 +123,17 @@ static inline int pdl_carveout()
  * cudaLaunchKernelEx: blocks in thread block clusters of cluster_x
  * consecutive blocks along x where cluster_x > 1 (grid.x a multiple of it,
  * at most 8; compute capability 9.0 or later, which the caller checks), with
- * the shared memory carveout of pdl_carveout() where it is set, and
+ * the shared memory carveout `carveout` (percent; -1: none, the driver's
+ * choice) where it is set, and
  * with the programmatic stream serialization attribute where pdl_on(). The
  * kernel keeps the contract above. Errors are left for cudaGetLastError, as
  * after <<<>>>. */
 template <typename... P, typename... A>
-static inline void pdl_launch_cluster(void (*kernel)(P...), dim3 grid, dim3 block,
-                                      unsigned cluster_x, size_t smem, cudaStream_t stream,
-                                      A &&...args)
+static inline void pdl_launch_cv(void (*kernel)(P...), dim3 grid, dim3 block, unsigned cluster_x,
+                                 int carveout, size_t smem, cudaStream_t stream, A &&...args)
 {
     cudaLaunchAttribute attr[3];
     unsigned n_attrs = 0;
-    const int carveout = pdl_carveout();
     if (carveout >= 0) {
         attr[n_attrs].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
         attr[n_attrs++].val.sharedMemCarveout = static_cast<unsigned>(carveout);
@@ -157,6 +156,16 @@ static inline void pdl_launch_cluster(void (*kernel)(P...), dim3 grid, dim3 bloc
     cfg.attrs = attr;
     cfg.numAttrs = n_attrs;
     (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+/* pdl_launch_cv with pdl_carveout(): what every launch asks for. */
+template <typename... P, typename... A>
+static inline void pdl_launch_cluster(void (*kernel)(P...), dim3 grid, dim3 block,
+                                      unsigned cluster_x, size_t smem, cudaStream_t stream,
+                                      A &&...args)
+{
+    pdl_launch_cv(kernel, grid, block, cluster_x, pdl_carveout(), smem, stream,
+                  std::forward<A>(args)...);
 }
 
 /* pdl_launch_cluster without clusters. */
