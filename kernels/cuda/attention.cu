@@ -1410,7 +1410,7 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
 static uint32_t af_splits()
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_SPLITS");
-    const long n = env ? strtol(env, NULL, 10) : 0;
+    const long n = env ? strtol(env, nullptr, 10) : 0;
     return n >= 1 && n <= AF_MAX_SPLITS ? (uint32_t)n : 32u;
 }
 
