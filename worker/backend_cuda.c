@@ -47,8 +47,8 @@
  * device, workspace preallocated), so nothing captured depends on the step.
  * The graph bakes the state pointers in: each sequence slot has its own,
  * captured at that slot's first decode step.
- * Kernels per token (logged once; 541 for a 48-layer Qwen3-Next, 577 with
- * LAMINA_CUDA_FUSE=0): per
+ * Kernels per token (logged once; 364 a decode step for the 48-layer
+ * 80b-a3b Qwen3-Next as graph_trace counted them, docs/perf.md): per
  * attention layer the q|k|v product (one launch where the three share a row
  * format, stacked in the trunk), the fused q/k norm + rope + KV store
  * (cuda_attn_prep), attention and its split combine (LAMINA_CUDA_ATTN_FUSED=1:
