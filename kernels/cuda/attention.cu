@@ -381,9 +381,10 @@ static __device__ __forceinline__ size_t attn_ws_row(const struct attn_args &a, 
  * (step % STAGES) with cp.async, STAGES - 1 steps ahead, and later reads back
  * only what it copied itself, so the ring needs no barrier. Used when a slot
  * is small (P * DPL <= 32) and pieces are whole cp.async sizes. */
-template <int DPL, int NR, bool F16>
+template <int DPL, int NR, bool F16, bool LEAN = false>
 struct attn_ring {
-    static constexpr int U = F16 && NR == 8 ? 2 : 1; /* sub-steps per step (attn_step) */
+    /* sub-steps per step (attn_step); LEAN: one, a third less ring (attn_ring_lean) */
+    static constexpr int U = F16 && NR == 8 && !LEAN ? 2 : 1;
     static constexpr int P = 32 / NR * U, ESZ = F16 ? 2 : 4; /* positions per step */
     static constexpr int PIECE = DPL * ESZ;   /* bytes of one row one lane copies */
     static constexpr int ROW = 32 * PIECE;    /* bytes of one staged row */
@@ -438,14 +439,14 @@ static __device__ __forceinline__ void attn_cp_wait()
 
 /* Stages step i of this warp (positions first + i*step ..) into its slot and
  * commits a group (an empty one past the last step, to keep counts even). */
-template <int DPL, int NR, bool F16>
+template <int DPL, int NR, bool F16, bool LEAN>
 static __device__ __forceinline__ void attn_ring_issue(char *ring, const char *k, const char *v,
                                                        size_t row_bytes, uint32_t first,
                                                        uint32_t step, uint32_t n_steps,
                                                        uint32_t c1, uint32_t i, int lane,
                                                        bool own)
 {
-    using R = attn_ring<DPL, NR, F16>;
+    using R = attn_ring<DPL, NR, F16, LEAN>;
     if (i < n_steps && own) {
         const uint32_t p = first + i * step;
         char *slot = ring + (i % R::STAGES) * R::SLOT + lane * R::PIECE;
@@ -460,22 +461,22 @@ static __device__ __forceinline__ void attn_ring_issue(char *ring, const char *k
 }
 
 /* This warp's positions of [c0, c1) through the ring (see attn_ring). */
-template <int DPL, int NR, bool F16>
+template <int DPL, int NR, bool F16, bool LEAN>
 static __device__ __forceinline__ void attn_decode_ring(attn_warp<DPL, NR> &st, char *ring,
                                                         const char *k, const char *v,
                                                         size_t row_bytes, uint32_t c0,
                                                         uint32_t c1, int warp, int lane,
                                                         bool own, float *sw)
 {
-    using R = attn_ring<DPL, NR, F16>;
+    using R = attn_ring<DPL, NR, F16, LEAN>;
     const uint32_t first = c0 + warp * R::P, step = ATTN_DECODE_WARPS * R::P;
     const uint32_t n_steps = first < c1 ? (c1 - first + step - 1) / step : 0;
 #pragma unroll
     for (int i = 0; i < R::STAGES - 1; i++)
-        attn_ring_issue<DPL, NR, F16>(ring, k, v, row_bytes, first, step, n_steps, c1, i, lane,
+        attn_ring_issue<DPL, NR, F16, LEAN>(ring, k, v, row_bytes, first, step, n_steps, c1, i, lane,
                                       own);
     for (uint32_t i = 0; i < n_steps; i++) {
-        attn_ring_issue<DPL, NR, F16>(ring, k, v, row_bytes, first, step, n_steps, c1,
+        attn_ring_issue<DPL, NR, F16, LEAN>(ring, k, v, row_bytes, first, step, n_steps, c1,
                                       i + R::STAGES - 1, lane, own);
         attn_cp_wait<R::STAGES - 1>(); /* step i has landed */
         const char *slot = ring + (i % R::STAGES) * R::SLOT;
@@ -485,7 +486,7 @@ static __device__ __forceinline__ void attn_decode_ring(attn_warp<DPL, NR> &st, 
     attn_cp_wait<0>();
 }
 
-template <int DPL, int NR, bool F16>
+template <int DPL, int NR, bool F16, bool LEAN = false>
 static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3)
     attn_decode_kernel(const struct attn_args a)
 {
@@ -512,9 +513,9 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3
     for (int r = 0; r < NR; r++)
         attn_load_q(st, r, a.q + (size_t)(h0 + r) * a.q_head_stride, (uint32_t)r < a.NG, own,
                     lane, a.scale_log2);
-    if constexpr (ATTN_HAVE_CP_ASYNC && attn_ring<DPL, NR, F16>::ON) {
-        using R = attn_ring<DPL, NR, F16>;
-        attn_decode_ring<DPL, NR, F16>(st, (char *)s_dyn + warp * R::STAGES * R::SLOT, kh, vh,
+    if constexpr (ATTN_HAVE_CP_ASYNC && attn_ring<DPL, NR, F16, LEAN>::ON) {
+        using R = attn_ring<DPL, NR, F16, LEAN>;
+        attn_decode_ring<DPL, NR, F16, LEAN>(st, (char *)s_dyn + warp * R::STAGES * R::SLOT, kh, vh,
                                        kv_dim * ESZ, c0, c1, warp, lane, own, s_sw[warp]);
     } else {
         for (uint32_t p = c0 + warp * P; p < c1; p += NW * P) {
@@ -1128,25 +1129,47 @@ static int attn_carveout()
     return *end || v < -1 || v > 100 ? pdl_carveout() : static_cast<int>(v);
 }
 
+/* LAMINA_CUDA_ATTN_RING=lean: the f16 ring at eight heads a block (hd 256's)
+ * stages one sub-step a step instead of two, 48 KiB a block instead of 96, so
+ * that two blocks fit an SM in a 50 % split: an experiment beside
+ * LAMINA_CUDA_ATTN_CARVEOUT (docs/perf.md, thirty-third session). Read at each
+ * launch. */
+static bool attn_ring_lean()
+{
+    const char *env = getenv("LAMINA_CUDA_ATTN_RING");
+    return env && strcmp(env, "lean") == 0;
+}
+
 /* Launches one decode instance: with the cp.async ring where the device has
  * it (compute capability >= 8) and the instance uses one. */
-template <int DPL, int NR, bool F16>
-static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
-                          cudaStream_t stream)
+template <int DPL, int NR, bool F16, bool LEAN>
+static int attn_decode_go_ring(const struct attn_args &a, dim3 grid, bool cp_async,
+                               cudaStream_t stream)
 {
-    using R = attn_ring<DPL, NR, F16>;
+    using R = attn_ring<DPL, NR, F16, LEAN>;
     const bool ring = R::ON && cp_async; /* as the device code decides */
     const size_t acc = (size_t)ATTN_DECODE_WARPS * NR * DPL * 32 * sizeof(float);
     const size_t smem = ring && R::BYTES > acc ? R::BYTES : acc;
     if (smem > 40 * 1024) { /* past 48 KiB with the static arrays: opt in */
-        const int rc = cuda_caps_allow_smem((const void *)attn_decode_kernel<DPL, NR, F16>,
-                                            smem, "cuda_attention");
+        const int rc = cuda_caps_allow_smem(
+            (const void *)attn_decode_kernel<DPL, NR, F16, LEAN>, smem, "cuda_attention");
         if (rc)
             return rc;
     }
-    pdl_launch_cv(attn_decode_kernel<DPL, NR, F16>, grid, ATTN_DECODE_WARPS * 32, 1,
+    pdl_launch_cv(attn_decode_kernel<DPL, NR, F16, LEAN>, grid, ATTN_DECODE_WARPS * 32, 1,
                   attn_carveout(), smem, stream, a);
     return 0;
+}
+
+template <int DPL, int NR, bool F16>
+static int attn_decode_go(const struct attn_args &a, dim3 grid, bool cp_async,
+                          cudaStream_t stream)
+{
+    if constexpr (F16 && NR == 8 && DPL == 8 && attn_ring<DPL, NR, F16, true>::ON) {
+        if (cp_async && attn_ring_lean())
+            return attn_decode_go_ring<DPL, NR, F16, true>(a, grid, cp_async, stream);
+    }
+    return attn_decode_go_ring<DPL, NR, F16, false>(a, grid, cp_async, stream);
 }
 
 template <int DPL, bool F16>

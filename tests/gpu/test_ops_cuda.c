@@ -709,18 +709,27 @@ static void test_attention_timing(struct rng *r, const char *pool)
                 c->n_tok == 1 ? "decode" : "prefill", c->n_head, c->n_head_kv, c->hd, c->n_tok,
                 n_kv, c->f16 ? "f16" : "f32", ms * 1e3, bytes / (ms * 1e-3) / 1e9, pool);
     }
-    /* the decode kernel's own carveout (LAMINA_CUDA_ATTN_CARVEOUT): the f16 ring at hd 256
-     * is 96 KiB a block, one an SM in a 50 % split; correct either way, timed at 64k */
-    static const char *const cvs[] = {"100", "-1"};
-    for (int i = 0; i < 2; i++) {
-        setenv("LAMINA_CUDA_ATTN_CARVEOUT", cvs[i], 1);
-        const struct attn_case c = {16, 2, 256, 1, 65535, true, true};
-        const double err = attn_case_run(&c, r); /* which checks it against the cpu's */
-        const float ms = attn_time_ms(&c, r);
-        MEASURE("attention decode heads 16/2 hd 256 ctx 65536 f16, LAMINA_CUDA_ATTN_CARVEOUT=%s: "
-                "%.1f us (%s), max abs err %.3g", cvs[i], ms * 1e3, pool, err);
+    /* the decode kernel's own carveout (LAMINA_CUDA_ATTN_CARVEOUT) and the lean ring
+     * (LAMINA_CUDA_ATTN_RING=lean): the f16 ring at hd 256 is 96 KiB a block, one an SM
+     * in a 50 % split; correct either way, timed at 4k and 64k */
+    static const struct {
+        const char *var, *val;
+    } vs[] = {{"LAMINA_CUDA_ATTN_CARVEOUT", "100"},
+              {"LAMINA_CUDA_ATTN_CARVEOUT", "-1"},
+              {"LAMINA_CUDA_ATTN_RING", "lean"}};
+    static const uint32_t pos0s[] = {4095, 65535};
+    for (size_t i = 0; i < sizeof vs / sizeof vs[0]; i++) {
+        setenv(vs[i].var, vs[i].val, 1);
+        for (size_t p = 0; p < sizeof pos0s / sizeof pos0s[0]; p++) {
+            const struct attn_case c = {16, 2, 256, 1, pos0s[p], true, true};
+            const double err = attn_case_run(&c, r); /* which checks it against the cpu's */
+            const float ms = attn_time_ms(&c, r);
+            MEASURE("attention decode heads 16/2 hd 256 ctx %u f16, %s=%s: %.1f us (%s), max "
+                    "abs err %.3g",
+                    pos0s[p] + 1, vs[i].var, vs[i].val, ms * 1e3, pool, err);
+        }
+        unsetenv(vs[i].var);
     }
-    unsetenv("LAMINA_CUDA_ATTN_CARVEOUT");
 }
 
 /* ---- router ---- */
