@@ -12,6 +12,7 @@
 #ifdef LAMINA_CUDA
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/matvec.h"
 #endif
 
@@ -224,6 +225,7 @@ int probe_cuda(int device, uint32_t type, struct probe_result *out)
     rc = rc ? rc : probe_cuda_time(&p, 1, type, row_bytes, n_rows, &copy_s);
     probe_cuda_free(&p);
     int rc_reset = CUDA_CHECK(cudaDeviceReset()); /* the process keeps nothing on the card */
+    cuda_caps_forget(); /* nor the kernels' attributes the reset dropped */
     rc = rc ? rc : rc_reset;
     if (rc)
         return rc;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include <atomic>
+#include <mutex>
 
 #include <cuda_runtime.h>
 
@@ -196,19 +197,79 @@ extern "C" int cuda_caps_cc(void)
     return cuda_caps_get(&cc, nullptr) ? 0 : cc;
 }
 
+/* Kernel attributes, asked of the driver once per kernel and device: the
+ * launchers ask at every launch (cuda_caps_allow_smem, cuda_caps_fits_default)
+ * and cudaFuncGetAttributes is a driver call each time. Past the table's
+ * size the driver is asked every time, as before. */
+struct caps_fn {
+    const void *kernel;
+    int dev;
+    size_t stat;    /* static shared memory a block */
+    size_t allowed; /* dynamic bytes cudaFuncSetAttribute granted (0: none asked) */
+};
+static caps_fn caps_fns[256];
+static int caps_n_fns;
+static std::mutex caps_mu;
+
+/* The kernel's static shared memory on the current device into *stat, and
+ * its entry's index in caps_fns (-1: not kept); the driver's error where it
+ * does not answer (cleared). */
+static cudaError_t caps_fn_stat(const void *kernel, size_t *stat, int *at)
+{
+    int dev = 0;
+    *at = -1;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return e;
+    }
+    std::lock_guard<std::mutex> lock(caps_mu);
+    for (int i = 0; i < caps_n_fns; i++) {
+        if (caps_fns[i].kernel == kernel && caps_fns[i].dev == dev) {
+            *stat = caps_fns[i].stat;
+            *at = i;
+            return cudaSuccess;
+        }
+    }
+    cudaFuncAttributes fa;
+    e = cudaFuncGetAttributes(&fa, kernel);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return e;
+    }
+    *stat = fa.sharedSizeBytes;
+    if (caps_n_fns < static_cast<int>(sizeof caps_fns / sizeof caps_fns[0])) {
+        caps_fns[caps_n_fns] = caps_fn{kernel, dev, fa.sharedSizeBytes, 0};
+        *at = caps_n_fns++;
+    }
+    return cudaSuccess;
+}
+
+extern "C" void cuda_caps_forget(void)
+{
+    std::lock_guard<std::mutex> lock(caps_mu);
+    caps_n_fns = 0;
+}
+
 extern "C" int cuda_caps_allow_smem(const void *kernel, size_t bytes, const char *what)
 {
     int optin = 0;
     int rc = cuda_caps_get(nullptr, &optin);
     if (rc)
         return rc;
-    cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
-    if (e == cudaSuccess && bytes + fa.sharedSizeBytes > static_cast<size_t>(optin)) {
+    size_t stat = 0;
+    int at = -1;
+    cudaError_t e = caps_fn_stat(kernel, &stat, &at);
+    if (e == cudaSuccess && bytes + stat > static_cast<size_t>(optin)) {
         log_error("%s: %zu bytes of shared memory a block (%zu of them static), past the "
                   "card's %d",
-                  what, bytes + fa.sharedSizeBytes, fa.sharedSizeBytes, optin);
+                  what, bytes + stat, stat, optin);
         return -ENOTSUP;
+    }
+    if (at >= 0) {
+        std::lock_guard<std::mutex> lock(caps_mu);
+        if (caps_fns[at].allowed == bytes) /* granted before: the attribute holds */
+            return 0;
     }
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -219,17 +280,18 @@ extern "C" int cuda_caps_allow_smem(const void *kernel, size_t bytes, const char
                   cudaGetErrorString(e));
         return -EIO;
     }
+    if (at >= 0) {
+        std::lock_guard<std::mutex> lock(caps_mu);
+        caps_fns[at].allowed = bytes;
+    }
     return 0;
 }
 
 extern "C" bool cuda_caps_fits_default(const void *kernel, size_t bytes)
 {
-    cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    return bytes + fa.sharedSizeBytes <= 48 * 1024;
+    size_t stat = 0;
+    int at = -1;
+    return caps_fn_stat(kernel, &stat, &at) == cudaSuccess && bytes + stat <= 48 * 1024;
 }
 
 extern "C" int cuda_caps_probe(int *d_arch, size_t smem, cudaStream_t stream)

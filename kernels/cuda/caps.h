@@ -65,6 +65,11 @@ int cuda_caps_sms(void);
  * refuses (both logged with `what`). */
 int cuda_caps_allow_smem(const void *kernel, size_t bytes, const char *what);
 
+/* Both ask the driver once per kernel and device and keep the answer (and
+ * what cuda_caps_allow_smem granted); a cudaDeviceReset drops the context's
+ * attributes, so whoever resets calls this after it. */
+void cuda_caps_forget(void);
+
 /* Whether `kernel` (a __global__ function) launches with `bytes` of dynamic
  * shared memory without opting in: they and its static shared memory within
  * 48 KiB (false where its attributes cannot be read). */

@@ -9,7 +9,8 @@
  *     memory NN's, and the probe kernel's code was compiled for compute_NN;
  *   - the probe launches with exactly the opt-in limit less its static
  *     memory and is refused (-ENOTSUP) a byte past it, the lowered limit
- *     included, where the card itself would allow it;
+ *     included, where the card itself would allow it; launches again with
+ *     the kept grant, and after a cudaDeviceReset and cuda_caps_forget;
  *   - LAMINA_CUDA_AS_SM set here: text that is not a known capability is
  *     -EINVAL; one at or above the card's leaves the card as it is; one
  *     below the build's device code is -ENOTSUP (it cannot be honoured);
@@ -110,6 +111,18 @@ int main(void)
     full = tc_probe(d_arch, (size_t)optin + 1, &prc);
     CHECK(prc == -ENOTSUP && full == -1, "probe with %d + 1 bytes: rc %d (want -ENOTSUP)", optin,
           prc);
+    CU(cudaGetLastError());
+    /* the grant is kept (asked of the driver once), and asked again after a reset, which
+     * drops it with the context (cuda_caps_forget) */
+    full = tc_probe(d_arch, (size_t)optin, &prc);
+    CHECK(prc == 0 && full == arch, "probe with %d bytes again: rc %d, arch %d", optin, prc, full);
+    CU(cudaFree(d_arch));
+    CU(cudaDeviceReset());
+    cuda_caps_forget();
+    CU(cudaMalloc((void **)&d_arch, sizeof(int)));
+    full = tc_probe(d_arch, (size_t)optin, &prc);
+    CHECK(prc == 0 && full == arch, "probe with %d bytes after a reset: rc %d, arch %d", optin,
+          prc, full);
     CU(cudaGetLastError());
 
     /* the switch's own answers */
