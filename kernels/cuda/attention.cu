@@ -1112,21 +1112,24 @@ static uint32_t attn_div_up(uint64_t a, uint64_t b)
     return (uint32_t)((a + b - 1) / b);
 }
 
-/* The shared memory carveout of the decode kernel's launches: every launch's
- * (pdl_carveout: 50 % on an H200, a 132 KB split, where one block of the f16
- * ring at hd 256, 96 KiB, fits an SM and a long context's 512 blocks run one
- * an SM), or LAMINA_CUDA_ATTN_CARVEOUT=N (0-100; -1 the driver's choice) for
- * this kernel alone: an experiment (docs/perf.md, thirty-second session: the
- * same step took 108.5 us at 70000 positions with sm_90's 50 % and 83.6
- * with the driver's choice on the sm_86 path). Read at each launch. */
+/* The shared memory carveout of the decode kernel's launches: the driver's
+ * choice (-1), not every other launch's (pdl_carveout: 50 % on an H200, a
+ * 132 KB split, where one block of the f16 ring at hd 256, 96 KiB, fits an SM
+ * and a long context's blocks run one an SM). Measured on the H200
+ * (docs/perf.md, thirty-third session): one step of hd 256 at 65536
+ * positions 84.1 us against 109.5 with the split, at 4096 27.4 against 33.0,
+ * tg128 at depth 4096 479.13 against 465.06 and 466.75 tok/s, tg128 at an
+ * empty context unchanged (509.03 against 510.97 and 508.58).
+ * LAMINA_CUDA_ATTN_CARVEOUT=N (0-100; -1 the driver's choice) sets it, for
+ * this kernel alone. Read at each launch. */
 static int attn_carveout()
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_CARVEOUT");
     if (!env || !*env)
-        return pdl_carveout();
+        return -1;
     char *end = nullptr;
     const long v = strtol(env, &end, 10);
-    return *end || v < -1 || v > 100 ? pdl_carveout() : static_cast<int>(v);
+    return *end || v < -1 || v > 100 ? -1 : static_cast<int>(v);
 }
 
 /* LAMINA_CUDA_ATTN_RING=lean: the f16 ring at eight heads a block (hd 256's)
@@ -1220,14 +1223,32 @@ static uint32_t attn_group_heads(uint32_t G, uint32_t cap)
 
 /* Splits of n_kv positions for `units` blocks per split: chunks of at least
  * min_chunk positions (a multiple of `align`), at most max_blocks blocks. */
-static void attn_plan_splits(struct attn_args *a, uint32_t n_kv, uint32_t units,
-                             uint32_t min_chunk, uint32_t max_blocks, uint32_t align)
+static uint32_t attn_split_bound(uint32_t n_kv, uint32_t units, uint32_t min_chunk,
+                                 uint32_t max_blocks)
 {
     uint32_t want = attn_div_up(n_kv, min_chunk), cap = max_blocks / units;
     cap = cap < 1 ? 1 : cap > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : cap;
-    const uint32_t n = want < cap ? want : cap;
+    return want < cap ? want : cap;
+}
+
+static void attn_plan_splits(struct attn_args *a, uint32_t n_kv, uint32_t units,
+                             uint32_t min_chunk, uint32_t max_blocks, uint32_t align)
+{
+    const uint32_t n = attn_split_bound(n_kv, units, min_chunk, max_blocks);
     a->chunk = attn_div_up(attn_div_up(n_kv, n), align) * align;
     a->n_splits = attn_div_up(n_kv, a->chunk);
+}
+
+/* The most splits attn_plan_splits(n, units, min_chunk, ATTN_MAX_BLOCKS, 16)
+ * plans for any n up to max_kv (at least two: see cuda_attention_decode_at).
+ * Not the plan of max_kv itself: the chunk's rounding makes the count fall
+ * as n grows (65536 positions at 256 splits a kv head plan 256 splits of 256,
+ * 68536 plan 252 of 272). A plan's count is at most attn_split_bound's n (its
+ * chunk is at least n_kv / n), which never falls as n_kv grows. */
+static uint32_t attn_decode_splits_most(uint32_t max_kv, uint32_t units, uint32_t min_chunk)
+{
+    const uint32_t n = attn_split_bound(max_kv, units, min_chunk, ATTN_MAX_BLOCKS);
+    return n < 2 ? 2 : n;
 }
 
 static int attn_check(const float *d_q, size_t q_head_stride, const void *d_kcache,
@@ -1327,8 +1348,7 @@ extern "C" size_t cuda_attention_decode_ws_bytes(uint32_t n_head, uint32_t n_hea
         return 0;
     struct attn_args a = attn_setup(nullptr, 0, 0, nullptr, nullptr, n_head, n_head_kv, hd, 1,
                                     0, 1.0f, false, nullptr);
-    attn_plan_splits(&a, max_kv, a.units, a.min_chunk, ATTN_MAX_BLOCKS, 16);
-    const size_t splits = a.n_splits < 2 ? 2 : a.n_splits; /* see cuda_attention_decode_at */
+    const size_t splits = attn_decode_splits_most(max_kv, a.units, a.min_chunk);
     return splits * n_head * (hd + 2) * sizeof(float);
 }
 
@@ -1368,11 +1388,11 @@ extern "C" int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_strid
                                     n_head_kv, hd, 1, 0, scale, gated, d_out);
     a.pos_ptr = d_pos;
     a.outq = d_outq;
-    attn_plan_splits(&a, max_kv, a.units, a.min_chunk, ATTN_MAX_BLOCKS, 16);
     /* grid: the most splits any position up to max_kv plans, at least two so
      * that the combine always runs (one split through the combine gives the
-     * direct path's result bit for bit: weight 1, sums of zeros) */
-    a.n_splits = a.n_splits < 2 ? 2 : a.n_splits;
+     * direct path's result bit for bit: weight 1, sums of zeros); the blocks
+     * past a position's own plan have empty ranges */
+    a.n_splits = attn_decode_splits_most(max_kv, a.units, a.min_chunk);
     a.ws_acc = d_ws;
     a.ws_ml = d_ws + (size_t)a.n_splits * n_head * hd;
     return attn_decode(a, f16, stream);

@@ -621,6 +621,21 @@ static void test_attention_decode(struct rng *r)
                 longs[i].n_head, longs[i].n_head_kv, longs[i].hd, longs[i].f16, longs[i].gated,
                 e);
     }
+    /* positions whose own plan has more splits than the longer context's (the chunk's
+     * rounding: 8192 positions at 256 splits a kv head plan 256, 11192 plan 234): the
+     * graph-stable decode's grid must still cover them (attn_case_run's max_kv + 3000) */
+    static const struct attn_case falls[] = {
+        {16, 2, 256, 1, 8191, true, true},
+        {32, 4, 128, 1, 4095, true, false},
+        {16, 2, 256, 1, 65535, false, true},
+    };
+    for (size_t i = 0; i < sizeof falls / sizeof falls[0]; i++) {
+        const double e = attn_case_run(&falls[i], r);
+        MEASURE("attention decode n_kv %u heads %u/%u hd %u, grid for %u positions: max abs "
+                "err %.3g",
+                falls[i].pos0 + 1, falls[i].n_head, falls[i].n_head_kv, falls[i].hd,
+                falls[i].pos0 + 3001, e);
+    }
     /* odd group sizes: G = 3 (padded rows), G = 1 (MHA), G = 16 (two groups) */
     static const struct attn_case odd[] = {
         {6, 2, 64, 1, 999, true, false}, {8, 8, 32, 1, 300, false, true},
