@@ -55,7 +55,8 @@
  * the three in one launch, cuda_attention_decode_fused, where it takes the
  * shape; slower on an H200 so far, docs/perf.md), the output product; per
  * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv and
- * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two),
+ * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two, and the
+ * lm head's norm of one row a launch of its own, not inside the lm head's product),
  * output (LAMINA_CUDA_DN_IN=1: on sm_90 with Q4_0 or Q8_0 input rows the
  * product, conv and heads in one launch, cuda_deltanet_in_conv_heads, a
  * cluster per key head computing the rows its heads read: the same bits,
@@ -2919,9 +2920,19 @@ static int cb_head_enqueue(struct backend_cuda *c, const float *d_h, uint32_t S,
                            int32_t *ids)
 {
     const size_t ne = c->hp->n_embd, nvocab = c->hp->n_vocab;
-    int rc = CB_K(c, "head.norm", cuda_rmsnorm_wide(c->xa, d_h, c->out_norm, (uint32_t)ne, S,
-                                                    c->hp->eps, c->stream));
-    rc = rc ? rc : cb_mm(c, "head.lm", &c->output, c->xa, ne, S, c->logits, nvocab);
+    const struct cb_mat *o = &c->output;
+    /* one row with the decode fusions: the lm head normalises it itself, the same bits
+     * (cuda_matvec_norm), a launch fewer */
+    const bool in_norm = S == 1 && c->fuse && cuda_matvec_norm_ok(o->type, o->n_out, o->n_in);
+    int rc = in_norm ? 0
+                     : CB_K(c, "head.norm", cuda_rmsnorm_wide(c->xa, d_h, c->out_norm, (uint32_t)ne,
+                                                              S, c->hp->eps, c->stream));
+    if (in_norm)
+        rc = CB_K(c, "head.lm", cuda_matvec_norm(o->type, o->d, o->row_bytes, o->n_out, o->n_in,
+                                                 d_h, c->out_norm, c->hp->eps, c->logits,
+                                                 c->stream));
+    else
+        rc = rc ? rc : cb_mm(c, "head.lm", o, c->xa, ne, S, c->logits, nvocab);
     if (ids) {
         rc = rc ? rc : CB_K(c, "head.argmax", cuda_argmax(c->logits, (uint32_t)nvocab, S,
                                                           c->d_argmax, c->stream));

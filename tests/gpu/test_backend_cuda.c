@@ -24,7 +24,8 @@
  *     sm_90 and later the default chains the kernels with PDL, elsewhere
  *     both runs launch alike): byte-identical, the kernels' maths is the same;
  *   - the same with the decode fusions off (LAMINA_CUDA_FUSE=0: conv and
- *     DeltaNet heads as two launches): byte-identical;
+ *     DeltaNet heads as two launches, the lm head's norm a launch of its
+ *     own): byte-identical;
  *   - the same with no product tails (LAMINA_CUDA_TAIL=0: the residual
  *     norms and top-k as launches of their own) and with every tail
  *     (LAMINA_CUDA_TAIL=1: the combine too): byte-identical;
