@@ -34,7 +34,8 @@
  * positions a step at a time. On sm_80+ each lane stages its own piece of
  * the step's K and V rows through a per-warp cp.async ring 1..2 steps ahead
  * (attn_ring; 8 rows of f16: 3 stages of U = 2 sub-steps, else 2 stages of
- * 1; at most 96 KiB a block); else it loads them straight from global
+ * 1; at most 96 KiB a block, launched with the driver's carveout so that two
+ * fit an SM, attn_carveout); else it loads them straight from global
  * memory. (Splitting the 8 heads of a group over two warps, for 3 blocks
  * per SM instead of 2, measured slower.) The warps' triples combine in
  * shared memory; with one split that is the output, else each block writes
@@ -42,7 +43,9 @@
  * splits in ascending order. Splits follow from the shape alone (the same
  * on every GPU): chunks of >= 32 positions (one step of each warp of a
  * block at 8 rows of f16: short contexts spread over more blocks), at most
- * 512 blocks.
+ * 512 blocks. The graph-stable form (cuda_attention_decode_at: the position
+ * in device memory) launches the most splits any position up to its max_kv
+ * plans (attn_decode_splits_most), the blocks past a position's own plan idle.
  *
  * The fused decode (cuda_attention_decode_fused, attn_fused_kernel below): the
  * prep, the decode and the merge of one token in one launch, a warp per query
@@ -473,11 +476,11 @@ static __device__ __forceinline__ void attn_decode_ring(attn_warp<DPL, NR> &st, 
     const uint32_t n_steps = first < c1 ? (c1 - first + step - 1) / step : 0;
 #pragma unroll
     for (int i = 0; i < R::STAGES - 1; i++)
-        attn_ring_issue<DPL, NR, F16, LEAN>(ring, k, v, row_bytes, first, step, n_steps, c1, i, lane,
-                                      own);
+        attn_ring_issue<DPL, NR, F16, LEAN>(ring, k, v, row_bytes, first, step, n_steps, c1, i,
+                                            lane, own);
     for (uint32_t i = 0; i < n_steps; i++) {
         attn_ring_issue<DPL, NR, F16, LEAN>(ring, k, v, row_bytes, first, step, n_steps, c1,
-                                      i + R::STAGES - 1, lane, own);
+                                            i + R::STAGES - 1, lane, own);
         attn_cp_wait<R::STAGES - 1>(); /* step i has landed */
         const char *slot = ring + (i % R::STAGES) * R::SLOT;
         attn_step<DPL, NR, R::U, F16, false>(st, slot, slot + R::P * R::ROW, 32 * DPL, R::P,
@@ -515,8 +518,9 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3
                     lane, a.scale_log2);
     if constexpr (ATTN_HAVE_CP_ASYNC && attn_ring<DPL, NR, F16, LEAN>::ON) {
         using R = attn_ring<DPL, NR, F16, LEAN>;
-        attn_decode_ring<DPL, NR, F16, LEAN>(st, (char *)s_dyn + warp * R::STAGES * R::SLOT, kh, vh,
-                                       kv_dim * ESZ, c0, c1, warp, lane, own, s_sw[warp]);
+        attn_decode_ring<DPL, NR, F16, LEAN>(st, (char *)s_dyn + warp * R::STAGES * R::SLOT, kh,
+                                             vh, kv_dim * ESZ, c0, c1, warp, lane, own,
+                                             s_sw[warp]);
     } else {
         for (uint32_t p = c0 + warp * P; p < c1; p += NW * P) {
             const size_t at = (size_t)p * kv_dim * ESZ;
@@ -1134,9 +1138,9 @@ static int attn_carveout()
 
 /* LAMINA_CUDA_ATTN_RING=lean: the f16 ring at eight heads a block (hd 256's)
  * stages one sub-step a step instead of two, 48 KiB a block instead of 96, so
- * that two blocks fit an SM in a 50 % split: an experiment beside
- * LAMINA_CUDA_ATTN_CARVEOUT (docs/perf.md, thirty-third session). Read at each
- * launch. */
+ * that two blocks fit an SM even in a 50 % split: the other cure for what the
+ * carveout above cures, measured as fast, not faster (docs/perf.md,
+ * thirty-third session), so opt-in. Read at each launch. */
 static bool attn_ring_lean()
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_RING");
@@ -1221,8 +1225,8 @@ static uint32_t attn_group_heads(uint32_t G, uint32_t cap)
     return ng;
 }
 
-/* Splits of n_kv positions for `units` blocks per split: chunks of at least
- * min_chunk positions (a multiple of `align`), at most max_blocks blocks. */
+/* The split count attn_plan_splits aims at for n_kv positions: one per
+ * min_chunk positions, at most max_blocks / units (and ATTN_MAX_SPLITS). */
 static uint32_t attn_split_bound(uint32_t n_kv, uint32_t units, uint32_t min_chunk,
                                  uint32_t max_blocks)
 {
@@ -1231,6 +1235,8 @@ static uint32_t attn_split_bound(uint32_t n_kv, uint32_t units, uint32_t min_chu
     return want < cap ? want : cap;
 }
 
+/* Splits of n_kv positions for `units` blocks per split: chunks of at least
+ * min_chunk positions (a multiple of `align`), at most max_blocks blocks. */
 static void attn_plan_splits(struct attn_args *a, uint32_t n_kv, uint32_t units,
                              uint32_t min_chunk, uint32_t max_blocks, uint32_t align)
 {
