@@ -116,6 +116,7 @@ struct attn_args {
      * products (mvq::xq_row_bytes layout) by the combine kernel, or NULL */
     int8_t *outq;
     uint32_t min_chunk; /* decode: positions per split, at least (attn_min_chunk) */
+    uint32_t max_blocks; /* decode: blocks of the split decode, at most (attn_max_blocks) */
 };
 
 /* DPL consecutive elements of a K or V row (f16 or f32) as floats; zeros
@@ -355,7 +356,7 @@ static __device__ __forceinline__ uint32_t attn_dev_div_up(uint32_t a, uint32_t 
 
 /* pos0, chunk and split count of a decode step: from the arguments, or with
  * pos_ptr set from the position in device memory exactly as
- * attn_plan_splits(n_kv, units, min_chunk, ATTN_MAX_BLOCKS, 16) plans. */
+ * attn_plan_splits(n_kv, units, min_chunk, max_blocks, 16) plans. */
 static __device__ __forceinline__ void attn_decode_plan(const struct attn_args &a,
                                                         uint32_t *pos0, uint32_t *chunk,
                                                         uint32_t *n_splits)
@@ -366,7 +367,7 @@ static __device__ __forceinline__ void attn_decode_plan(const struct attn_args &
     }
     *pos0 = __ldcg(a.pos_ptr); /* through L2: the combine reads it before its wait */
     const uint32_t n_kv = *pos0 + 1, want = attn_dev_div_up(n_kv, a.min_chunk);
-    uint32_t cap = ATTN_MAX_BLOCKS / a.units;
+    uint32_t cap = a.max_blocks / a.units;
     cap = cap < 1 ? 1 : cap > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : cap;
     const uint32_t n = want < cap ? want : cap;
     *chunk = attn_dev_div_up(attn_dev_div_up(n_kv, n), 16) * 16;
@@ -1245,15 +1246,15 @@ static void attn_plan_splits(struct attn_args *a, uint32_t n_kv, uint32_t units,
     a->n_splits = attn_div_up(n_kv, a->chunk);
 }
 
-/* The most splits attn_plan_splits(n, units, min_chunk, ATTN_MAX_BLOCKS, 16)
+/* The most splits attn_plan_splits(n, units, min_chunk, max_blocks, 16) (a's)
  * plans for any n up to max_kv (at least two: see cuda_attention_decode_at).
  * Not the plan of max_kv itself: the chunk's rounding makes the count fall
  * as n grows (65536 positions at 256 splits a kv head plan 256 splits of 256,
  * 68536 plan 252 of 272). A plan's count is at most attn_split_bound's n (its
  * chunk is at least n_kv / n), which never falls as n_kv grows. */
-static uint32_t attn_decode_splits_most(uint32_t max_kv, uint32_t units, uint32_t min_chunk)
+static uint32_t attn_decode_splits_most(const struct attn_args &a, uint32_t max_kv)
 {
-    const uint32_t n = attn_split_bound(max_kv, units, min_chunk, ATTN_MAX_BLOCKS);
+    const uint32_t n = attn_split_bound(max_kv, a.units, a.min_chunk, a.max_blocks);
     return n < 2 ? 2 : n;
 }
 
@@ -1303,6 +1304,16 @@ static uint32_t attn_min_chunk()
     return v >= 16 && v <= 4096 && v % 16 == 0 ? static_cast<uint32_t>(v) : ATTN_MIN_CHUNK;
 }
 
+/* Blocks of the split decode, at most: ATTN_MAX_BLOCKS, or
+ * LAMINA_CUDA_ATTN_BLOCKS (16 to 4096; read at each call, for measurements:
+ * other splits give other roundings). */
+static uint32_t attn_max_blocks()
+{
+    const char *env = getenv("LAMINA_CUDA_ATTN_BLOCKS");
+    const long v = env ? strtol(env, nullptr, 10) : 0;
+    return v >= 16 && v <= 4096 ? static_cast<uint32_t>(v) : ATTN_MAX_BLOCKS;
+}
+
 /* The arguments every path shares. */
 static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
                                    const void *d_kcache, const void *d_vcache, uint32_t n_head,
@@ -1328,6 +1339,7 @@ static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t
     a.gated = gated;
     a.out = d_out;
     a.min_chunk = attn_min_chunk();
+    a.max_blocks = attn_max_blocks();
     return a;
 }
 
@@ -1354,7 +1366,7 @@ extern "C" size_t cuda_attention_decode_ws_bytes(uint32_t n_head, uint32_t n_hea
         return 0;
     struct attn_args a = attn_setup(nullptr, 0, 0, nullptr, nullptr, n_head, n_head_kv, hd, 1,
                                     0, 1.0f, false, nullptr);
-    const size_t splits = attn_decode_splits_most(max_kv, a.units, a.min_chunk);
+    const size_t splits = attn_decode_splits_most(a, max_kv);
     return splits * n_head * (hd + 2) * sizeof(float);
 }
 
@@ -1398,7 +1410,7 @@ extern "C" int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_strid
      * that the combine always runs (one split through the combine gives the
      * direct path's result bit for bit: weight 1, sums of zeros); the blocks
      * past a position's own plan have empty ranges */
-    a.n_splits = attn_decode_splits_most(max_kv, a.units, a.min_chunk);
+    a.n_splits = attn_decode_splits_most(a, max_kv);
     a.ws_acc = d_ws;
     a.ws_ml = d_ws + (size_t)a.n_splits * n_head * hd;
     return attn_decode(a, f16, stream);
@@ -1419,7 +1431,7 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
     const int dpl = attn_dpl(hd);
     const uint32_t esz = f16 ? 2 : 4;
     if (n_tok == 1) {
-        attn_plan_splits(&a, pos0 + 1, a.units, a.min_chunk, ATTN_MAX_BLOCKS, 16);
+        attn_plan_splits(&a, pos0 + 1, a.units, a.min_chunk, a.max_blocks, 16);
         if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
             return rc;
         rc = attn_decode(a, f16, stream);

@@ -724,14 +724,17 @@ static void test_attention_timing(struct rng *r, const char *pool)
                 c->n_tok == 1 ? "decode" : "prefill", c->n_head, c->n_head_kv, c->hd, c->n_tok,
                 n_kv, c->f16 ? "f16" : "f32", ms * 1e3, bytes / (ms * 1e-3) / 1e9, pool);
     }
-    /* the decode kernel's own carveout (LAMINA_CUDA_ATTN_CARVEOUT) and the lean ring
-     * (LAMINA_CUDA_ATTN_RING=lean): the f16 ring at hd 256 is 96 KiB a block, one an SM
-     * in a 50 % split; correct either way, timed at 4k and 64k */
+    /* the decode kernel's own carveout (LAMINA_CUDA_ATTN_CARVEOUT), the lean ring
+     * (LAMINA_CUDA_ATTN_RING=lean: the f16 ring at hd 256 is 96 KiB a block, one an SM
+     * in a 50 % split) and fewer blocks for the split decode (LAMINA_CUDA_ATTN_BLOCKS):
+     * correct either way, timed at 4k and 64k */
     static const struct {
         const char *var, *val;
     } vs[] = {{"LAMINA_CUDA_ATTN_CARVEOUT", "100"},
               {"LAMINA_CUDA_ATTN_CARVEOUT", "-1"},
-              {"LAMINA_CUDA_ATTN_RING", "lean"}};
+              {"LAMINA_CUDA_ATTN_RING", "lean"},
+              {"LAMINA_CUDA_ATTN_BLOCKS", "132"},
+              {"LAMINA_CUDA_ATTN_BLOCKS", "264"}};
     static const uint32_t pos0s[] = {4095, 65535};
     for (size_t i = 0; i < sizeof vs / sizeof vs[0]; i++) {
         setenv(vs[i].var, vs[i].val, 1);
