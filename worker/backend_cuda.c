@@ -2924,15 +2924,16 @@ static int cb_head_enqueue(struct backend_cuda *c, const float *d_h, uint32_t S,
     /* one row with the decode fusions: the lm head normalises it itself, the same bits
      * (cuda_matvec_norm), a launch fewer */
     const bool in_norm = S == 1 && c->fuse && cuda_matvec_norm_ok(o->type, o->n_out, o->n_in);
-    int rc = in_norm ? 0
-                     : CB_K(c, "head.norm", cuda_rmsnorm_wide(c->xa, d_h, c->out_norm, (uint32_t)ne,
-                                                              S, c->hp->eps, c->stream));
-    if (in_norm)
+    int rc;
+    if (in_norm) {
         rc = CB_K(c, "head.lm", cuda_matvec_norm(o->type, o->d, o->row_bytes, o->n_out, o->n_in,
                                                  d_h, c->out_norm, c->hp->eps, c->logits,
                                                  c->stream));
-    else
+    } else {
+        rc = CB_K(c, "head.norm", cuda_rmsnorm_wide(c->xa, d_h, c->out_norm, (uint32_t)ne, S,
+                                                    c->hp->eps, c->stream));
         rc = rc ? rc : cb_mm(c, "head.lm", o, c->xa, ne, S, c->logits, nvocab);
+    }
     if (ids) {
         rc = rc ? rc : CB_K(c, "head.argmax", cuda_argmax(c->logits, (uint32_t)nvocab, S,
                                                           c->d_argmax, c->stream));
