@@ -47,6 +47,12 @@
  * in device memory) launches the most splits any position up to its max_kv
  * plans (attn_decode_splits_most), the blocks past a position's own plan idle.
  *
+ * The tensor-core split decode (attn_mma_kernel, kernels/cuda/attn_mma.cuh; opt-in,
+ * LAMINA_CUDA_ATTN_MMA=1): the same splits' triples for attn_combine_kernel from
+ * mma.sync products (f16 cache, hd 16 to 256, compute capability 8.0 or later),
+ * with q and the weights in two f16 parts each; its own plan (attn_mma_limits:
+ * chunks of >= 64 positions, at most 128 blocks).
+ *
  * The fused decode (cuda_attention_decode_fused, attn_fused_kernel below): the
  * prep, the decode and the merge of one token in one launch, a warp per query
  * head, the cached rows read before the PDL wait, the splits merged by the
@@ -380,6 +386,44 @@ static __device__ __forceinline__ size_t attn_ws_row(const struct attn_args &a, 
     return ((size_t)split * a.n_tok + t) * a.n_head + h;
 }
 
+/* Merges the triples of a decode block's nw warps for its rows h0 .. h0 + NG - 1
+ * (warp w's row r: max m[w mr + r], sum l[w mr + r], accumulator acc + w acc_warp
+ * + r acc_row) in ascending warp order, into the output (one split: normalised and
+ * gated) or the split's workspace row. Every thread of the block takes part. */
+static __device__ __forceinline__ void attn_merge_warps(const struct attn_args &a,
+                                                        uint32_t split, uint32_t h0, int nw,
+                                                        const float *m, const float *l, int mr,
+                                                        const float *acc, size_t acc_warp,
+                                                        size_t acc_row)
+{
+    for (uint32_t i = threadIdx.x; i < a.NG * a.hd; i += blockDim.x) {
+        const uint32_t r = i / a.hd, d = i % a.hd, h = h0 + r;
+        float M = -INFINITY;
+#pragma unroll 4
+        for (int w = 0; w < nw; w++)
+            M = fmaxf(M, m[w * mr + r]);
+        float L = 0.0f, A = 0.0f;
+#pragma unroll 4
+        for (int w = 0; w < nw; w++) {
+            const float mw = m[w * mr + r];
+            const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
+            L += wt * l[w * mr + r];
+            A += wt * acc[w * acc_warp + r * acc_row + d];
+        }
+        if (!a.ws_acc) {
+            const float *qrow = a.q + (size_t)h * a.q_head_stride;
+            a.out[(size_t)h * a.hd + d] = attn_gate(a, qrow, d, A / L);
+            continue;
+        }
+        const size_t row = attn_ws_row(a, split, 0, h);
+        a.ws_acc[row * a.hd + d] = A;
+        if (d == 0) {
+            a.ws_ml[2 * row] = M;
+            a.ws_ml[2 * row + 1] = L;
+        }
+    }
+}
+
 /* The per-warp staging ring of the decode kernel on sm_80+: each lane copies
  * its own PIECE bytes of the step's P K rows and P V rows into slot
  * (step % STAGES) with cp.async, STAGES - 1 steps ahead, and later reads back
@@ -543,32 +587,11 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3
             s_acc[warp][r][lane * DPL + d] = st.acc[r][d];
     __syncthreads();
 
-    for (uint32_t i = threadIdx.x; i < a.NG * a.hd; i += NW * 32) {
-        const uint32_t r = i / a.hd, d = i % a.hd, h = h0 + r;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < NW; w++)
-            M = fmaxf(M, s_m[w][r]);
-        float L = 0.0f, A = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NW; w++) {
-            const float wt = s_m[w][r] == -INFINITY ? 0.0f : exp2f(s_m[w][r] - M);
-            L += wt * s_l[w][r];
-            A += wt * s_acc[w][r][d];
-        }
-        if (!a.ws_acc) {
-            const float *qrow = a.q + (size_t)h * a.q_head_stride;
-            a.out[(size_t)h * a.hd + d] = attn_gate(a, qrow, d, A / L);
-            continue;
-        }
-        const size_t row = attn_ws_row(a, split, 0, h);
-        a.ws_acc[row * a.hd + d] = A;
-        if (d == 0) {
-            a.ws_ml[2 * row] = M;
-            a.ws_ml[2 * row + 1] = L;
-        }
-    }
+    attn_merge_warps(a, split, h0, NW, &s_m[0][0], &s_l[0][0], NR, &s_acc[0][0][0],
+                     (size_t)NR * DPL * 32, DPL * 32);
 }
+
+#include "kernels/cuda/attn_mma.cuh"
 
 /* Copies positions [t0, t0 + tile) of kv head j into the shared tiles, zeros
  * past `end`. Rows are hd*ESZ bytes, a multiple of 16. */
@@ -1294,24 +1317,52 @@ static int attn_ws_alloc(struct attn_args *a, cudaStream_t stream)
     return 0;
 }
 
-/* Positions per decode split, at least: ATTN_MIN_CHUNK, or
+/* Positions per decode split, at least: dflt (ATTN_MIN_CHUNK, AM_MIN_CHUNK), or
  * LAMINA_CUDA_ATTN_CHUNK (16 to 4096, a multiple of 16; read at each call,
  * for measurements: other splits give other roundings). */
-static uint32_t attn_min_chunk()
+static uint32_t attn_min_chunk(uint32_t dflt)
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_CHUNK");
     const long v = env ? strtol(env, nullptr, 10) : 0;
-    return v >= 16 && v <= 4096 && v % 16 == 0 ? static_cast<uint32_t>(v) : ATTN_MIN_CHUNK;
+    return v >= 16 && v <= 4096 && v % 16 == 0 ? static_cast<uint32_t>(v) : dflt;
 }
 
-/* Blocks of the split decode, at most: ATTN_MAX_BLOCKS, or
+/* Blocks of the split decode, at most: dflt (ATTN_MAX_BLOCKS, AM_MAX_BLOCKS), or
  * LAMINA_CUDA_ATTN_BLOCKS (16 to 4096; read at each call, for measurements:
  * other splits give other roundings). */
-static uint32_t attn_max_blocks()
+static uint32_t attn_max_blocks(uint32_t dflt)
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_BLOCKS");
     const long v = env ? strtol(env, nullptr, 10) : 0;
-    return v >= 16 && v <= 4096 ? static_cast<uint32_t>(v) : ATTN_MAX_BLOCKS;
+    return v >= 16 && v <= 4096 ? static_cast<uint32_t>(v) : dflt;
+}
+
+/* Whether the last decode the calling thread launched here ran the tensor-core
+ * kernel (cuda_attention_last_mma; tests). */
+static thread_local bool attn_last_mma = false;
+
+/* Whether a decode of these arguments runs attn_mma_kernel: asked for
+ * (LAMINA_CUDA_ATTN_MMA=1, read at each call; opt-in until measured), an f16
+ * cache, hd 16, 32, 64, 128 or 256 and compute capability 8.0 or later. */
+static bool attn_mma_takes(const struct attn_args &a, bool f16)
+{
+    const char *env = getenv("LAMINA_CUDA_ATTN_MMA");
+    const bool hd = a.hd == 16 || a.hd == 32 || a.hd == 64 || a.hd == 128 || a.hd == 256;
+    return env && strcmp(env, "1") == 0 && f16 && a.n_tok == 1 && hd && cuda_caps_cc() >= 80;
+}
+
+/* The tensor-core kernel's splits: longer chunks (one tile for each of its 4
+ * warps) and fewer blocks (one wave of one an SM at hd 256), unless
+ * LAMINA_CUDA_ATTN_CHUNK / _BLOCKS say (then the same as the default plan's).
+ * So never more splits than the default plan: cuda_attention_decode_ws_bytes
+ * holds either. */
+static void attn_mma_limits(struct attn_args *a)
+{
+    static_assert((int)AM_MIN_CHUNK >= (int)ATTN_MIN_CHUNK &&
+                      (int)AM_MAX_BLOCKS <= (int)ATTN_MAX_BLOCKS,
+                  "the tensor-core plan has at most the default plan's splits");
+    a->min_chunk = attn_min_chunk(AM_MIN_CHUNK);
+    a->max_blocks = attn_max_blocks(AM_MAX_BLOCKS);
 }
 
 /* The arguments every path shares. */
@@ -1338,25 +1389,62 @@ static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t
     a.scale_log2 = scale * 1.4426950408889634f;
     a.gated = gated;
     a.out = d_out;
-    a.min_chunk = attn_min_chunk();
-    a.max_blocks = attn_max_blocks();
+    a.min_chunk = attn_min_chunk(ATTN_MIN_CHUNK);
+    a.max_blocks = attn_max_blocks(ATTN_MAX_BLOCKS);
     return a;
 }
 
-static int attn_decode(const struct attn_args &a, bool f16, cudaStream_t stream)
+/* Launches attn_mma_kernel<HD>: 4 warps a block, fewer where the card's shared
+ * memory a block holds less. */
+template <int HD>
+static int attn_mma_go(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+{
+    int cc = 0, optin = 0;
+    int rc = cuda_caps_get(&cc, &optin);
+    int nw = AM_MAX_WARPS;
+    while (!rc && nw > 1 && attn_mma_smem<HD>(nw) > (size_t)optin - 1024)
+        nw /= 2;
+    const size_t smem = attn_mma_smem<HD>(nw);
+    if (!rc && smem > 40 * 1024)
+        rc = cuda_caps_allow_smem((const void *)attn_mma_kernel<HD>, smem, "cuda_attention");
+    if (rc)
+        return rc;
+    pdl_launch_cv(attn_mma_kernel<HD>, grid, nw * 32, 1, attn_carveout(), smem, stream, a);
+    return 0;
+}
+
+static int attn_mma_launch(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+{
+    switch (a.hd) {
+    case 16: return attn_mma_go<16>(a, grid, stream);
+    case 32: return attn_mma_go<32>(a, grid, stream);
+    case 64: return attn_mma_go<64>(a, grid, stream);
+    case 128: return attn_mma_go<128>(a, grid, stream);
+    default: return attn_mma_go<256>(a, grid, stream);
+    }
+}
+
+static int attn_decode(const struct attn_args &a, bool f16, bool mma, cudaStream_t stream)
 {
     const int nr = a.NG <= 1 ? 1 : a.NG <= 2 ? 2 : a.NG <= 4 ? 4 : 8;
     const bool cp_async = cuda_caps_cc() >= 80;
     const dim3 grid(a.n_splits, a.units);
     const int dpl = attn_dpl(a.hd);
-    int rc = f16 ? attn_launch_decode<true>(a, dpl, nr, grid, cp_async, stream)
-                 : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
+    attn_last_mma = mma;
+    int rc = mma ? attn_mma_launch(a, grid, stream)
+             : f16 ? attn_launch_decode<true>(a, dpl, nr, grid, cp_async, stream)
+                   : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
     rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
     if (!rc && a.n_splits > 1) {
         pdl_launch(attn_combine_kernel, dim3(a.n_head, attn_div_up(a.hd, 32)), 256, 0, stream, a);
         rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");
     }
     return rc;
+}
+
+extern "C" bool cuda_attention_last_mma(void)
+{
+    return attn_last_mma;
 }
 
 extern "C" size_t cuda_attention_decode_ws_bytes(uint32_t n_head, uint32_t n_head_kv,
@@ -1406,6 +1494,9 @@ extern "C" int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_strid
                                     n_head_kv, hd, 1, 0, scale, gated, d_out);
     a.pos_ptr = d_pos;
     a.outq = d_outq;
+    const bool mma = attn_mma_takes(a, f16);
+    if (mma)
+        attn_mma_limits(&a);
     /* grid: the most splits any position up to max_kv plans, at least two so
      * that the combine always runs (one split through the combine gives the
      * direct path's result bit for bit: weight 1, sums of zeros); the blocks
@@ -1413,7 +1504,7 @@ extern "C" int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_strid
     a.n_splits = attn_decode_splits_most(a, max_kv);
     a.ws_acc = d_ws;
     a.ws_ml = d_ws + (size_t)a.n_splits * n_head * hd;
-    return attn_decode(a, f16, stream);
+    return attn_decode(a, f16, mma, stream);
 }
 
 extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
@@ -1431,10 +1522,13 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
     const int dpl = attn_dpl(hd);
     const uint32_t esz = f16 ? 2 : 4;
     if (n_tok == 1) {
+        const bool mma = attn_mma_takes(a, f16);
+        if (mma)
+            attn_mma_limits(&a);
         attn_plan_splits(&a, pos0 + 1, a.units, a.min_chunk, a.max_blocks, 16);
         if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
             return rc;
-        rc = attn_decode(a, f16, stream);
+        rc = attn_decode(a, f16, mma, stream);
     } else {
         uint32_t tile = ATTN_TILE_BYTES / (2 * hd * esz);
         a.tile = tile > 64 ? 64 : tile / 4 * 4;

@@ -60,7 +60,8 @@
  *     here with expert_exec on the CPU: within the bound, rows really sent;
  *   - the layers split over two cuda backends: within the bound;
  *   - f16 KV cache, cuda vs token-by-token cpu with f16 KV: within the bound
- *     of TBC_TOL_F16;
+ *     of TBC_TOL_F16, also with the decode attention on tensor cores
+ *     (LAMINA_CUDA_ATTN_MMA=1);
  *   - a device budget too small is refused;
  *   - sequence snapshots through the DeltaNet state's host copy and its fresh / ahead flags
  *     (two slots; the prompt and half the decode steps in slot 0, through the graph): the
@@ -718,6 +719,12 @@ static void tbc_arch_run(struct tbc_arch *a)
     f16.max_batch = TBC_BATCH;
     tbc_run(a, "cuda", f16, tmp, NULL);
     tbc_compare(a, gpu2, tmp, "cuda f16 KV vs token-by-token cpu f16 KV", TBC_TOL_F16);
+    /* the decode attention on tensor cores (opt-in; kernels/cuda/attn_mma.cuh) */
+    setenv("LAMINA_CUDA_ATTN_MMA", "1", 1);
+    tbc_run(a, "cuda", f16, tmp, NULL);
+    unsetenv("LAMINA_CUDA_ATTN_MMA");
+    tbc_compare(a, gpu2, tmp, "cuda f16 KV, tensor-core decode attention, vs token-by-token cpu "
+                "f16 KV", TBC_TOL_F16);
     tbc_snapshot(a, gpu, tok);
     tbc_layers(a);
     tbc_budget(a);

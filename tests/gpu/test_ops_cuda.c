@@ -5,8 +5,10 @@
  * bytes) before each run. Every kernel runs twice and the two outputs must be
  * byte-identical. Attention covers decode over 1 .. 70000 positions and
  * prefill, f16 and f32 caches, GQA 16/2 and 4/2 (plus 32/2, 6/2, 8/8), head
- * dims 256, 128, 16, gated and not; decode attention is timed at 4k and 64k
- * positions (cudaEvents, median of 20) with the KV bytes read per second.
+ * dims 256, 128, 16, gated and not; decode attention is timed at 4k, 16k and
+ * 64k positions (cudaEvents, median of 20) with the KV bytes read per second.
+ * The tensor-core split decode (opt-in, LAMINA_CUDA_ATTN_MMA=1) over the same
+ * kinds of cases with an f16 cache, hd 256 to 16, and timed beside the default.
  * The fused decode (prep, attention and merge in one launch, opt-in: the
  * test sets LAMINA_CUDA_ATTN_FUSED=1) against the prep and the decode
  * launched apart, at positions 0 .. 69999, timed at three of them.
@@ -647,6 +649,64 @@ static void test_attention_decode(struct rng *r)
     MEASURE("attention decode G = 3, 1, 16, 12 (hd 64, 32, 128, 96): max abs err %.3g", worst);
 }
 
+/* The tensor-core split decode (LAMINA_CUDA_ATTN_MMA=1, kernels/cuda/attn_mma.cuh) over
+ * an f16 cache: attn_case_run's checks (against the CPU within 1e-4, twice byte-identical,
+ * the graph-stable forms the same bytes, the rounded row the host's rounding), and that the
+ * kernel ran where it should (compute capability 8.0 or later) and not where it declines
+ * (an f32 cache, hd 96). */
+static void test_attention_mma(struct rng *r)
+{
+    const bool able = cuda_caps_cc() >= 80;
+    setenv("LAMINA_CUDA_ATTN_MMA", "1", 1);
+    static const uint32_t n_kvs[] = {1, 7, 17, 256, 4096};
+    static const uint32_t heads[][2] = {{16, 2}, {4, 2}, {32, 4}};
+    static const uint32_t hds[] = {256, 128, 64, 32, 16};
+    double worst = 0.0;
+    int ran = 0, cases = 0;
+    for (size_t i = 0; i < sizeof n_kvs / sizeof n_kvs[0]; i++)
+        for (size_t h = 0; h < 3; h++)
+            for (size_t j = 0; j < sizeof hds / sizeof hds[0]; j++)
+                for (int gated = 0; gated < 2; gated++) {
+                    const struct attn_case c = {heads[h][0], heads[h][1], hds[j], 1,
+                                                n_kvs[i] - 1, true, gated};
+                    worst = fmax(worst, attn_case_run(&c, r));
+                    ran += cuda_attention_last_mma();
+                    cases++;
+                }
+    MEASURE("attention decode, tensor cores: n_kv 1 .. 4096, heads 16/2, 4/2, 32/4, hd 256 .. "
+            "16: max abs err %.3g over %d shapes (tol 1e-4)", worst, cases);
+    /* long contexts, a context whose own plan has more splits than the grid's (attn_case_run's
+     * max_kv + 3000), G = 3 (padded heads), 16 (two blocks a kv head) and 1 */
+    static const struct attn_case more[] = {
+        {16, 2, 256, 1, 69999, true, true}, {32, 2, 128, 1, 69999, true, false},
+        {4, 2, 64, 1, 69999, true, true},   {16, 2, 256, 1, 8191, true, true},
+        {32, 4, 128, 1, 4095, true, false}, {6, 2, 64, 1, 999, true, false},
+        {12, 4, 128, 1, 300, true, true},   {32, 2, 128, 1, 5000, true, true},
+        {8, 8, 32, 1, 300, true, false},
+    };
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+        const double e = attn_case_run(&more[i], r);
+        ran += cuda_attention_last_mma();
+        cases++;
+        MEASURE("attention decode, tensor cores: n_kv %u heads %u/%u hd %u gated %d: max abs err "
+                "%.3g",
+                more[i].pos0 + 1, more[i].n_head, more[i].n_head_kv, more[i].hd, more[i].gated,
+                e);
+    }
+    CHECK(ran == (able ? cases : 0), "attention decode: the tensor-core kernel ran %d of %d times "
+          "(compute capability %d)", ran, cases, cuda_caps_cc());
+    static const struct attn_case declined[] = {
+        {16, 2, 256, 1, 4095, false, true}, /* f32 cache */
+        {12, 1, 96, 1, 77, true, true},     /* hd 96 */
+    };
+    for (size_t i = 0; i < sizeof declined / sizeof declined[0]; i++) {
+        attn_case_run(&declined[i], r);
+        CHECK(!cuda_attention_last_mma(), "attention decode: the tensor-core kernel ran for f16 %d "
+              "hd %u", declined[i].f16, declined[i].hd);
+    }
+    unsetenv("LAMINA_CUDA_ATTN_MMA");
+}
+
 static void test_attention_prefill(struct rng *r)
 {
     static const uint32_t toks[] = {5, 64}, pos0s[] = {0, 37};
@@ -726,28 +786,52 @@ static void test_attention_timing(struct rng *r, const char *pool)
     }
     /* the decode kernel's own carveout (LAMINA_CUDA_ATTN_CARVEOUT), the lean ring
      * (LAMINA_CUDA_ATTN_RING=lean: the f16 ring at hd 256 is 96 KiB a block, one an SM
-     * in a 50 % split) and fewer blocks for the split decode (LAMINA_CUDA_ATTN_BLOCKS):
-     * correct either way, timed at 4k and 64k */
+     * in a 50 % split), fewer blocks for the split decode (LAMINA_CUDA_ATTN_BLOCKS) and
+     * the tensor-core kernel (LAMINA_CUDA_ATTN_MMA=1, with its own plan or more blocks):
+     * correct either way, timed at 4k, 16k and 64k beside the default */
     static const struct {
-        const char *var, *val;
-    } vs[] = {{"LAMINA_CUDA_ATTN_CARVEOUT", "100"},
-              {"LAMINA_CUDA_ATTN_CARVEOUT", "-1"},
-              {"LAMINA_CUDA_ATTN_RING", "lean"},
-              {"LAMINA_CUDA_ATTN_BLOCKS", "132"},
-              {"LAMINA_CUDA_ATTN_BLOCKS", "264"}};
-    static const uint32_t pos0s[] = {4095, 65535};
+        const char *var, *val, *var2, *val2;
+    } vs[] = {{"LAMINA_CUDA_ATTN_CARVEOUT", "100", NULL, NULL},
+              {"LAMINA_CUDA_ATTN_CARVEOUT", "-1", NULL, NULL},
+              {"LAMINA_CUDA_ATTN_RING", "lean", NULL, NULL},
+              {"LAMINA_CUDA_ATTN_BLOCKS", "132", NULL, NULL},
+              {"LAMINA_CUDA_ATTN_BLOCKS", "264", NULL, NULL},
+              {"LAMINA_CUDA_ATTN_MMA", "0", NULL, NULL},
+              {"LAMINA_CUDA_ATTN_MMA", "1", NULL, NULL},
+              {"LAMINA_CUDA_ATTN_MMA", "1", "LAMINA_CUDA_ATTN_BLOCKS", "264"},
+              {"LAMINA_CUDA_ATTN_MMA", "1", "LAMINA_CUDA_ATTN_BLOCKS", "512"}};
+    static const uint32_t pos0s[] = {4095, 16383, 65535};
     for (size_t i = 0; i < sizeof vs / sizeof vs[0]; i++) {
         setenv(vs[i].var, vs[i].val, 1);
+        if (vs[i].var2)
+            setenv(vs[i].var2, vs[i].val2, 1);
         for (size_t p = 0; p < sizeof pos0s / sizeof pos0s[0]; p++) {
             const struct attn_case c = {16, 2, 256, 1, pos0s[p], true, true};
             const double err = attn_case_run(&c, r); /* which checks it against the cpu's */
             const float ms = attn_time_ms(&c, r);
-            MEASURE("attention decode heads 16/2 hd 256 ctx %u f16, %s=%s: %.1f us (%s), max "
-                    "abs err %.3g",
-                    pos0s[p] + 1, vs[i].var, vs[i].val, ms * 1e3, pool, err);
+            MEASURE("attention decode heads 16/2 hd 256 ctx %u f16, %s=%s%s%s%s: %.1f us, %.0f "
+                    "GB/s of KV (%s), max abs err %.3g",
+                    pos0s[p] + 1, vs[i].var, vs[i].val, vs[i].var2 ? " " : "",
+                    vs[i].var2 ? vs[i].var2 : "", vs[i].var2 ? "=" : "", ms * 1e3,
+                    2048.0 * (pos0s[p] + 1) / (ms * 1e-3) / 1e9, pool, err);
         }
         unsetenv(vs[i].var);
+        if (vs[i].var2)
+            unsetenv(vs[i].var2);
     }
+    /* the tensor-core kernel at hd 128 (32/4 heads, Qwen3-MoE's) beside the default */
+    for (int mma = 0; mma < 2; mma++) {
+        setenv("LAMINA_CUDA_ATTN_MMA", mma ? "1" : "0", 1);
+        for (size_t p = 0; p < sizeof pos0s / sizeof pos0s[0]; p++) {
+            const struct attn_case c = {32, 4, 128, 1, pos0s[p], true, false};
+            const float ms = attn_time_ms(&c, r);
+            MEASURE("attention decode heads 32/4 hd 128 ctx %u f16, LAMINA_CUDA_ATTN_MMA=%d: "
+                    "%.1f us, %.0f GB/s of KV (%s)",
+                    pos0s[p] + 1, mma, ms * 1e3, 2048.0 * (pos0s[p] + 1) / (ms * 1e-3) / 1e9,
+                    pool);
+        }
+    }
+    unsetenv("LAMINA_CUDA_ATTN_MMA");
 }
 
 /* ---- router ---- */
@@ -1503,6 +1587,7 @@ int main(int argc, char **argv)
         test_attn_prep(&r);
         test_attention_fused(&r);
         test_attention_decode(&r);
+        test_attention_mma(&r);
         test_attention_prefill(&r);
     }
     test_attention_timing(&r, "default pool");
