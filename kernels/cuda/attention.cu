@@ -1337,18 +1337,19 @@ static uint32_t attn_max_blocks(uint32_t dflt)
     return v >= 16 && v <= 4096 ? static_cast<uint32_t>(v) : dflt;
 }
 
-/* Whether the last decode the calling thread launched here ran the tensor-core
+/* Whether the last attention the calling thread launched here ran a tensor-core
  * kernel (cuda_attention_last_mma; tests). */
 static thread_local bool attn_last_mma = false;
 
-/* Whether a decode of these arguments runs attn_mma_kernel: asked for
+/* Whether an attention of these arguments runs attn_mma_kernel (one token) or
+ * attn_mma_prefill_kernel (where its shared memory fits the card, below): asked for
  * (LAMINA_CUDA_ATTN_MMA=1, read at each call; opt-in until measured), an f16
  * cache, hd 16, 32, 64, 128 or 256 and compute capability 8.0 or later. */
 static bool attn_mma_takes(const struct attn_args &a, bool f16)
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_MMA");
     const bool hd = a.hd == 16 || a.hd == 32 || a.hd == 64 || a.hd == 128 || a.hd == 256;
-    return env && strcmp(env, "1") == 0 && f16 && a.n_tok == 1 && hd && cuda_caps_cc() >= 80;
+    return env && strcmp(env, "1") == 0 && f16 && hd && cuda_caps_cc() >= 80;
 }
 
 /* The tensor-core kernel's splits: longer chunks (one tile for each of its 4
@@ -1421,6 +1422,51 @@ static int attn_mma_launch(const struct attn_args &a, dim3 grid, cudaStream_t st
     case 64: return attn_mma_go<64>(a, grid, stream);
     case 128: return attn_mma_go<128>(a, grid, stream);
     default: return attn_mma_go<256>(a, grid, stream);
+    }
+}
+
+/* The prefill's shared memory a block for head dim hd. */
+static size_t attn_mma_pf_bytes(uint32_t hd)
+{
+    switch (hd) {
+    case 16: return attn_mma_pf_smem<16>();
+    case 32: return attn_mma_pf_smem<32>();
+    case 64: return attn_mma_pf_smem<64>();
+    case 128: return attn_mma_pf_smem<128>();
+    default: return attn_mma_pf_smem<256>();
+    }
+}
+
+/* Whether the prefill kernel's shared memory fits a block of this card (hd 256: 130 KiB,
+ * more than sm_86 / sm_89 give; those run the CUDA-core kernel). */
+static bool attn_mma_pf_fits(uint32_t hd)
+{
+    int cc = 0, optin = 0;
+    return cuda_caps_get(&cc, &optin) == 0 && attn_mma_pf_bytes(hd) + 1024 <= (size_t)optin;
+}
+
+template <int HD>
+static int attn_mma_pf_go(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+{
+    const size_t smem = attn_mma_pf_smem<HD>();
+    if (smem > 40 * 1024) {
+        const int rc = cuda_caps_allow_smem((const void *)attn_mma_prefill_kernel<HD>, smem,
+                                            "cuda_attention");
+        if (rc)
+            return rc;
+    }
+    attn_mma_prefill_kernel<HD><<<grid, AMP_WARPS * 32, smem, stream>>>(a);
+    return 0;
+}
+
+static int attn_mma_pf_launch(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+{
+    switch (a.hd) {
+    case 16: return attn_mma_pf_go<16>(a, grid, stream);
+    case 32: return attn_mma_pf_go<32>(a, grid, stream);
+    case 64: return attn_mma_pf_go<64>(a, grid, stream);
+    case 128: return attn_mma_pf_go<128>(a, grid, stream);
+    default: return attn_mma_pf_go<256>(a, grid, stream);
     }
 }
 
@@ -1538,11 +1584,17 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
         const dim3 grid(tiles, a.units, a.n_splits);
         if (a.n_splits > 1 && (rc = attn_ws_alloc(&a, stream)))
             return rc;
-        if (f16)
+        /* the tensor-core kernel's blocks are 4 warps of 16 rows: the same 64 rows */
+        static_assert((int)AMP_WARPS * 16 == (int)ATTN_PREFILL_WARPS * (int)ATTN_ROWS,
+                      "both prefill kernels' blocks own 64 rows");
+        attn_last_mma = attn_mma_takes(a, f16) && attn_mma_pf_fits(hd);
+        if (attn_last_mma)
+            rc = attn_mma_pf_launch(a, grid, stream);
+        else if (f16)
             attn_launch_prefill<true>(a, dpl, grid, smem, stream);
         else
             attn_launch_prefill<false>(a, dpl, grid, smem, stream);
-        rc = OPS_LAUNCH_CHECK("cuda_attention");
+        rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
         if (!rc && a.n_splits > 1) {
             attn_combine_kernel<<<dim3(n_tok * n_head, attn_div_up(hd, 32)), 256, 0, stream>>>(a);
             rc = OPS_LAUNCH_CHECK("cuda_attention (combine)");

@@ -37,6 +37,18 @@
  * order), to the output (one split) or the split's workspace row. Every reduction
  * has a fixed order: bit-identical run to run. Compute capability 8.0 or later
  * (mma.sync m16n8k16 f16); hd 16, 32, 64, 128 or 256.
+ *
+ * Prefill (attn_mma_prefill_kernel): the grid and rows of attn_prefill_kernel (a block
+ * owns 64 rows, 64 / NG tokens x NG heads of one kv head, and a split of the positions),
+ * 4 warps of 16 rows. Not transposed here: S = Q K^T (A = the rows' q, hi and lo, from
+ * shared memory, each lane its own fragments; B = K by ldmatrix), and O += P V with P
+ * straight from S's accumulators (the m16n8 accumulator of two position tiles is the A
+ * operand of 16 positions) and V by ldmatrix.trans. O has one accumulator (16 rows x hd:
+ * 128 registers at hd 256), so the weights' lo part is not scaled: it goes into O beside
+ * hi, and below 2^-2 it is an f16 subnormal (absolute error <= 2^-25 a weight). The
+ * block's threads stage K/V tiles of 32 positions in two stages; a warp skips tiles past
+ * its rows' last position, and masks each row at its own (causal) limit. 130 KiB of shared
+ * memory a block at hd 256 (sm_90 only; elsewhere the CUDA-core kernel runs).
  */
 #ifndef KERNELS_CUDA_ATTN_MMA_CUH
 #define KERNELS_CUDA_ATTN_MMA_CUH
@@ -55,6 +67,8 @@ enum {
     AM_MAX_WARPS = 4,  /* warps a block, at most */
     AM_MIN_CHUNK = 64, /* positions a split, at least: one tile for each of 4 warps */
     AM_MAX_BLOCKS = 128, /* blocks of a split decode, at most: one wave of one an SM */
+    AMP_TILE = 32,     /* prefill: positions of a K/V tile */
+    AMP_WARPS = 4,     /* prefill: warps a block, 16 rows each */
 };
 
 /* q's second part is scaled up by this before rounding (and its sums down) */
@@ -270,7 +284,246 @@ static __device__ __forceinline__ void am_run(am_state<HD> &st, char *ring, cons
     attn_cp_wait<0>();
 }
 
+/* ---- prefill ---- */
+
+/* This warp's q as A fragments (rows (token, head): g and g + 8 of the warp's 16, dims
+ * 16 chunk + 2t (+ 1, + 8, + 9)), hi then lo, at s_q[2 (chunk 32 + lane) + 0 / 1]; each lane
+ * writes and later reads only its own entries. Rows not valid: zeros. */
+template <int HD>
+static __device__ __forceinline__ void amp_load_q(const struct attn_args &a, const float *qr0,
+                                                  const float *qr1, uint4 *s_q, int lane)
+{
+    const uint32_t t = lane & 3;
+#pragma unroll 4
+    for (int kc = 0; kc < HD / 16; kc++) {
+        uint32_t hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            /* register i: rows g (i even) or g + 8, dims + 8 from register 2 on */
+            const float *qr = i & 1 ? qr1 : qr0;
+            const uint32_t d = kc * 16 + 2 * t + 8 * (i >> 1);
+            const float x0 = qr ? qr[d] * a.scale_log2 : 0.0f;
+            const float x1 = qr ? qr[d + 1] * a.scale_log2 : 0.0f;
+            am_split(x0, x1, &hi[i], &lo[i]);
+        }
+        s_q[2 * (kc * 32 + lane)] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        s_q[2 * (kc * 32 + lane) + 1] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+}
+
+/* Positions t0 .. t0 + AMP_TILE - 1 of K and V into a stage by the block's threads (rows
+ * past end - 1: row end - 1 again); commits a group. */
+template <int HD>
+static __device__ __forceinline__ void amp_issue(char *stage, const char *kh, const char *vh,
+                                                 size_t row_bytes, uint32_t t0, uint32_t end)
+{
+    using C = attn_mma_cfg<HD>;
+    for (uint32_t q = threadIdx.x; q < AMP_TILE * C::PR; q += blockDim.x) {
+        const uint32_t row = q / C::PR, col = q % C::PR;
+        const size_t at = (size_t)min(t0 + row, end - 1) * row_bytes + col * 16;
+        attn_cp_async<16>(stage + row * C::ROW + col * 16, kh + at);
+        attn_cp_async<16>(stage + AMP_TILE * C::ROW + row * C::ROW + col * 16, vh + at);
+    }
+}
+
+/* One warp's running state: O (16 rows x HD: tile nd's columns 8 nd + 2t (+ 1) of rows
+ * g, g + 8), and the max and this lane's share of the sum of rows g, g + 8. */
+template <int HD>
+struct amp_state {
+    float o[HD / 8][4];
+    float m[2], l[2];
+};
+
+/* One K/V tile (K rows at ks, V rows at vs) for this warp's rows; position t0 + x counts
+ * for row e when below lim[e]. */
+template <int HD>
+static __device__ __forceinline__ void amp_tile(amp_state<HD> &st, const char *ks,
+                                                const char *vs, const uint4 *s_q, uint32_t t0,
+                                                const uint32_t (&lim)[2], int lane)
+{
+    using C = attn_mma_cfg<HD>;
+    constexpr int NT = AMP_TILE / 8;
+    const uint32_t t = lane & 3;
+    float sh[NT][4] = {}, sl[NT][4] = {};
+    const uint32_t kb = (uint32_t)__cvta_generic_to_shared(ks) +
+                        ((lane & 7) + 8 * (lane >> 4)) * C::ROW + 16 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kc = 0; kc < C::KC; kc++) {
+        const uint4 qh = s_q[2 * (kc * 32 + lane)], ql = s_q[2 * (kc * 32 + lane) + 1];
+        const uint32_t ah[4] = {qh.x, qh.y, qh.z, qh.w}, al[4] = {ql.x, ql.y, ql.z, ql.w};
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t b[4];
+            am_ldsm(b, kb + np * 16 * C::ROW + kc * 32);
+            am_mma(sh[2 * np], ah, b[0], b[1]);
+            am_mma(sh[2 * np + 1], ah, b[2], b[3]);
+            am_mma(sl[2 * np], al, b[0], b[1]);
+            am_mma(sl[2 * np + 1], al, b[2], b[3]);
+        }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t p = t0 + nt * 8 + 2 * t + (i & 1);
+            const float v = sh[nt][i] + sl[nt][i] * kAmLoInv;
+            sh[nt][i] = p < lim[i >> 1] ? v : -INFINITY; /* sh holds the scores now */
+            mx[i >> 1] = fmaxf(mx[i >> 1], sh[nt][i]);
+        }
+    float cr[2];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(OPS_FULL_MASK, mx[e], 1));
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(OPS_FULL_MASK, mx[e], 2));
+        const float mn = fmaxf(st.m[e], mx[e]);
+        cr[e] = mn == -INFINITY ? 1.0f : exp2f(st.m[e] - mn);
+        st.m[e] = mn;
+        st.l[e] *= cr[e];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float mn = st.m[i >> 1];
+            sh[nt][i] = mn == -INFINITY ? 0.0f : exp2f(sh[nt][i] - mn); /* the weights */
+            st.l[i >> 1] += sh[nt][i];
+        }
+    if (__any_sync(OPS_FULL_MASK, cr[0] != 1.0f || cr[1] != 1.0f)) {
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++)
+            st.o[nd][0] *= cr[0], st.o[nd][1] *= cr[0], st.o[nd][2] *= cr[1], st.o[nd][3] *= cr[1];
+    }
+    const uint32_t vb = (uint32_t)__cvta_generic_to_shared(vs) +
+                        ((lane & 7) + 8 * ((lane >> 3) & 1)) * C::ROW + 16 * (lane >> 4);
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; kk++) {
+        /* P (rows x 16 positions) as A: the score tiles 2kk, 2kk + 1 in accumulator layout,
+         * hi and lo (lo not scaled: it shares O with hi) */
+        uint32_t ah[4], al[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float *w = &sh[2 * kk + (r >> 1)][2 * (r & 1)];
+            const __half2 hh = __floats2half2_rn(w[0], w[1]);
+            const float2 f = __half22float2(hh);
+            ah[r] = am_u32(hh);
+            al[r] = am_u32(__floats2half2_rn(w[0] - f.x, w[1] - f.y));
+        }
+#pragma unroll
+        for (int ndp = 0; ndp < HD / 16; ndp++) {
+            uint32_t b[4];
+            am_ldsm_t(b, vb + kk * 16 * C::ROW + ndp * 32);
+            am_mma(st.o[2 * ndp], ah, b[0], b[1]);
+            am_mma(st.o[2 * ndp + 1], ah, b[2], b[3]);
+            am_mma(st.o[2 * ndp], al, b[0], b[1]);
+            am_mma(st.o[2 * ndp + 1], al, b[2], b[3]);
+        }
+    }
+}
+
 #endif /* ATTN_HAVE_MMA */
+
+/* Shared memory of the prefill kernel: four warps' q fragments, two K/V stages. */
+template <int HD>
+static inline size_t attn_mma_pf_smem()
+{
+    using C = attn_mma_cfg<HD>;
+    return (size_t)AMP_WARPS * 2 * C::Q_BYTES + (size_t)2 * 2 * AMP_TILE * C::ROW;
+}
+
+/* The prefill's tensor-core kernel: the grid of attn_prefill_kernel (token tile of
+ * 64 / NG tokens x NG heads = 64 rows, unit, split) with 4 warps of 16 rows; see the file
+ * comment. */
+template <int HD>
+static __global__ void __launch_bounds__(AMP_WARPS * 32, 1)
+    attn_mma_prefill_kernel(const struct attn_args a)
+{
+#if ATTN_HAVE_MMA
+    using C = attn_mma_cfg<HD>;
+    extern __shared__ uint4 am_dyn[]; /* q fragments a warp, then two stages */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t j = blockIdx.y / a.n_groups, split = blockIdx.z;
+    const uint32_t h0 = j * a.G + (blockIdx.y % a.n_groups) * a.NG;
+    const uint32_t bq = AMP_WARPS * 16 / a.NG, tok0 = blockIdx.x * bq;
+    const uint32_t c0 = split * a.chunk, c1 = min(a.pos0 + a.n_tok, c0 + a.chunk);
+    const size_t row_bytes = (size_t)a.n_head_kv * HD * 2;
+    const char *kh = a.k + (size_t)j * HD * 2, *vh = a.v + (size_t)j * HD * 2;
+    uint4 *s_q = am_dyn + warp * (2 * C::Q_BYTES / 16);
+    char *stages = reinterpret_cast<char *>(am_dyn) + AMP_WARPS * 2 * C::Q_BYTES;
+
+    /* rows g, g + 8 of the warp: (token, head), their limits, their q */
+    uint32_t tok[2], hh[2], lim[2];
+    const float *qr[2];
+    uint32_t warp_lim = 0;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const uint32_t r = warp * 16 + (lane >> 2) + 8 * e;
+        tok[e] = tok0 + r / a.NG, hh[e] = h0 + r % a.NG;
+        const bool valid = r < bq * a.NG && tok[e] < a.n_tok;
+        lim[e] = valid ? min(a.pos0 + tok[e] + 1, c1) : 0;
+        qr[e] = valid ? a.q + (size_t)tok[e] * a.q_tok_stride + (size_t)hh[e] * a.q_head_stride
+                      : nullptr;
+        warp_lim = max(warp_lim, lim[e]);
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1)
+        warp_lim = max(warp_lim, __shfl_xor_sync(OPS_FULL_MASK, warp_lim, o));
+    amp_load_q<HD>(a, qr[0], qr[1], s_q, lane);
+
+    amp_state<HD> st;
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            st.o[nd][i] = 0.0f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.0f;
+    const uint32_t end = min(c1, a.pos0 + min(tok0 + bq, a.n_tok)); /* the block's last + 1 */
+    const uint32_t n_tiles = end > c0 ? (end - c0 + AMP_TILE - 1) / AMP_TILE : 0;
+    const int stage_bytes = 2 * AMP_TILE * C::ROW;
+    if (n_tiles)
+        amp_issue<HD>(stages, kh, vh, row_bytes, c0, end);
+    attn_cp_commit();
+    for (uint32_t i = 0; i < n_tiles; i++) {
+        if (i + 1 < n_tiles)
+            amp_issue<HD>(stages + ((i + 1) & 1) * stage_bytes, kh, vh, row_bytes,
+                          c0 + (i + 1) * AMP_TILE, end);
+        attn_cp_commit();
+        attn_cp_wait<1>();
+        __syncthreads(); /* tile i has landed, every thread's pieces */
+        const uint32_t t0 = c0 + i * AMP_TILE;
+        const char *stage = stages + (i & 1) * stage_bytes;
+        if (t0 < warp_lim)
+            amp_tile<HD>(st, stage, stage + AMP_TILE * C::ROW, s_q, t0, lim, lane);
+        __syncthreads(); /* the stage is free for tile i + 2 */
+    }
+    attn_cp_wait<0>();
+
+    const uint32_t t = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        st.l[e] += __shfl_xor_sync(OPS_FULL_MASK, st.l[e], 1);
+        st.l[e] += __shfl_xor_sync(OPS_FULL_MASK, st.l[e], 2);
+        if (!qr[e])
+            continue;
+        const size_t row = attn_ws_row(a, split, tok[e], hh[e]);
+        float *o = a.ws_acc ? a.ws_acc + row * HD
+                            : a.out + ((size_t)tok[e] * a.n_head + hh[e]) * HD;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++)
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+                const uint32_t d = nd * 8 + 2 * t + x;
+                const float v = st.o[nd][2 * e + x];
+                o[d] = a.ws_acc ? v : attn_gate(a, qr[e], d, v / st.l[e]);
+            }
+        if (a.ws_acc && t == 0) {
+            a.ws_ml[2 * row] = st.m[e];
+            a.ws_ml[2 * row + 1] = st.l[e];
+        }
+    }
+#endif
+}
 
 template <int HD>
 static __global__ void __launch_bounds__(AM_MAX_WARPS * 32, 1)

@@ -66,18 +66,19 @@ int cuda_kv_store(void *d_kcache, void *d_vcache, bool f16, const float *d_k, co
  * h / (n_head / n_head_kv). Output head h of token t at
  * d_out + t*n_head*hd + h*hd. When gated, out *= sigmoid(gate) with the gate of
  * head h at the query pointer + hd (qwen3next layout). Long contexts are
- * split across blocks (online softmax). One token over an f16 cache with hd
- * 16, 32, 64, 128 or 256 on compute capability 8.0 or later takes the tensor-core
- * split kernel where LAMINA_CUDA_ATTN_MMA=1 (read at each call; opt-in: other
- * roundings, within f32's error of the CUDA-core kernel's; the same for
- * cuda_attention_decode_at and _at_xq). */
+ * split across blocks (online softmax). Over an f16 cache with hd 16, 32, 64,
+ * 128 or 256 on compute capability 8.0 or later, the tensor-core kernels run
+ * where LAMINA_CUDA_ATTN_MMA=1 (read at each call; opt-in: other roundings,
+ * within f32's error of the CUDA-core kernels'; the same for
+ * cuda_attention_decode_at and _at_xq; a prefill at hd 256 only where a block
+ * may have 131 KiB of shared memory, sm_90's). */
 int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
                    const void *d_kcache, const void *d_vcache, bool f16, uint32_t n_head,
                    uint32_t n_head_kv, uint32_t hd, uint32_t n_tok, uint32_t pos0, float scale,
                    bool gated, float *d_out, cudaStream_t stream);
 
-/* Whether the last one-token cuda_attention, cuda_attention_decode_at or _at_xq
- * the calling thread launched ran the tensor-core kernel (tests). */
+/* Whether the last cuda_attention, cuda_attention_decode_at or _at_xq the
+ * calling thread launched ran a tensor-core kernel (tests). */
 bool cuda_attention_last_mma(void);
 
 /* cuda_attention for one token whose position is *d_pos (device memory) at

@@ -7,8 +7,9 @@
  * prefill, f16 and f32 caches, GQA 16/2 and 4/2 (plus 32/2, 6/2, 8/8), head
  * dims 256, 128, 16, gated and not; decode attention is timed at 4k, 16k and
  * 64k positions (cudaEvents, median of 20) with the KV bytes read per second.
- * The tensor-core split decode (opt-in, LAMINA_CUDA_ATTN_MMA=1) over the same
- * kinds of cases with an f16 cache, hd 256 to 16, and timed beside the default.
+ * The tensor-core kernels (opt-in, LAMINA_CUDA_ATTN_MMA=1: the split decode and
+ * the prefill) over the same kinds of cases with an f16 cache, hd 256 to 16,
+ * and timed beside the default.
  * The fused decode (prep, attention and merge in one launch, opt-in: the
  * test sets LAMINA_CUDA_ATTN_FUSED=1) against the prep and the decode
  * launched apart, at positions 0 .. 69999, timed at three of them.
@@ -649,11 +650,11 @@ static void test_attention_decode(struct rng *r)
     MEASURE("attention decode G = 3, 1, 16, 12 (hd 64, 32, 128, 96): max abs err %.3g", worst);
 }
 
-/* The tensor-core split decode (LAMINA_CUDA_ATTN_MMA=1, kernels/cuda/attn_mma.cuh) over
- * an f16 cache: attn_case_run's checks (against the CPU within 1e-4, twice byte-identical,
- * the graph-stable forms the same bytes, the rounded row the host's rounding), and that the
- * kernel ran where it should (compute capability 8.0 or later) and not where it declines
- * (an f32 cache, hd 96). */
+/* The tensor-core kernels (LAMINA_CUDA_ATTN_MMA=1, kernels/cuda/attn_mma.cuh), decode and
+ * prefill, over an f16 cache: attn_case_run's checks (against the CPU within 1e-4, twice
+ * byte-identical, the graph-stable forms the same bytes, the rounded row the host's
+ * rounding), and that they ran where they should (compute capability 8.0 or later) and not
+ * where they decline (an f32 cache, hd 96). */
 static void test_attention_mma(struct rng *r)
 {
     const bool able = cuda_caps_cc() >= 80;
@@ -695,9 +696,49 @@ static void test_attention_mma(struct rng *r)
     }
     CHECK(ran == (able ? cases : 0), "attention decode: the tensor-core kernel ran %d of %d times "
           "(compute capability %d)", ran, cases, cuda_caps_cc());
+    /* prefill: every row's causal limit inside a tile, long prefixes split over blocks (merged
+     * by the combine), G = 16, 3 and 1; hd 256 only where a block may have 131 KiB of shared
+     * memory (sm_90) */
+    int cc = 0, optin = 0;
+    CHECK(cuda_caps_get(&cc, &optin) == 0, "cuda_caps_get");
+    const bool big = optin >= 133120 + 1024;
+    static const uint32_t toks[] = {5, 64}, pos0s[] = {0, 37};
+    int pf_ran = 0, pf_want = 0;
+    worst = 0.0;
+    for (size_t ti = 0; ti < 2; ti++)
+        for (size_t p = 0; p < 2; p++)
+            for (size_t h = 0; h < 3; h++)
+                for (size_t j = 0; j < sizeof hds / sizeof hds[0]; j++)
+                    for (int gated = 0; gated < 2; gated++) {
+                        const struct attn_case c = {heads[h][0], heads[h][1], hds[j], toks[ti],
+                                                    pos0s[p], true, gated};
+                        worst = fmax(worst, attn_case_run(&c, r));
+                        pf_ran += cuda_attention_last_mma();
+                        pf_want += able && (hds[j] != 256 || big);
+                    }
+    MEASURE("attention prefill, tensor cores: n_tok 5/64 pos0 0/37, hd 256 .. 16: max abs err "
+            "%.3g (tol 1e-4)", worst);
+    static const struct attn_case pf_longs[] = {
+        {16, 2, 256, 5, 5000, true, true},  {4, 2, 128, 64, 3000, true, false},
+        {32, 2, 128, 33, 2000, true, true}, {6, 2, 64, 17, 1500, true, true},
+        {8, 8, 32, 9, 700, true, false},    {16, 2, 256, 200, 9000, true, true},
+    };
+    for (size_t i = 0; i < sizeof pf_longs / sizeof pf_longs[0]; i++) {
+        const double e = attn_case_run(&pf_longs[i], r);
+        pf_ran += cuda_attention_last_mma();
+        pf_want += able && (pf_longs[i].hd != 256 || big);
+        MEASURE("attention prefill, tensor cores: n_tok %u after %u heads %u/%u hd %u: max abs "
+                "err %.3g",
+                pf_longs[i].n_tok, pf_longs[i].pos0, pf_longs[i].n_head, pf_longs[i].n_head_kv,
+                pf_longs[i].hd, e);
+    }
+    CHECK(pf_ran == pf_want, "attention prefill: the tensor-core kernel ran %d times, %d "
+          "expected (compute capability %d, %d bytes of shared memory a block)", pf_ran, pf_want,
+          cc, optin);
     static const struct attn_case declined[] = {
         {16, 2, 256, 1, 4095, false, true}, /* f32 cache */
         {12, 1, 96, 1, 77, true, true},     /* hd 96 */
+        {4, 2, 128, 9, 40, false, false},   /* a prefill over an f32 cache */
     };
     for (size_t i = 0; i < sizeof declined / sizeof declined[0]; i++) {
         attn_case_run(&declined[i], r);
@@ -818,6 +859,19 @@ static void test_attention_timing(struct rng *r, const char *pool)
         unsetenv(vs[i].var);
         if (vs[i].var2)
             unsetenv(vs[i].var2);
+    }
+    /* the prefill of 512 tokens after 3584 and 15872, both kernels */
+    for (int mma = 0; mma < 2; mma++) {
+        setenv("LAMINA_CUDA_ATTN_MMA", mma ? "1" : "0", 1);
+        static const uint32_t pf_pos0s[] = {3584, 15872};
+        for (size_t p = 0; p < 2; p++) {
+            const struct attn_case c = {16, 2, 256, 512, pf_pos0s[p], true, true};
+            const float ms = attn_time_ms(&c, r);
+            const double pairs = 512.0 * pf_pos0s[p] + 512.0 * 513.0 / 2; /* (row, position) */
+            MEASURE("attention prefill heads 16/2 hd 256 n_tok 512 after %u f16, "
+                    "LAMINA_CUDA_ATTN_MMA=%d: %.1f us, %.1f TFLOP/s (%s)",
+                    pf_pos0s[p], mma, ms * 1e3, pairs * 16 * 256 * 4 / (ms * 1e-3) / 1e12, pool);
+        }
     }
     /* the tensor-core kernel at hd 128 (32/4 heads, Qwen3-MoE's) beside the default */
     for (int mma = 0; mma < 2; mma++) {
