@@ -31,7 +31,8 @@
 #     tests    run every GPU test (what `make test-gpu` runs) from .devbin/
 #     bench    write an 80b-a3b-shaped q4_0 model (lamina gen-model) and run
 #              `lamina bench` on it, fully resident on the GPU (BENCH_DEPTH=N:
-#              also tg128 with N tokens already in the context, here and in llama)
+#              also tg128 with N tokens already in the context, here and in llama;
+#              BENCH_DEPTH_P=512: pp512 at that depth too)
 #     profile  the same model with LAMINA_CUDA_PROFILE=1: kernels one by one,
 #              time per kernel kind (decode and prefill) in $OUT/profile.txt
 #     place    the placement benchmark (tools/bench-place.sh) at PLACE_BUDGETS
@@ -227,10 +228,10 @@ bench() {
                 --backend cuda:0 2>&1 </dev/null | tee -a "$OUT/bench-lamina.txt" |
                 grep -v " info: "
             [ -z "${BENCH_DEPTH:-}" ] ||
-                env $v LAMINA_LOG=info "${bin:-.devbin/lamina}" bench -m $m -p 0 -n 128 \
-                    -d "$BENCH_DEPTH" \
+                env $v LAMINA_LOG=info "${bin:-.devbin/lamina}" bench -m $m \
+                    -p "${BENCH_DEPTH_P:-0}" -n 128 -d "$BENCH_DEPTH" \
                     -r 5 --inproc --backend cuda:0 --no-membw 2>&1 </dev/null |
-                    tee -a "$OUT/bench-lamina.txt" | grep "tg128"
+                    tee -a "$OUT/bench-lamina.txt" | grep -E "tg128|pp[0-9]"
         done
 }
 
@@ -345,8 +346,9 @@ llama_bench() {
     CUDA_VISIBLE_DEVICES=0 .peerbuild/bin/llama-bench -m $m -ngl 99 -p 512 -n 128 -r 3 2>&1 |
         tee "$OUT/bench-llama.txt"
     [ -z "${BENCH_DEPTH:-}" ] ||
-        CUDA_VISIBLE_DEVICES=0 .peerbuild/bin/llama-bench -m $m -ngl 99 -p 0 -n 128 \
-            -d "$BENCH_DEPTH" -r 3 2>&1 | tee -a "$OUT/bench-llama.txt"
+        CUDA_VISIBLE_DEVICES=0 .peerbuild/bin/llama-bench -m $m -ngl 99 \
+            -p "${BENCH_DEPTH_P:-0}" -n 128 -d "$BENCH_DEPTH" -r 3 2>&1 |
+            tee -a "$OUT/bench-llama.txt"
 }
 
 case "${1:-}" in
