@@ -49,6 +49,10 @@
  * block's threads stage K/V tiles of 32 positions in two stages; a warp skips tiles past
  * its rows' last position, and masks each row at its own (causal) limit. 130 KiB of shared
  * memory a block at hd 256 (sm_90 only; elsewhere the CUDA-core kernel runs).
+ *
+ * tools/attn_mma_sim.py emulates these fragment layouts with numpy and runs both kernels'
+ * index arithmetic on the CPU: a change to the lane or address expressions here should
+ * be mirrored there and checked before a device call.
  */
 #ifndef KERNELS_CUDA_ATTN_MMA_CUH
 #define KERNELS_CUDA_ATTN_MMA_CUH
