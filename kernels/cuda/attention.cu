@@ -380,6 +380,22 @@ static __device__ __forceinline__ void attn_decode_plan(const struct attn_args &
     *n_splits = attn_dev_div_up(n_kv, *chunk);
 }
 
+/* A split decode block's split, kv head j, first query head h0 and positions [c0, c1)
+ * (empty past the last split of the step's plan). */
+static __device__ __forceinline__ void attn_decode_block(const struct attn_args &a,
+                                                         uint32_t *split, uint32_t *j,
+                                                         uint32_t *h0, uint32_t *c0,
+                                                         uint32_t *c1)
+{
+    *split = blockIdx.x, *j = blockIdx.y / a.n_groups;
+    *h0 = *j * a.G + (blockIdx.y % a.n_groups) * a.NG;
+    uint32_t pos0, chunk, n_splits;
+    attn_decode_plan(a, &pos0, &chunk, &n_splits);
+    const uint32_t n_kv = pos0 + 1;
+    *c0 = min(*split * chunk, n_kv);
+    *c1 = min(n_kv, *c0 + chunk);
+}
+
 static __device__ __forceinline__ size_t attn_ws_row(const struct attn_args &a, uint32_t split,
                                                      uint32_t t, uint32_t h)
 {
@@ -546,12 +562,8 @@ static __global__ void __launch_bounds__(ATTN_DECODE_WARPS * 32, NR >= 8 ? 2 : 3
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool own = (uint32_t)lane * DPL < a.hd;
-    const uint32_t split = blockIdx.x, j = blockIdx.y / a.n_groups;
-    const uint32_t h0 = j * a.G + (blockIdx.y % a.n_groups) * a.NG;
-    uint32_t pos0, chunk, n_splits;
-    attn_decode_plan(a, &pos0, &chunk, &n_splits);
-    const uint32_t n_kv = pos0 + 1, c0 = min(split * chunk, n_kv);
-    const uint32_t c1 = min(n_kv, c0 + chunk); /* empty past the last split */
+    uint32_t split, j, h0, c0, c1;
+    attn_decode_block(a, &split, &j, &h0, &c0, &c1);
     const size_t kv_dim = (size_t)a.n_head_kv * a.hd;
     const char *kh = a.k + (size_t)j * a.hd * ESZ, *vh = a.v + (size_t)j * a.hd * ESZ;
 
@@ -1414,35 +1426,35 @@ static int attn_mma_go(const struct attn_args &a, dim3 grid, cudaStream_t stream
     return 0;
 }
 
-static int attn_mma_launch(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+/* f.template run<HD>() for the head dims the tensor-core kernels take (16 .. 256;
+ * attn_mma_takes has checked it). */
+template <typename F>
+static auto attn_mma_hd(uint32_t hd, const F &f) -> decltype(f.template run<16>())
 {
-    switch (a.hd) {
-    case 16: return attn_mma_go<16>(a, grid, stream);
-    case 32: return attn_mma_go<32>(a, grid, stream);
-    case 64: return attn_mma_go<64>(a, grid, stream);
-    case 128: return attn_mma_go<128>(a, grid, stream);
-    default: return attn_mma_go<256>(a, grid, stream);
+    switch (hd) {
+    case 16: return f.template run<16>();
+    case 32: return f.template run<32>();
+    case 64: return f.template run<64>();
+    case 128: return f.template run<128>();
+    default: return f.template run<256>();
     }
 }
 
-/* The prefill's shared memory a block for head dim hd. */
-static size_t attn_mma_pf_bytes(uint32_t hd)
-{
-    switch (hd) {
-    case 16: return attn_mma_pf_smem<16>();
-    case 32: return attn_mma_pf_smem<32>();
-    case 64: return attn_mma_pf_smem<64>();
-    case 128: return attn_mma_pf_smem<128>();
-    default: return attn_mma_pf_smem<256>();
+struct attn_mma_pf_bytes {
+    template <int HD>
+    size_t run() const
+    {
+        return attn_mma_pf_smem<HD>();
     }
-}
+};
 
 /* Whether the prefill kernel's shared memory fits a block of this card (hd 256: 130 KiB,
  * more than sm_86 / sm_89 give; those run the CUDA-core kernel). */
 static bool attn_mma_pf_fits(uint32_t hd)
 {
     int cc = 0, optin = 0;
-    return cuda_caps_get(&cc, &optin) == 0 && attn_mma_pf_bytes(hd) + 1024 <= (size_t)optin;
+    return cuda_caps_get(&cc, &optin) == 0 &&
+           attn_mma_hd(hd, attn_mma_pf_bytes{}) + 1024 <= (size_t)optin;
 }
 
 template <int HD>
@@ -1459,16 +1471,18 @@ static int attn_mma_pf_go(const struct attn_args &a, dim3 grid, cudaStream_t str
     return 0;
 }
 
-static int attn_mma_pf_launch(const struct attn_args &a, dim3 grid, cudaStream_t stream)
-{
-    switch (a.hd) {
-    case 16: return attn_mma_pf_go<16>(a, grid, stream);
-    case 32: return attn_mma_pf_go<32>(a, grid, stream);
-    case 64: return attn_mma_pf_go<64>(a, grid, stream);
-    case 128: return attn_mma_pf_go<128>(a, grid, stream);
-    default: return attn_mma_pf_go<256>(a, grid, stream);
+/* The launch of either tensor-core kernel for attn_mma_hd. */
+struct attn_mma_launch {
+    const struct attn_args &a;
+    dim3 grid;
+    cudaStream_t stream;
+    bool prefill;
+    template <int HD>
+    int run() const
+    {
+        return prefill ? attn_mma_pf_go<HD>(a, grid, stream) : attn_mma_go<HD>(a, grid, stream);
     }
-}
+};
 
 static int attn_decode(const struct attn_args &a, bool f16, bool mma, cudaStream_t stream)
 {
@@ -1477,7 +1491,7 @@ static int attn_decode(const struct attn_args &a, bool f16, bool mma, cudaStream
     const dim3 grid(a.n_splits, a.units);
     const int dpl = attn_dpl(a.hd);
     attn_last_mma = mma;
-    int rc = mma ? attn_mma_launch(a, grid, stream)
+    int rc = mma ? attn_mma_hd(a.hd, attn_mma_launch{a, grid, stream, false})
              : f16 ? attn_launch_decode<true>(a, dpl, nr, grid, cp_async, stream)
                    : attn_launch_decode<false>(a, dpl, nr, grid, cp_async, stream);
     rc = rc ? rc : OPS_LAUNCH_CHECK("cuda_attention");
@@ -1589,7 +1603,7 @@ extern "C" int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_he
                       "both prefill kernels' blocks own 64 rows");
         attn_last_mma = attn_mma_takes(a, f16) && attn_mma_pf_fits(hd);
         if (attn_last_mma)
-            rc = attn_mma_pf_launch(a, grid, stream);
+            rc = attn_mma_hd(hd, attn_mma_launch{a, grid, stream, true});
         else if (f16)
             attn_launch_prefill<true>(a, dpl, grid, smem, stream);
         else

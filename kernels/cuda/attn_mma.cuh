@@ -540,12 +540,8 @@ static __global__ void __launch_bounds__(AM_MAX_WARPS * 32, 1)
     pdl_wait(); /* q, the cache rows and the position come from the kernels before */
     pdl_trigger();
     const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t split = blockIdx.x, j = blockIdx.y / a.n_groups;
-    const uint32_t h0 = j * a.G + (blockIdx.y % a.n_groups) * a.NG;
-    uint32_t pos0, chunk, n_splits;
-    attn_decode_plan(a, &pos0, &chunk, &n_splits);
-    const uint32_t n_kv = pos0 + 1, c0 = min(split * chunk, n_kv);
-    const uint32_t c1 = min(n_kv, c0 + chunk); /* empty past the last split */
+    uint32_t split, j, h0, c0, c1;
+    attn_decode_block(a, &split, &j, &h0, &c0, &c1);
     const size_t row_bytes = (size_t)a.n_head_kv * HD * 2;
     const char *kh = a.k + (size_t)j * HD * 2, *vh = a.v + (size_t)j * HD * 2;
     uint4 *s_q = am_dyn;
