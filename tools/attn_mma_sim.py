@@ -158,10 +158,10 @@ def decode_block(q, K, V, ng, hd, c0, c1, nw):
     return M[:ng], L[:ng], A[:ng]
 
 
-def prefill_warp(Q, K, V, hd, lim, c0, end):
-    """amp_tile over one warp's 16 rows (Q [16][hd] pre-scaled, zeros where lim is 0);
-    returns (M, L, O) per row."""
-    kc_n, row, nt_n = hd // 16, hd * 2 + PAD, 32 // 8
+def prefill_warp(Q, K, V, hd, lim, c0, end, tile):
+    """amp_tile over one warp's 16 rows (Q [16][hd] pre-scaled, zeros where lim is 0), K/V
+    tiles of `tile` positions; returns (M, L, O) per row."""
+    kc_n, row, nt_n = hd // 16, hd * 2 + PAD, tile // 8
     qa = np.zeros((kc_n, 2, 4, 32, 2), dtype=np.uint16)  # [chunk][hi/lo][register][lane]
     for kc in range(kc_n):
         for ln in range(32):
@@ -171,12 +171,12 @@ def prefill_warp(Q, K, V, hd, lim, c0, end):
                 qa[kc, 0, i, ln], qa[kc, 1, i, ln] = split(Q[r, d], Q[r, d + 1], LO)
     o, m, l = np.zeros((hd // 8, 32, 4)), np.full((32, 2), -np.inf), np.zeros((32, 2))
     lim_l = np.array([[lim[ln >> 2], lim[(ln >> 2) + 8]] for ln in range(32)])
-    n_tiles = (end - c0 + 31) // 32 if end > c0 else 0
+    n_tiles = (end - c0 + tile - 1) // tile if end > c0 else 0
     for it in range(n_tiles):
-        t0 = c0 + it * 32
+        t0 = c0 + it * tile
         if t0 >= max(lim):
             continue
-        ks, vs = stage(K, V, t0, 32, end - 1, hd)
+        ks, vs = stage(K, V, t0, tile, end - 1, hd)
         sh, sl = np.zeros((nt_n, 32, 4)), np.zeros((nt_n, 32, 4))
         kb = [((ln & 7) + 8 * (ln >> 4)) * row + 16 * ((ln >> 3) & 1) for ln in range(32)]
         for kc in range(kc_n):
@@ -251,16 +251,18 @@ def main():
         print(f"decode ng {ng} hd {hd} positions [{c0}, {c1}) warps {nw}: max err {err:.3g}")
         worst = max(worst, err)
     # prefill: one warp's 16 rows (token r // ng, head r % ng) after pos0 cached positions
-    for hd, ng, pos0, n_tok in [(64, 8, 5, 2), (128, 8, 37, 2), (32, 4, 0, 4), (256, 8, 70, 2),
-                                (64, 3, 10, 6), (16, 1, 3, 16)]:
+    for hd, ng, pos0, n_tok, tile in [(64, 8, 5, 2, 32), (128, 8, 37, 2, 32), (32, 4, 0, 4, 32),
+                                      (256, 8, 70, 2, 32), (64, 3, 10, 6, 32), (16, 1, 3, 16, 32),
+                                      (256, 8, 40, 2, 16), (256, 4, 9, 4, 16)]:
         c1 = pos0 + n_tok
         K, V, q = draw(c1 + 3, hd, 16)
         lim = [min(pos0 + r // ng + 1, c1) if r // ng < n_tok else 0 for r in range(16)]
         q[[r for r in range(16) if lim[r] == 0]] = 0.0
-        _, L, O = prefill_warp(q, K, V, hd, lim, 0, c1)
+        _, L, O = prefill_warp(q, K, V, hd, lim, 0, c1, tile)
         err = max(np.abs(O[r] / L[r] - reference(q[r:r + 1], K, V, 0, lim[r])[0]).max()
                   for r in range(16) if lim[r])
-        print(f"prefill hd {hd} ng {ng} after {pos0}, {n_tok} tokens: max err {err:.3g}")
+        print(f"prefill hd {hd} ng {ng} after {pos0}, {n_tok} tokens, tiles of {tile}: "
+              f"max err {err:.3g}")
         worst = max(worst, err)
     print(f"worst {worst:.3g} (bound 1e-6)")
     return 0 if worst <= 1e-6 else 1

@@ -1440,35 +1440,55 @@ static auto attn_mma_hd(uint32_t hd, const F &f) -> decltype(f.template run<16>(
     }
 }
 
-struct attn_mma_pf_bytes {
+/* The K/V tile of the prefill kernel at HD on this card: AMP_TILE positions where its
+ * shared memory fits a block, else 16 at hd 256 (sm_86 and sm_89 give a block 99 KiB, the
+ * tiles of 32 take 130), else 0: the CUDA-core kernel runs. */
+template <int HD>
+static int attn_mma_pf_tile()
+{
+    int cc = 0, optin = 0;
+    if (cuda_caps_get(&cc, &optin))
+        return 0;
+    if (attn_mma_pf_smem<HD, AMP_TILE>() + 1024 <= (size_t)optin)
+        return AMP_TILE;
+    return HD == 256 && attn_mma_pf_smem<HD, 16>() + 1024 <= (size_t)optin ? 16 : 0;
+}
+
+struct attn_mma_pf_tiles {
     template <int HD>
-    size_t run() const
+    int run() const
     {
-        return attn_mma_pf_smem<HD>();
+        return attn_mma_pf_tile<HD>();
     }
 };
 
-/* Whether the prefill kernel's shared memory fits a block of this card (hd 256: 130 KiB,
- * more than sm_86 / sm_89 give; those run the CUDA-core kernel). */
 static bool attn_mma_pf_fits(uint32_t hd)
 {
-    int cc = 0, optin = 0;
-    return cuda_caps_get(&cc, &optin) == 0 &&
-           attn_mma_hd(hd, attn_mma_pf_bytes{}) + 1024 <= (size_t)optin;
+    return attn_mma_hd(hd, attn_mma_pf_tiles{}) > 0;
+}
+
+template <int HD, int T>
+static int attn_mma_pf_go_t(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+{
+    const size_t smem = attn_mma_pf_smem<HD, T>();
+    if (smem > 40 * 1024) {
+        const int rc = cuda_caps_allow_smem((const void *)attn_mma_prefill_kernel<HD, T>, smem,
+                                            "cuda_attention");
+        if (rc)
+            return rc;
+    }
+    attn_mma_prefill_kernel<HD, T><<<grid, AMP_WARPS * 32, smem, stream>>>(a);
+    return 0;
 }
 
 template <int HD>
 static int attn_mma_pf_go(const struct attn_args &a, dim3 grid, cudaStream_t stream)
 {
-    const size_t smem = attn_mma_pf_smem<HD>();
-    if (smem > 40 * 1024) {
-        const int rc = cuda_caps_allow_smem((const void *)attn_mma_prefill_kernel<HD>, smem,
-                                            "cuda_attention");
-        if (rc)
-            return rc;
+    if constexpr (HD == 256) {
+        if (attn_mma_pf_tile<HD>() == 16)
+            return attn_mma_pf_go_t<HD, 16>(a, grid, stream);
     }
-    attn_mma_prefill_kernel<HD><<<grid, AMP_WARPS * 32, smem, stream>>>(a);
-    return 0;
+    return attn_mma_pf_go_t<HD, AMP_TILE>(a, grid, stream);
 }
 
 /* The launch of either tensor-core kernel for attn_mma_hd. */

@@ -48,7 +48,8 @@
  * hi, and below 2^-2 it is an f16 subnormal (absolute error <= 2^-25 a weight). The
  * block's threads stage K/V tiles of 32 positions in two stages; a warp skips tiles past
  * its rows' last position, and masks each row at its own (causal) limit. 130 KiB of shared
- * memory a block at hd 256 (sm_90 only; elsewhere the CUDA-core kernel runs).
+ * memory a block at hd 256; where a block may have less (sm_86, sm_89: 99 KiB), tiles of 16
+ * positions (97 KiB).
  *
  * tools/attn_mma_sim.py emulates these fragment layouts with numpy and runs both kernels'
  * index arithmetic on the CPU: a change to the lane or address expressions here should
@@ -71,7 +72,7 @@ enum {
     AM_MAX_WARPS = 4,  /* warps a block, at most */
     AM_MIN_CHUNK = 64, /* positions a split, at least: one tile for each of 4 warps */
     AM_MAX_BLOCKS = 128, /* blocks of a split decode, at most: one wave of one an SM */
-    AMP_TILE = 32,     /* prefill: positions of a K/V tile */
+    AMP_TILE = 32,     /* prefill: positions of a K/V tile (16 where that does not fit) */
     AMP_WARPS = 4,     /* prefill: warps a block, 16 rows each */
 };
 
@@ -315,18 +316,18 @@ static __device__ __forceinline__ void amp_load_q(const struct attn_args &a, con
     }
 }
 
-/* Positions t0 .. t0 + AMP_TILE - 1 of K and V into a stage by the block's threads (rows
- * past end - 1: row end - 1 again); commits a group. */
-template <int HD>
+/* Positions t0 .. t0 + T - 1 of K and V into a stage by the block's threads (rows past
+ * end - 1: row end - 1 again). */
+template <int HD, int T>
 static __device__ __forceinline__ void amp_issue(char *stage, const char *kh, const char *vh,
                                                  size_t row_bytes, uint32_t t0, uint32_t end)
 {
     using C = attn_mma_cfg<HD>;
-    for (uint32_t q = threadIdx.x; q < AMP_TILE * C::PR; q += blockDim.x) {
+    for (uint32_t q = threadIdx.x; q < T * C::PR; q += blockDim.x) {
         const uint32_t row = q / C::PR, col = q % C::PR;
         const size_t at = (size_t)min(t0 + row, end - 1) * row_bytes + col * 16;
         attn_cp_async<16>(stage + row * C::ROW + col * 16, kh + at);
-        attn_cp_async<16>(stage + AMP_TILE * C::ROW + row * C::ROW + col * 16, vh + at);
+        attn_cp_async<16>(stage + T * C::ROW + row * C::ROW + col * 16, vh + at);
     }
 }
 
@@ -338,15 +339,15 @@ struct amp_state {
     float m[2], l[2];
 };
 
-/* One K/V tile (K rows at ks, V rows at vs) for this warp's rows; position t0 + x counts
- * for row e when below lim[e]. */
-template <int HD>
+/* One K/V tile of T positions (K rows at ks, V rows at vs) for this warp's rows; position
+ * t0 + x counts for row e when below lim[e]. */
+template <int HD, int T>
 static __device__ __forceinline__ void amp_tile(amp_state<HD> &st, const char *ks,
                                                 const char *vs, const uint4 *s_q, uint32_t t0,
                                                 const uint32_t (&lim)[2], int lane)
 {
     using C = attn_mma_cfg<HD>;
-    constexpr int NT = AMP_TILE / 8;
+    constexpr int NT = T / 8;
     const uint32_t t = lane & 3;
     float sh[NT][4] = {}, sl[NT][4] = {};
     const uint32_t kb = (uint32_t)__cvta_generic_to_shared(ks) +
@@ -427,18 +428,19 @@ static __device__ __forceinline__ void amp_tile(amp_state<HD> &st, const char *k
 
 #endif /* ATTN_HAVE_MMA */
 
-/* Shared memory of the prefill kernel: four warps' q fragments, two K/V stages. */
-template <int HD>
+/* Shared memory of the prefill kernel: four warps' q fragments, two stages of T K and V
+ * rows. */
+template <int HD, int T>
 static inline size_t attn_mma_pf_smem()
 {
     using C = attn_mma_cfg<HD>;
-    return (size_t)AMP_WARPS * 2 * C::Q_BYTES + (size_t)2 * 2 * AMP_TILE * C::ROW;
+    return (size_t)AMP_WARPS * 2 * C::Q_BYTES + (size_t)2 * 2 * T * C::ROW;
 }
 
 /* The prefill's tensor-core kernel: the grid of attn_prefill_kernel (token tile of
- * 64 / NG tokens x NG heads = 64 rows, unit, split) with 4 warps of 16 rows; see the file
- * comment. */
-template <int HD>
+ * 64 / NG tokens x NG heads = 64 rows, unit, split) with 4 warps of 16 rows, K/V tiles of T
+ * positions; see the file comment. */
+template <int HD, int T>
 static __global__ void __launch_bounds__(AMP_WARPS * 32, 1)
     attn_mma_prefill_kernel(const struct attn_args a)
 {
@@ -483,22 +485,22 @@ static __global__ void __launch_bounds__(AMP_WARPS * 32, 1)
     st.m[0] = st.m[1] = -INFINITY;
     st.l[0] = st.l[1] = 0.0f;
     const uint32_t end = min(c1, a.pos0 + min(tok0 + bq, a.n_tok)); /* the block's last + 1 */
-    const uint32_t n_tiles = end > c0 ? (end - c0 + AMP_TILE - 1) / AMP_TILE : 0;
-    const int stage_bytes = 2 * AMP_TILE * C::ROW;
+    const uint32_t n_tiles = end > c0 ? (end - c0 + T - 1) / T : 0;
+    const int stage_bytes = 2 * T * C::ROW;
     if (n_tiles)
-        amp_issue<HD>(stages, kh, vh, row_bytes, c0, end);
+        amp_issue<HD, T>(stages, kh, vh, row_bytes, c0, end);
     attn_cp_commit();
     for (uint32_t i = 0; i < n_tiles; i++) {
         if (i + 1 < n_tiles)
-            amp_issue<HD>(stages + ((i + 1) & 1) * stage_bytes, kh, vh, row_bytes,
-                          c0 + (i + 1) * AMP_TILE, end);
+            amp_issue<HD, T>(stages + ((i + 1) & 1) * stage_bytes, kh, vh, row_bytes,
+                             c0 + (i + 1) * T, end);
         attn_cp_commit();
         attn_cp_wait<1>();
         __syncthreads(); /* tile i has landed, every thread's pieces */
-        const uint32_t t0 = c0 + i * AMP_TILE;
+        const uint32_t t0 = c0 + i * T;
         const char *stage = stages + (i & 1) * stage_bytes;
         if (t0 < warp_lim)
-            amp_tile<HD>(st, stage, stage + AMP_TILE * C::ROW, s_q, t0, lim, lane);
+            amp_tile<HD, T>(st, stage, stage + T * C::ROW, s_q, t0, lim, lane);
         __syncthreads(); /* the stage is free for tile i + 2 */
     }
     attn_cp_wait<0>();

@@ -70,8 +70,7 @@ int cuda_kv_store(void *d_kcache, void *d_vcache, bool f16, const float *d_k, co
  * 128 or 256 on compute capability 8.0 or later, the tensor-core kernels run
  * where LAMINA_CUDA_ATTN_MMA=1 (read at each call; opt-in: other roundings,
  * within f32's error of the CUDA-core kernels'; the same for
- * cuda_attention_decode_at and _at_xq; a prefill at hd 256 only where a block
- * may have 131 KiB of shared memory, sm_90's). */
+ * cuda_attention_decode_at and _at_xq). */
 int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
                    const void *d_kcache, const void *d_vcache, bool f16, uint32_t n_head,
                    uint32_t n_head_kv, uint32_t hd, uint32_t n_tok, uint32_t pos0, float scale,
