@@ -1407,23 +1407,37 @@ static struct attn_args attn_setup(const float *d_q, size_t q_tok_stride, size_t
     return a;
 }
 
-/* Launches attn_mma_kernel<HD>: 4 warps a block, fewer where the card's shared
+/* Launches attn_mma_kernel<HD, S>: 4 warps a block, fewer where the card's shared
  * memory a block holds less. */
-template <int HD>
-static int attn_mma_go(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+template <int HD, int S>
+static int attn_mma_go_s(const struct attn_args &a, dim3 grid, cudaStream_t stream)
 {
     int cc = 0, optin = 0;
     int rc = cuda_caps_get(&cc, &optin);
     int nw = AM_MAX_WARPS;
-    while (!rc && nw > 1 && attn_mma_smem<HD>(nw) > (size_t)optin - 1024)
+    while (!rc && nw > 1 && attn_mma_smem<HD, S>(nw) > (size_t)optin - 1024)
         nw /= 2;
-    const size_t smem = attn_mma_smem<HD>(nw);
+    const size_t smem = attn_mma_smem<HD, S>(nw);
     if (!rc && smem > 40 * 1024)
-        rc = cuda_caps_allow_smem((const void *)attn_mma_kernel<HD>, smem, "cuda_attention");
+        rc = cuda_caps_allow_smem((const void *)attn_mma_kernel<HD, S>, smem, "cuda_attention");
     if (rc)
         return rc;
-    pdl_launch_cv(attn_mma_kernel<HD>, grid, nw * 32, 1, attn_carveout(), smem, stream, a);
+    pdl_launch_cv(attn_mma_kernel<HD, S>, grid, nw * 32, 1, attn_carveout(), smem, stream, a);
     return 0;
+}
+
+/* LAMINA_CUDA_ATTN_MMA_STAGES=3: the decode's rings of three slots (two tiles ahead; 211 KiB
+ * of shared memory a block at hd 256 with 4 warps), at hd 128 and 256; else two. Read at
+ * each call, for measurements. */
+template <int HD>
+static int attn_mma_go(const struct attn_args &a, dim3 grid, cudaStream_t stream)
+{
+    if constexpr (HD >= 128) {
+        const char *env = getenv("LAMINA_CUDA_ATTN_MMA_STAGES");
+        if (env && strcmp(env, "3") == 0)
+            return attn_mma_go_s<HD, 3>(a, grid, stream);
+    }
+    return attn_mma_go_s<HD, 2>(a, grid, stream);
 }
 
 /* f.template run<HD>() for the head dims the tensor-core kernels take (16 .. 256;

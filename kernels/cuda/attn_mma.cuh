@@ -27,8 +27,9 @@
  *
  * Ownership: a block of nw warps (4, or 2 / 1 where the card's shared memory is
  * smaller) for one split; warp w takes the 16-position tiles c0 + 16 (w + nw i).
- * Each warp stages its tiles through a two-slot ring of its own (cp.async, one
- * tile ahead; K then V, rows padded by 16 bytes so that ldmatrix's eight rows hit
+ * Each warp stages its tiles through a ring of its own of S slots (cp.async, S - 1
+ * tiles ahead: S = 2, or 3 with LAMINA_CUDA_ATTN_MMA_STAGES=3 at hd 128 and 256, a
+ * measurement switch; K then V, rows padded by 16 bytes so that ldmatrix's eight rows hit
  * distinct banks); the q fragments (hi and lo, per 16 dims and lane) are in shared
  * memory, shared by the warps. Lane (g, t) = (lane / 4, lane % 4) holds the
  * scores of positions g and g + 8 for heads 2t and 2t + 1, the running max and
@@ -86,16 +87,17 @@ struct attn_mma_cfg {
     static constexpr int ROW = HD * 2 + AM_PAD;    /* bytes of a staged row */
     static constexpr int TILE_BYTES = AM_TILE * ROW;
     static constexpr int SLOT = 2 * TILE_BYTES;    /* K rows, then V rows */
-    static constexpr int WARP_BYTES = 2 * SLOT;    /* two slots */
     static constexpr int Q_BYTES = KC * 32 * 16;   /* a uint4 a chunk and lane */
-    /* after the loop the rings hold the warps' accumulators, 8 heads x HD floats each */
-    static_assert(8 * HD * 4 <= WARP_BYTES, "accumulators fit a warp's ring");
+    /* after the loop the rings (two slots or more) hold the warps' accumulators, 8 heads x
+     * HD floats each */
+    static_assert(8 * HD * 4 <= 2 * SLOT, "accumulators fit a warp's ring");
 };
 
-template <int HD>
+/* Shared memory of the decode kernel: the q fragments and nw rings of S slots. */
+template <int HD, int S>
 static inline size_t attn_mma_smem(int nw)
 {
-    return (size_t)attn_mma_cfg<HD>::Q_BYTES + (size_t)nw * attn_mma_cfg<HD>::WARP_BYTES;
+    return (size_t)attn_mma_cfg<HD>::Q_BYTES + (size_t)nw * S * attn_mma_cfg<HD>::SLOT;
 }
 
 #if ATTN_HAVE_MMA
@@ -262,8 +264,9 @@ static __device__ __forceinline__ void am_tile(am_state<HD> &st, const char *ks,
     }
 }
 
-/* This warp's tiles of [c0, c1) of kv head (kh, vh) through its ring. */
-template <int HD>
+/* This warp's tiles of [c0, c1) of kv head (kh, vh) through its ring of S slots, S - 1
+ * tiles ahead (a group committed for each, empty past the last tile). */
+template <int HD, int S>
 static __device__ __forceinline__ void am_run(am_state<HD> &st, char *ring, const uint4 *s_q,
                                               const char *kh, const char *vh, size_t row_bytes,
                                               uint32_t c0, uint32_t c1, int warp, int nw,
@@ -272,19 +275,23 @@ static __device__ __forceinline__ void am_run(am_state<HD> &st, char *ring, cons
     using C = attn_mma_cfg<HD>;
     const uint32_t first = c0 + warp * AM_TILE, step = nw * AM_TILE;
     const uint32_t n_tiles = first < c1 ? (c1 - first + step - 1) / step : 0;
-    if (n_tiles)
-        am_issue<HD>(ring, kh, vh, row_bytes, first, c1, lane);
-    attn_cp_commit();
-    for (uint32_t i = 0; i < n_tiles; i++) {
-        if (i + 1 < n_tiles)
-            am_issue<HD>(ring + ((i + 1) & 1) * C::SLOT, kh, vh, row_bytes, first + (i + 1) * step,
-                         c1, lane);
+#pragma unroll
+    for (int s = 0; s < S - 1; s++) {
+        if ((uint32_t)s < n_tiles)
+            am_issue<HD>(ring + s * C::SLOT, kh, vh, row_bytes, first + s * step, c1, lane);
         attn_cp_commit();
-        attn_cp_wait<1>(); /* tile i has landed (this lane's pieces) */
-        __syncwarp();      /* and every lane's */
-        const char *slot = ring + (i & 1) * C::SLOT;
+    }
+    for (uint32_t i = 0; i < n_tiles; i++) {
+        const uint32_t nx = i + S - 1;
+        if (nx < n_tiles)
+            am_issue<HD>(ring + (nx % S) * C::SLOT, kh, vh, row_bytes, first + nx * step, c1,
+                         lane);
+        attn_cp_commit();
+        attn_cp_wait<S - 1>(); /* tile i has landed (this lane's pieces) */
+        __syncwarp();          /* and every lane's */
+        const char *slot = ring + (i % S) * C::SLOT;
         am_tile<HD>(st, slot, slot + C::TILE_BYTES, s_q, first + i * step, c1, lane);
-        __syncwarp(); /* the slot is free for tile i + 2 */
+        __syncwarp(); /* the slot is free for tile i + S */
     }
     attn_cp_wait<0>();
 }
@@ -531,7 +538,7 @@ static __global__ void __launch_bounds__(AMP_WARPS * 32, 1)
 #endif
 }
 
-template <int HD>
+template <int HD, int S>
 static __global__ void __launch_bounds__(AM_MAX_WARPS * 32, 1)
     attn_mma_kernel(const struct attn_args a)
 {
@@ -559,7 +566,8 @@ static __global__ void __launch_bounds__(AM_MAX_WARPS * 32, 1)
             st.oh[mt][i] = st.ol[mt][i] = 0.0f;
     st.m[0] = st.m[1] = -INFINITY;
     st.l[0] = st.l[1] = 0.0f;
-    am_run<HD>(st, rings + warp * C::WARP_BYTES, s_q, kh, vh, row_bytes, c0, c1, warp, nw, lane);
+    am_run<HD, S>(st, rings + warp * S * C::SLOT, s_q, kh, vh, row_bytes, c0, c1, warp, nw,
+                  lane);
 
     /* the whole sums of heads 2t, 2t + 1 over the lanes g */
 #pragma unroll

@@ -685,15 +685,20 @@ static void test_attention_mma(struct rng *r)
         {12, 4, 128, 1, 300, true, true},   {32, 2, 128, 1, 5000, true, true},
         {8, 8, 32, 1, 300, true, false},
     };
-    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
-        const double e = attn_case_run(&more[i], r);
-        ran += cuda_attention_last_mma();
-        cases++;
-        MEASURE("attention decode, tensor cores: n_kv %u heads %u/%u hd %u gated %d: max abs err "
-                "%.3g",
-                more[i].pos0 + 1, more[i].n_head, more[i].n_head_kv, more[i].hd, more[i].gated,
-                e);
+    /* and each with the rings of three slots (LAMINA_CUDA_ATTN_MMA_STAGES=3; hd 128, 256) */
+    for (int stages = 2; stages <= 3; stages++) {
+        setenv("LAMINA_CUDA_ATTN_MMA_STAGES", stages == 3 ? "3" : "2", 1);
+        for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+            const double e = attn_case_run(&more[i], r);
+            ran += cuda_attention_last_mma();
+            cases++;
+            MEASURE("attention decode, tensor cores, %d slots: n_kv %u heads %u/%u hd %u gated %d: "
+                    "max abs err %.3g",
+                    stages, more[i].pos0 + 1, more[i].n_head, more[i].n_head_kv, more[i].hd,
+                    more[i].gated, e);
+        }
     }
+    unsetenv("LAMINA_CUDA_ATTN_MMA_STAGES");
     CHECK(ran == (able ? cases : 0), "attention decode: the tensor-core kernel ran %d of %d times "
           "(compute capability %d)", ran, cases, cuda_caps_cc());
     /* prefill: every row's causal limit inside a tile, long prefixes split over blocks (merged
@@ -840,7 +845,8 @@ static void test_attention_timing(struct rng *r, const char *pool)
               {"LAMINA_CUDA_ATTN_MMA", "0", NULL, NULL},
               {"LAMINA_CUDA_ATTN_MMA", "1", NULL, NULL},
               {"LAMINA_CUDA_ATTN_MMA", "1", "LAMINA_CUDA_ATTN_BLOCKS", "264"},
-              {"LAMINA_CUDA_ATTN_MMA", "1", "LAMINA_CUDA_ATTN_BLOCKS", "512"}};
+              {"LAMINA_CUDA_ATTN_MMA", "1", "LAMINA_CUDA_ATTN_BLOCKS", "512"},
+              {"LAMINA_CUDA_ATTN_MMA", "1", "LAMINA_CUDA_ATTN_MMA_STAGES", "3"}};
     static const uint32_t pos0s[] = {4095, 16383, 65535};
     for (size_t i = 0; i < sizeof vs / sizeof vs[0]; i++) {
         setenv(vs[i].var, vs[i].val, 1);
