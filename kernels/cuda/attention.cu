@@ -47,11 +47,12 @@
  * in device memory) launches the most splits any position up to its max_kv
  * plans (attn_decode_splits_most), the blocks past a position's own plan idle.
  *
- * The tensor-core split decode (attn_mma_kernel, kernels/cuda/attn_mma.cuh; opt-in,
- * LAMINA_CUDA_ATTN_MMA=1): the same splits' triples for attn_combine_kernel from
- * mma.sync products (f16 cache, hd 16 to 256, compute capability 8.0 or later),
- * with q and the weights in two f16 parts each; its own plan (attn_mma_limits:
- * chunks of >= 64 positions, at most 128 blocks).
+ * The tensor-core kernels (kernels/cuda/attn_mma.cuh; opt-in, LAMINA_CUDA_ATTN_MMA=1):
+ * the split decode (attn_mma_kernel, its own plan, attn_mma_limits: chunks of >= 64
+ * positions, at most 128 blocks) and the prefill (attn_mma_prefill_kernel, the grid
+ * below) write the same splits' triples for attn_combine_kernel from mma.sync
+ * products (f16 cache, hd 16 to 256, compute capability 8.0 or later), with q and the
+ * softmax weights in two f16 parts each.
  *
  * The fused decode (cuda_attention_decode_fused, attn_fused_kernel below): the
  * prep, the decode and the merge of one token in one launch, a warp per query
@@ -70,8 +71,8 @@
  * tiles of T positions of K and V (<= 32 KiB) into shared memory once and all
  * warps consume them, each masking its rows causally (positions <= pos0 + t)
  * and skipping tiles past its last row. Long contexts are split over blocks
- * and merged by the same combine kernel. CUDA cores in f32 throughout (no
- * tensor cores): correct first, about 17 TFLOP/s on an H200.
+ * and merged by the same combine kernel. CUDA cores in f32 throughout (the
+ * tensor-core form is attn_mma_prefill_kernel): about 17 TFLOP/s on an H200.
  *
  * Workspace: the split paths keep n_splits x n_tok x n_head x (hd + 2) floats
  * of stream-ordered memory (cudaMallocAsync / cudaFreeAsync on `stream`; at

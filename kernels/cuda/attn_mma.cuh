@@ -1,9 +1,10 @@
 /*
- * attn_mma: the split decode's per-split kernel on tensor cores (attn_mma_kernel),
- * included by attention.cu only (it uses that file's attn_args, split plan, cp.async
- * helpers and warp merge). Opt-in: LAMINA_CUDA_ATTN_MMA=1 (attention.cu's
- * attn_mma_takes); the splits' triples are those attn_decode_kernel writes, so
- * attn_combine_kernel merges them unchanged.
+ * attn_mma: attention's kernels on tensor cores, the split decode's per-split kernel
+ * (attn_mma_kernel) and the prefill's (attn_mma_prefill_kernel), included by
+ * attention.cu only (they use that file's attn_args, split plans, cp.async helpers and
+ * warp merge). Opt-in: LAMINA_CUDA_ATTN_MMA=1 (attention.cu's attn_mma_takes); the
+ * splits' triples are those the CUDA-core kernels write, so attn_combine_kernel merges
+ * them unchanged.
  *
  * Why: the CUDA-core decode kernel spends about 160 warp instructions a position
  * and kv head (f16 -> f32 conversions, a 31-shuffle reduce-scatter a sub-step, one
