@@ -28,7 +28,9 @@
  *   output head: the output norm and lm head are uploaded on the first
  *     logits() call (only the last worker makes one), with logits scratch
  *     for CB_LOGIT_ROWS rows; they are charged to the budget then, and a
- *     budget they do not fit fails that call with -ENOMEM.
+ *     budget they do not fit fails that call with -ENOMEM. One row's lm head
+ *     normalises h itself (cuda_matvec_norm, the same bits; LAMINA_CUDA_FUSE=0:
+ *     the norm a launch of its own, as for several rows).
  *
  * A layers() call uploads h, enqueues every layer and downloads h; a host
  * sync happens only at the end, and in a layer where some expert of the
@@ -55,8 +57,7 @@
  * the three in one launch, cuda_attention_decode_fused, where it takes the
  * shape; slower on an H200 so far, docs/perf.md), the output product; per
  * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv and
- * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two, and the
- * lm head's norm of one row a launch of its own, not inside the lm head's product),
+ * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two),
  * output (LAMINA_CUDA_DN_IN=1: on sm_90 with Q4_0 or Q8_0 input rows the
  * product, conv and heads in one launch, cuda_deltanet_in_conv_heads, a
  * cluster per key head computing the rows its heads read: the same bits,
