@@ -49,13 +49,16 @@
  * device, workspace preallocated), so nothing captured depends on the step.
  * The graph bakes the state pointers in: each sequence slot has its own,
  * captured at that slot's first decode step.
- * Kernels per token (logged once; 364 a decode step for the 48-layer
- * 80b-a3b Qwen3-Next as graph_trace counted them, docs/perf.md): per
+ * Kernels per token (logged once; for the 48-layer 80b-a3b Qwen3-Next 364
+ * a decode step past fused_below and 340 below it as graph_trace counted
+ * them, docs/perf.md): per
  * attention layer the q|k|v product (one launch where the three share a row
  * format, stacked in the trunk), the fused q/k norm + rope + KV store
- * (cuda_attn_prep), attention and its split combine (LAMINA_CUDA_ATTN_FUSED=1:
- * the three in one launch, cuda_attention_decode_fused, where it takes the
- * shape; slower on an H200 so far, docs/perf.md), the output product; per
+ * (cuda_attn_prep), attention and its split combine, the output product (at
+ * positions below fused_below the three in one launch where it takes the
+ * shape, cuda_attention_decode_fused: faster on an H200 at an empty context,
+ * slower at 4096 positions, docs/perf.md; so each slot has two decode graphs,
+ * CB_G_FUSED and CB_G_SPLIT); per
  * DeltaNet layer the qkv|z|beta|alpha product (stacked likewise), conv and
  * heads in one launch (cuda_deltanet_conv_heads; LAMINA_CUDA_FUSE=0: two),
  * output (LAMINA_CUDA_DN_IN=1: on sm_90 with Q4_0 or Q8_0 input rows the
@@ -187,6 +190,13 @@ enum cb_stage {
     CB_STAGES
 };
 
+/* A slot's decode graphs: the attention decode of every attention layer in one launch
+ * (cuda_attention_decode_fused: at positions below fused_below) or as prep, decode and
+ * split merge (at and past it). On an H200 the one launch decoded faster at short
+ * contexts and slower at 4096 positions (docs/perf.md, thirty-second session). */
+enum cb_graph { CB_G_FUSED, CB_G_SPLIT, CB_GRAPHS };
+#define CB_FUSED_BELOW 1024u          /* fused_below's default */
+
 /* A weight matrix in device memory (possibly a row range of a larger one). */
 struct cb_mat {
     const void *d;      /* first row, device */
@@ -250,7 +260,8 @@ struct backend_cuda {
     uint8_t **host_dn;                /* per slot: pinned host copy of its DeltaNet state
                                        * (dn_state_bytes, the device's layout), or NULL */
     uint8_t *dn_flags;                /* per slot and layer of the range: CB_DN_* */
-    cudaGraphExec_t *slot_gexec;      /* per slot: its decode graph (gexec is the current's) */
+    cudaGraphExec_t *slot_gexec;      /* per slot: its CB_GRAPHS decode graphs (gexec: the
+                                       * current slot's) */
     uint32_t pass_rows;               /* the last pass: rows, whether a graph ran it, and the */
     bool pass_graph;                  /* launch count before it (cb_pass_done) */
     uint64_t pass_launches0;
@@ -337,11 +348,17 @@ struct backend_cuda {
     void **cp_dst;
     const void **cp_src;
     size_t *cp_size;
-    /* decode graph: captured at the first decode step, replayed after */
+    /* decode graphs: one per CB_G_* form, each captured at the first decode step that
+     * takes it, replayed after */
     bool graphs;
-    cudaGraphExec_t gexec;
-    uint64_t graph_kernels;           /* kernels in the graph */
+    cudaGraphExec_t gexec[CB_GRAPHS];
+    uint64_t graph_kernels[CB_GRAPHS]; /* kernels in each graph */
     uint64_t graph_expert_rows;       /* stats.expert_rows of one replay (counted at capture) */
+    /* the attention decode in one launch (cuda_attention_decode_fused) at positions below
+     * this (LAMINA_CUDA_ATTN_FUSED_BELOW; UINT32_MAX with LAMINA_CUDA_ATTN_FUSED=1, 0 with
+     * =0), the three launches at and past it; attn_fused: the pass being enqueued's choice */
+    uint32_t fused_below;
+    bool attn_fused;
     /* profile (LAMINA_CUDA_PROFILE=1): an event before each kernel */
     bool prof;
     uint32_t prof_n;
@@ -353,7 +370,7 @@ struct backend_cuda {
         uint64_t calls;
     } prof_rows[2][CB_PROF_ROWS];     /* [decode, prefill] */
     uint64_t graph_steps;             /* decode steps run as a graph */
-    double graph_capture_s;           /* host time capturing and instantiating the graph */
+    double graph_capture_s;           /* host time capturing and instantiating graphs */
     uint64_t launches;                /* kernels enqueued so far */
     bool launches_logged;
     struct forward_stats stats;
@@ -1008,7 +1025,7 @@ static int cb_alloc_state(struct backend_cuda *c)
     if (cb_malloc(&c->state, c->state_size, "KV cache and DeltaNet state"))
         return -ENOMEM;
     c->slot_pos = calloc(c->n_seq, sizeof(*c->slot_pos));
-    c->slot_gexec = calloc(c->n_seq, sizeof(*c->slot_gexec));
+    c->slot_gexec = calloc((size_t)c->n_seq * CB_GRAPHS, sizeof(*c->slot_gexec));
     c->host_dn = calloc(c->n_seq, sizeof(*c->host_dn));
     c->dn_flags = malloc((size_t)c->n_seq * (c->l1 - c->l0));
     if (!c->slot_pos || !c->slot_gexec || !c->host_dn || !c->dn_flags)
@@ -1363,10 +1380,10 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
         rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
         rc = rc ? rc : cb_mm(c, "attn.v", &L->wv, c->xa, n, S, vx, kvd);
     }
-    if (!rc && S == 1 && L->wqkv1.n_out) {
-        /* prep, attention and its split merge in one launch where it is asked for and
-         * takes them (LAMINA_CUDA_ATTN_FUSED=1), the output also rounded for the output
-         * product where that takes it (cb_mm_yq) */
+    if (!rc && S == 1 && L->wqkv1.n_out && c->attn_fused) {
+        /* prep, attention and its split merge in one launch where the pass asks for it
+         * (c->attn_fused: a position below fused_below) and it takes them, the output
+         * also rounded for the output product where that takes it (cb_mm_yq) */
         int8_t *aq = c->yq_on && cuda_mvq_xq_ok(L->wo.type, L->wo.n_out, L->wo.n_in) ? c->yq
                                                                                      : NULL;
         rc = CB_K(c, "attn.fused",
@@ -1967,12 +1984,12 @@ static int cb_graph_kernel_nodes(cudaGraph_t graph, uint64_t *n)
     return rc;
 }
 
-/* Captures one decode step of the layers into c->gexec (NULL on failure;
- * the counters the capture bumped are then taken back). The graph's kernel
- * nodes are its count of kernels (c->graph_kernels, what each replay adds to
- * c->launches); where the launchers' counts (CB_K) say otherwise, a
- * warning. */
-static int cb_capture(struct backend_cuda *c)
+/* Captures one decode step of the layers in form g (the pass's c->attn_fused)
+ * into c->gexec[g] (NULL on failure; the counters the capture bumped are then
+ * taken back). The graph's kernel nodes are its count of kernels
+ * (c->graph_kernels[g], what each replay adds to c->launches); where the
+ * launchers' counts (CB_K) say otherwise, a warning. */
+static int cb_capture(struct backend_cuda *c, enum cb_graph g)
 {
     cudaGraph_t graph = NULL;
     const double t0 = cb_now();
@@ -1987,50 +2004,52 @@ static int cb_capture(struct backend_cuda *c)
     rc = rc ? rc : rc_end;
     uint64_t nodes = 0;
     rc = rc ? rc : cb_graph_kernel_nodes(graph, &nodes);
-    rc = rc ? rc : CUDA_CHECK(cudaGraphInstantiate(&c->gexec, graph, 0));
+    rc = rc ? rc : CUDA_CHECK(cudaGraphInstantiate(&c->gexec[g], graph, 0));
     if (graph)
         cudaGraphDestroy(graph);
-    c->graph_capture_s = cb_now() - t0;
+    c->graph_capture_s += cb_now() - t0;
     if (!rc && nodes != c->launches - k0)
         log_warn("cuda layers %u-%u: the decode graph holds %llu kernels where the launchers "
                  "counted %llu; counting the graph's", c->l0, c->l1 - 1,
                  (unsigned long long)nodes, (unsigned long long)(c->launches - k0));
-    c->graph_kernels = nodes;
+    c->graph_kernels[g] = nodes;
     c->launches = k0 + nodes;
     c->graph_expert_rows = c->stats.expert_rows - rows0;
     if (rc) {
-        c->gexec = NULL;
+        c->gexec[g] = NULL;
         c->launches = k0;
         c->stats.expert_rows = rows0;
     }
     return rc;
 }
 
-/* Decode steps as one CUDA graph: captured at the first step (positions
- * reach the kernels through c->d_pos, so the graph never changes) and
- * replayed after. A capture with stage-timing events that fails is made
- * again without them (diagnostics never fail a step). */
+/* Decode steps as one CUDA graph: the pass's form (c->attn_fused) captured
+ * at the first step that takes it (positions reach the kernels through
+ * c->d_pos, so the graph never changes) and replayed after. A capture with
+ * stage-timing events that fails is made again without them (diagnostics
+ * never fail a step). */
 static int cb_graph_step(struct backend_cuda *c)
 {
-    if (!c->gexec) {
+    const enum cb_graph g = c->attn_fused ? CB_G_FUSED : CB_G_SPLIT;
+    if (!c->gexec[g]) {
         const bool st = c->st_on;
-        int rc = cb_capture(c);
+        int rc = cb_capture(c, g);
         if (rc && st) {
             /* cudaGetLastError also clears what the failed capture left */
             cb_stage_off(c, "capturing the decode graph with the events", cudaGetLastError());
-            rc = cb_capture(c);
+            rc = cb_capture(c, g);
         }
         if (rc)
             return rc;
     } else {
         /* a replay runs what the capture enqueued: count it as the capture did */
-        c->launches += c->graph_kernels;
+        c->launches += c->graph_kernels[g];
         c->stats.expert_rows += c->graph_expert_rows;
         if (c->cfg.progress)
             __atomic_add_fetch(c->cfg.progress, c->l1 - c->l0, __ATOMIC_RELAXED);
     }
     c->graph_steps++;
-    return CUDA_CHECK(cudaGraphLaunch(c->gexec, c->stream));
+    return CUDA_CHECK(cudaGraphLaunch(c->gexec[g], c->stream));
 }
 
 static void cb_pass_done(struct backend_cuda *c);
@@ -2056,6 +2075,7 @@ static int cb_pass(struct backend_cuda *c, float *h, uint32_t S, bool keep)
     if (rc)
         return rc;
     const bool graph = S == 1 && c->graphs && c->all_resident && !c->prof;
+    c->attn_fused = S == 1 && c->pos < c->fused_below;
     rc = graph ? cb_graph_step(c) : cb_enqueue_layers(c, S, c->pos);
     if (!rc && c->prof && c->prof_n)
         rc = CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
@@ -2349,10 +2369,12 @@ static void cb_fini(struct backend *b)
     if (c->stream)
         cudaStreamSynchronize(c->stream);
     if (c->graph_steps)
-        log_info("cuda layers %u-%u: %llu decode steps replayed one graph of %llu kernels "
-                 "(captured and instantiated once in %.1f ms)", c->l0, c->l1 - 1,
-                 (unsigned long long)c->graph_steps, (unsigned long long)c->graph_kernels,
-                 1e3 * c->graph_capture_s);
+        log_info("cuda layers %u-%u: %llu decode steps replayed graphs of %llu kernels "
+                 "(positions below %u) and %llu kernels (past it; 0: not captured), "
+                 "captured and instantiated in %.1f ms", c->l0, c->l1 - 1,
+                 (unsigned long long)c->graph_steps,
+                 (unsigned long long)c->graph_kernels[CB_G_FUSED], c->fused_below,
+                 (unsigned long long)c->graph_kernels[CB_G_SPLIT], 1e3 * c->graph_capture_s);
     cb_prof_report(c);
     cb_probe_report(c);
     for (int i = 0; c->prof && i <= CB_PROF_MAX; i++)
@@ -2363,12 +2385,13 @@ static void cb_fini(struct backend *b)
             cudaEventDestroy(c->st_ev[i]);
     free(c->st_ev);
     if (c->slot_gexec)
-        c->slot_gexec[c->seq] = c->gexec;
-    for (uint32_t i = 0; c->slot_gexec && i < c->n_seq; i++)
+        memcpy(c->slot_gexec + (size_t)c->seq * CB_GRAPHS, c->gexec, sizeof(c->gexec));
+    for (size_t i = 0; c->slot_gexec && i < (size_t)c->n_seq * CB_GRAPHS; i++)
         if (c->slot_gexec[i])
             cudaGraphExecDestroy(c->slot_gexec[i]);
-    if (!c->slot_gexec && c->gexec)
-        cudaGraphExecDestroy(c->gexec);
+    for (int g = 0; !c->slot_gexec && g < CB_GRAPHS; g++)
+        if (c->gexec[g])
+            cudaGraphExecDestroy(c->gexec[g]);
     free(c->slot_pos);
     free(c->slot_gexec);
     for (uint32_t i = 0; c->host_dn && i < c->n_seq; i++)
@@ -2592,6 +2615,27 @@ static unsigned cb_tail_mask(const char *env)
     return mask;
 }
 
+/* The position from which decode steps run the attention as three launches
+ * (fused_below): LAMINA_CUDA_ATTN_FUSED=1 never, =0 from the first,
+ * otherwise LAMINA_CUDA_ATTN_FUSED_BELOW=N (default CB_FUSED_BELOW). */
+static uint32_t cb_fused_below(void)
+{
+    const char *af = getenv("LAMINA_CUDA_ATTN_FUSED"), *ab = getenv("LAMINA_CUDA_ATTN_FUSED_BELOW");
+    if (af && (!strcmp(af, "0") || !strcmp(af, "1")))
+        return af[0] == '1' ? UINT32_MAX : 0u;
+    if (!ab)
+        return CB_FUSED_BELOW;
+    char *end = NULL;
+    errno = 0;
+    const unsigned long long n = strtoull(ab, &end, 10);
+    if (!*ab || *end || errno || ab[0] == '-') {
+        log_warn("LAMINA_CUDA_ATTN_FUSED_BELOW=%s is not a count of positions: %u taken", ab,
+                 CB_FUSED_BELOW);
+        return CB_FUSED_BELOW;
+    }
+    return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
+}
+
 static int cb_init(struct backend *b, const struct backend_config *cfg)
 {
     const struct arch_model *m = cfg->model;
@@ -2649,6 +2693,7 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->topk_rounds = tr && !strcmp(tr, "1");
     const char *ts = getenv("LAMINA_CUDA_TOPK_SOFTMAX");
     c->topk_softmax = ts && !strcmp(ts, "1");
+    c->fused_below = cb_fused_below();
     c->skip = getenv("LAMINA_CUDA_SKIP");
     if (c->skip && !*c->skip)
         c->skip = NULL;
@@ -2672,10 +2717,10 @@ static void cb_use_seq(struct backend *b, uint32_t seq)
 {
     struct backend_cuda *c = b->impl;
     c->slot_pos[c->seq] = c->pos;
-    c->slot_gexec[c->seq] = c->gexec;
+    memcpy(c->slot_gexec + (size_t)c->seq * CB_GRAPHS, c->gexec, sizeof(c->gexec));
     c->seq = seq;
     c->pos = c->slot_pos[seq];
-    c->gexec = c->slot_gexec[seq];
+    memcpy(c->gexec, c->slot_gexec + (size_t)seq * CB_GRAPHS, sizeof(c->gexec));
     cb_point_slot(c, seq);
 }
 

@@ -57,14 +57,16 @@
  * The fused decode (cuda_attention_decode_fused, attn_fused_kernel below): the
  * prep, the decode and the merge of one token in one launch, a warp per query
  * head, the cached rows read before the PDL wait, the splits merged by the
- * block that completes a kv head (its comment has the details). Opt-in
- * (LAMINA_CUDA_ATTN_FUSED=1): in the decode graph on an H200 its first form
- * took 26 us a layer against 14 for the three launches; this form (a lane
- * per position, the rope's sines in shared memory, smaller code) takes 12.9
- * against 14.3 and decodes 1.3 % faster at an empty context, but 3 % slower
- * with 4096 tokens in it and 2.4 times slower an attention step at 70000
- * (docs/perf.md): at most 32 splits a kv head (LAMINA_CUDA_ATTN_SPLITS=N, up
- * to 128) where the split decode spreads a long context over 512 blocks.
+ * block that completes a kv head (its comment has the details). In the
+ * decode graph on an H200 its first form took 26 us a layer against 14 for
+ * the three launches; this form (a lane per position, the rope's sines in
+ * shared memory, smaller code) takes 12.9 against 14.3 and decodes 1.3 %
+ * faster at an empty context, but 3 % slower with 4096 tokens in it and 2.4
+ * times slower an attention step at 70000 (docs/perf.md): at most 32 splits
+ * a kv head (LAMINA_CUDA_ATTN_SPLITS=N, up to 128) where the split decode
+ * spreads a long context over 512 blocks. So the CUDA backend takes it for
+ * positions below LAMINA_CUDA_ATTN_FUSED_BELOW only (a decode graph of its
+ * own); LAMINA_CUDA_ATTN_FUSED=0 refuses it here.
  *
  * Prefill (n_tok > 1): grid (token tile, kv head x head group, split). The
  * block's 8 warps own 64 rows (BQ = 64/NG tokens x NG heads); the block loads
@@ -1690,13 +1692,12 @@ extern "C" size_t cuda_attention_fused_ws_bytes(uint32_t n_head, uint32_t n_head
     return (size_t)af_cap(max_kv) * n_head * (hd + 2) * sizeof(float);
 }
 
-/* Whether the fused decode is asked for (LAMINA_CUDA_ATTN_FUSED=1, read at
- * each call: opt-in, as it decoded slower than the three launches on an
- * H200 so far, docs/perf.md) and takes the shape on this device. */
+/* Whether the fused decode is not refused (LAMINA_CUDA_ATTN_FUSED=0, read at
+ * each call) and takes the shape on this device. */
 static bool af_takes(bool f16, uint32_t n_head, uint32_t n_head_kv, uint32_t hd, size_t smem)
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_FUSED");
-    if (!env || strcmp(env, "1"))
+    if (env && !strcmp(env, "0"))
         return false;
     if (!f16 || (hd != 32 && hd != 64 && hd != 128 && hd != 256) || n_head % n_head_kv ||
         n_head / n_head_kv > AF_MAX_NG || n_head_kv > AF_MAX_KV)

@@ -114,11 +114,12 @@ int cuda_attention_decode_at_xq(const float *d_q, size_t q_head_stride, const vo
  * token at *d_pos; its k and v stored into the caches as cuda_attn_prep stores
  * them (the same bits), the output within f32 rounding of the three launches
  * (another order of sums; the same bits run to run). d_ws:
- * cuda_attention_fused_ws_bytes() bytes, 16-byte aligned. -ENOTSUP (nothing
- * launched) unless LAMINA_CUDA_ATTN_FUSED=1 (read at each call; opt-in: in an H200's
- * decode graph faster at short contexts, slower at long ones, docs/perf.md;
- * LAMINA_CUDA_ATTN_SPLITS=N, 1 to 128, its splits a kv head at most, default
- * 32, read by both this and the workspace's size) and
+ * cuda_attention_fused_ws_bytes() bytes, 16-byte aligned. In an H200's decode
+ * graph faster at short contexts, slower at long ones (docs/perf.md): the CUDA
+ * backend calls it below a position (LAMINA_CUDA_ATTN_FUSED_BELOW).
+ * LAMINA_CUDA_ATTN_SPLITS=N, 1 to 128: its splits a kv head at most, default
+ * 32, read by both this and the workspace's size. -ENOTSUP (nothing launched)
+ * with LAMINA_CUDA_ATTN_FUSED=0 (read at each call) and
  * where it does not take the shape: an f32 cache, hd not 32, 64, 128 or 256,
  * more than 16 query heads a kv head or 64 kv heads, a device before compute
  * capability 8.0 or short of shared memory. */

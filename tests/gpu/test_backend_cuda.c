@@ -305,8 +305,9 @@ static struct backend_config tbc_config(const struct tbc_arch *a, uint32_t l0, u
                                    .n_threads = 2, .n_ctx = TBC_CTX, .max_batch = batch};
 }
 
-/* (token, expert) pairs the last tbc_run's first sequence computed locally. */
-static uint64_t tbc_last_rows;
+/* (token, expert) pairs the last tbc_run's first sequence computed locally,
+ * and the kernels of its last decode step. */
+static uint64_t tbc_last_rows, tbc_last_kernels;
 
 /* One backend over all layers: a run, optionally a second after reset;
  * returns the decode ms per token (tbc_decode_ms) or -1. */
@@ -320,6 +321,7 @@ static double tbc_run(const struct tbc_arch *a, const char *kind, struct backend
     int rc = tbc_sequence(a, &b, 1, out);
     CHECK(rc == 0, "%s: %s sequence ran", a->name, kind);
     tbc_last_rows = backend_stats(b)->expert_rows;
+    tbc_last_kernels = backend_stats(b)->step_kernels;
     if (again && !rc) {
         backend_reset(b);
         rc = tbc_sequence(a, &b, 1, again);
@@ -647,6 +649,63 @@ out:
     free(all), free(fg), free(ex), free(cn), free(refs), free(X), free(Yg), free(Yc);
 }
 
+/* The attention decode in one launch (cuda_attention_decode_fused) at positions below
+ * LAMINA_CUDA_ATTN_FUSED_BELOW, as three launches at and past it, each decode form a graph
+ * of its own, with an f16 cache (cfg): below 1024 by default (every decode step here),
+ * from the first position (=0), and from a decode step in the middle of the run (both
+ * graphs captured in one run), each within the bound of the token-by-token cpu with f16
+ * KV (ref). Where the fused launch ran (the default's last step has two kernels fewer an
+ * attention layer than =0's: prep and merge), the rows before the middle step equal the
+ * default's byte for byte and its last step counts =0's kernels; where it did not, all
+ * three runs are the same bytes and the same kernels. buf, tmp: two rows x V buffers. */
+static void tbc_fused_below(const struct tbc_arch *a, struct backend_config cfg,
+                            const float *ref, float *buf, float *tmp)
+{
+    const size_t sz = a->rows * a->V * sizeof(float);
+    uint32_t n_attn = 0;
+    for (uint32_t l = 0; l < a->m->hp.n_layer; l++)
+        n_attn += !a->m->layers[l].recurrent;
+    unsetenv("LAMINA_CUDA_ATTN_FUSED_BELOW");
+    tbc_run(a, "cuda", cfg, buf, NULL);
+    const uint64_t k_fused = tbc_last_kernels;
+    tbc_compare(a, ref, buf, "cuda f16 KV, attention in one launch (the default below 1024), "
+                "vs token-by-token cpu f16 KV", TBC_TOL_F16);
+    setenv("LAMINA_CUDA_ATTN_FUSED_BELOW", "0", 1);
+    tbc_run(a, "cuda", cfg, tmp, NULL);
+    const uint64_t k_split = tbc_last_kernels;
+    tbc_compare(a, ref, tmp, "cuda f16 KV, attention as three launches "
+                "(LAMINA_CUDA_ATTN_FUSED_BELOW=0), vs token-by-token cpu f16 KV", TBC_TOL_F16);
+    const bool ran = k_split != k_fused;
+    CHECK(!ran ? !memcmp(buf, tmp, sz) : k_split == k_fused + 2 * n_attn,
+          "%s: %llu kernels a decode step with the attention in one launch, %llu in three "
+          "(%u attention layers)%s", a->name, (unsigned long long)k_fused,
+          (unsigned long long)k_split, n_attn, ran ? "" : ", and the logits differ");
+    const uint32_t mid = (uint32_t)a->n + TBC_DECODE / 2;
+    char at[16];
+    snprintf(at, sizeof at, "%u", mid);
+    setenv("LAMINA_CUDA_ATTN_FUSED_BELOW", at, 1);
+    float *both = malloc(sz);
+    CHECK(both != NULL, "%s: buffer", a->name);
+    if (both) {
+        tbc_run(a, "cuda", cfg, both, NULL);
+        tbc_compare(a, ref, both, "cuda f16 KV, attention in one launch below a middle decode "
+                    "step (two graphs in one run), vs token-by-token cpu f16 KV", TBC_TOL_F16);
+        const size_t before = (size_t)mid * a->V * sizeof(float);
+        CHECK(!memcmp(both, buf, before) && tbc_last_kernels == k_split &&
+                  (ran || !memcmp(both, tmp, sz)),
+              "%s: LAMINA_CUDA_ATTN_FUSED_BELOW=%u: rows before it %s the default's, %llu kernels "
+              "in the last step (%llu expected)", a->name, mid,
+              memcmp(both, buf, before) ? "differ from" : "equal",
+              (unsigned long long)tbc_last_kernels, (unsigned long long)k_split);
+        MEASURE("%s attention decode in one launch below a position: %s (%llu kernels a decode "
+                "step, %llu as three launches); max |fused - three launches| %.3g", a->name,
+                ran ? "ran" : "not taken", (unsigned long long)k_fused,
+                (unsigned long long)k_split, tbc_maxdiff(buf, tmp, a->rows * a->V));
+        free(both);
+    }
+    unsetenv("LAMINA_CUDA_ATTN_FUSED_BELOW");
+}
+
 static void tbc_arch_run(struct tbc_arch *a)
 {
     const uint32_t L = a->m->hp.n_layer;
@@ -725,6 +784,7 @@ static void tbc_arch_run(struct tbc_arch *a)
     unsetenv("LAMINA_CUDA_ATTN_MMA");
     tbc_compare(a, gpu2, tmp, "cuda f16 KV, tensor-core decode attention, vs token-by-token cpu "
                 "f16 KV", TBC_TOL_F16);
+    tbc_fused_below(a, f16, gpu2, tok, tmp);
     tbc_snapshot(a, gpu, tok);
     tbc_layers(a);
     tbc_budget(a);

@@ -10,9 +10,10 @@
  * The tensor-core kernels (opt-in, LAMINA_CUDA_ATTN_MMA=1: the split decode and
  * the prefill) over the same kinds of cases with an f16 cache, hd 256 to 16,
  * and timed beside the default.
- * The fused decode (prep, attention and merge in one launch, opt-in: the
- * test sets LAMINA_CUDA_ATTN_FUSED=1) against the prep and the decode
- * launched apart, at positions 0 .. 69999, timed at three of them.
+ * The fused decode (prep, attention and merge in one launch; refused with
+ * LAMINA_CUDA_ATTN_FUSED=0) against the prep and the decode launched apart,
+ * at positions 0 .. 69999, timed at seven of them (100 to 3071: where the
+ * backend's LAMINA_CUDA_ATTN_FUSED_BELOW should be, and two long contexts).
  *
  * Tolerances (outputs of magnitude ~1): rmsnorm 1e-5 relative (f32 tree sum
  * vs the CPU's double sum); rope 3e-6 + 2e-7 * pos absolute (theta from powf
@@ -1478,7 +1479,7 @@ static void attn_fused_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t h
                                                kc[1], vc[1], f16, nh, nkv, hd, d_pos, max_kv,
                                                scale, gated, dout[1], dxq[1], ws1, wsb1, 0);
     const char *on = getenv("LAMINA_CUDA_ATTN_FUSED");
-    const bool takes = on && !strcmp(on, "1") && f16 &&
+    const bool takes = !(on && !strcmp(on, "0")) && f16 &&
                        (hd == 32 || hd == 64 || hd == 128 || hd == 256) && nh / nkv <= 16 &&
                        cuda_caps_cc() >= 80; /* its ring is cp.async (caps.h) */
     if (!takes) {
@@ -1570,11 +1571,12 @@ static void attn_fused_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t h
 
 static void test_attention_fused(struct rng *r)
 {
-    setenv("LAMINA_CUDA_ATTN_FUSED", "1", 1); /* opt-in */
-    static const uint32_t poss[] = {0, 1, 31, 32, 33, 100, 127, 640, 1023, 5000};
+    unsetenv("LAMINA_CUDA_ATTN_FUSED"); /* taken unless =0 */
+    static const uint32_t poss[] = {0, 1, 31, 32, 33, 100, 127, 640, 1023, 2047, 3071, 5000};
     for (size_t i = 0; i < sizeof poss / sizeof poss[0]; i++) {
-        /* qwen3next (timed at 100 and 640 positions of a context of 4096), qwen3moe */
-        const bool timed = poss[i] == 100 || poss[i] == 640;
+        /* qwen3next (timed at 100 to 3071 positions in a context of 4000 more: where the
+         * backend's LAMINA_CUDA_ATTN_FUSED_BELOW should be), qwen3moe */
+        const bool timed = poss[i] >= 100 && poss[i] != 127 && poss[i] != 5000;
         attn_fused_case(r, 16, 2, 256, 64, true, true, poss[i], poss[i] + 1, true, false);
         attn_fused_case(r, 16, 2, 256, 64, true, true, poss[i], poss[i] + 4000, true, timed);
         attn_fused_case(r, 32, 4, 128, 128, false, true, poss[i], poss[i] + 9, true, false);
@@ -1608,8 +1610,9 @@ static void test_attention_fused(struct rng *r)
     attn_fused_case(r, 16, 2, 256, 64, true, true, 10, 11, false, false);      /* refused: f32 cache */
     attn_fused_case(r, 12, 1, 96, 32, true, true, 10, 11, true, false);        /* refused: hd 96 */
     attn_fused_case(r, 32, 1, 64, 64, false, true, 10, 11, true, false);       /* refused: 32 a block */
-    unsetenv("LAMINA_CUDA_ATTN_FUSED"); /* not asked for: refused, nothing launched */
+    setenv("LAMINA_CUDA_ATTN_FUSED", "0", 1); /* turned off: refused, nothing launched */
     attn_fused_case(r, 16, 2, 256, 64, true, true, 10, 11, true, false);
+    unsetenv("LAMINA_CUDA_ATTN_FUSED");
 }
 
 /* The stream-ordered pool releases its memory at every synchronisation by
