@@ -356,6 +356,23 @@ static void pass_all(const struct sampler *s, const float *l, int32_t n, struct 
     }
 }
 
+/* Offers l[from .. to) to the heap c[0 .. k) in id order. A run of OFFER_RUN logits none of
+ * which passes the root as the run starts is skipped whole (its maximum, range_max, is one
+ * loop without a serial dependency): the root only rises, so heap_offer would have refused
+ * each of them; the others are offered one by one, so the heap ends the same. */
+#define OFFER_RUN 64
+static void offer_range(struct sampler_cand *c, size_t k, const float *l, int32_t from,
+                        int32_t to)
+{
+    int32_t i = from;
+    for (; to - i >= OFFER_RUN; i += OFFER_RUN)
+        if (range_max(l, i, i + OFFER_RUN) > c[0].logit)
+            for (int32_t j = i; j < i + OFFER_RUN; j++)
+                heap_offer(c, k, l[j], j);
+    for (; i < to; i++)
+        heap_offer(c, k, l[i], i);
+}
+
 /* The k best tokens (0 < k < n) into c[0 .. k), sorted best first. */
 static void pass_top_k(const struct sampler *s, const float *l, int32_t n, size_t k,
                        struct sampler_cand *c)
@@ -365,8 +382,7 @@ static void pass_top_k(const struct sampler *s, const float *l, int32_t n, size_
     int32_t from = 0;
     for (size_t j = 0; j <= s->n_pen; j++) {
         int32_t to = j < s->n_pen ? s->pen[j] : n;
-        for (int32_t i = from; i < to; i++)
-            heap_offer(c, k, l[i], i);
+        offer_range(c, k, l, from, to);
         if (j == s->n_pen)
             break;
         heap_offer(c, k, penalize(s, l[to]), to);

@@ -341,6 +341,100 @@ static void test_penalties(void)
     sampler_destroy(s);
 }
 
+/* Ranks before: higher logit, then lower id (the sampler's order). */
+struct ref_cand {
+    float v;
+    int32_t id;
+};
+
+static int ref_cmp(const void *pa, const void *pb)
+{
+    const struct ref_cand *a = pa, *b = pb;
+    if (a->v != b->v)
+        return a->v > b->v ? -1 : 1;
+    return a->id < b->id ? -1 : a->id > b->id;
+}
+
+/* top_k's selection against a full sort: at a temperature of 1e30 every kept weight rounds to
+ * 1 (expf of about -1e-29), so the draw at u = (i + 0.5) / k returns the i-th best of the k
+ * kept, and k draws read the whole list in rank order. Vocabularies around the scan's runs
+ * of 64, ties, NaN (never kept), -inf, a penalty window splitting the runs, k from 1 to
+ * 200; the reference sorts the penalized logits (NaN as -inf, llama.cpp's rule, then
+ * repeat 1.3 and presence 0.5) by logit, then id. */
+static void test_top_k_exact(void)
+{
+    static const int32_t vocabs[] = {2, 63, 64, 65, 127, 1000, 5003, 151936};
+    static const int32_t ks[] = {1, 2, 7, 40, 64, 200};
+    const float rp = 1.3f, pp = 0.5f;
+    int cases = 0;
+    for (size_t vi = 0; vi < sizeof(vocabs) / sizeof(vocabs[0]); vi++) {
+        const int32_t nv = vocabs[vi];
+        float *l = malloc((size_t)nv * sizeof(*l));
+        struct ref_cand *ref = malloc((size_t)nv * sizeof(*ref));
+        int32_t win[24];
+        if (!l || !ref)
+            exit(1);
+        for (int pattern = 0; pattern < 3; pattern++) {
+            fill_logits(l, nv, (uint32_t)(vi * 7 + (size_t)pattern + 1));
+            uint32_t x = (uint32_t)nv * 40503u + (uint32_t)pattern;
+            for (int32_t i = 0; i < nv; i++) {
+                x = x * 1664525u + 1013904223u;
+                if (pattern >= 1) /* few levels: ties everywhere */
+                    l[i] = floorf(l[i] * (pattern == 1 ? 0.5f : 0.05f));
+                if (x % 97 == 0)
+                    l[i] = NAN;
+                else if (x % 89 == 0)
+                    l[i] = -INFINITY;
+            }
+            size_t n_win = 0;
+            for (int i = 0; pattern == 2 && i < 24; i++) {
+                x = x * 1664525u + 1013904223u;
+                win[n_win++] = (int32_t)(x % (uint32_t)nv);
+            }
+            for (int32_t i = 0; i < nv; i++) {
+                float v = l[i] != l[i] ? -INFINITY : l[i];
+                bool in_win = false;
+                for (size_t w = 0; w < n_win; w++)
+                    in_win |= win[w] == i;
+                if (in_win)
+                    v = (v <= 0 ? v * rp : v / rp) - pp;
+                ref[i] = (struct ref_cand){v, i};
+            }
+            qsort(ref, (size_t)nv, sizeof(*ref), ref_cmp);
+            for (size_t ki = 0; ki < sizeof(ks) / sizeof(ks[0]); ki++) {
+                const int32_t k = ks[ki];
+                if (k >= nv)
+                    continue;
+                struct sampler_config c = {.temperature = 1e30f, .top_k = k, .seed = 1};
+                if (n_win)
+                    c.repeat_penalty = rp, c.presence_penalty = pp;
+                struct sampler *s = sampler_create(&c);
+                CHECK(s, "sampler_create");
+                if (!s)
+                    exit(1);
+                int32_t finite = 0; /* the kept entries that can be drawn (weight 1) */
+                for (int32_t i = 0; i < k; i++)
+                    finite += isfinite(ref[i].v);
+                int bad = -1;
+                int32_t got = -1;
+                for (int32_t i = 0; i < finite && bad < 0; i++) {
+                    got = sampler_sample_given(s, l, nv, (i + 0.5) / finite, win, n_win);
+                    if (got != ref[i].id)
+                        bad = i;
+                }
+                CHECK(bad < 0, "top_k %d over %d logits (pattern %d): pick %d is id %d, the "
+                      "sorted reference's is %d", k, nv, pattern, bad, got,
+                      bad >= 0 ? ref[bad].id : -1);
+                sampler_destroy(s);
+                cases++;
+            }
+        }
+        free(l);
+        free(ref);
+    }
+    MEASURE("top_k selection equal to a full sort in %d cases", cases);
+}
+
 static void test_config(void)
 {
     struct sampler_config bad[] = {
@@ -464,6 +558,7 @@ int main(void)
     test_filters();
     test_penalties();
     test_given();
+    test_top_k_exact();
     test_config();
     test_speed();
     return test_main_result("test_sampler");
