@@ -6,6 +6,7 @@
 # Outputs go under build/ (build/san-*/ for sanitizer builds).
 
 CC      ?= cc
+CXX     ?= c++
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 PKGS    := libpcre2-8 libzmq libprotobuf-c
 # The GPU architectures lamina ships for, listed once: code for sm_90 (H100/H200), sm_75,
@@ -40,6 +41,10 @@ endif
 
 CFLAGS  := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -I. -Ibuild/gen $(OPT) -MMD -MP \
            -pthread $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+# C++ for host tests of headers the CUDA kernels share with the host (tests/test_*.cpp):
+# no exceptions or RTTI, so cc links them as it links the C tests
+CXXFLAGS := -std=c++17 -D_GNU_SOURCE -Wall -Wextra -Werror -Wno-unknown-pragmas -fno-exceptions \
+            -fno-rtti -I. -Ibuild/gen $(OPT) -MMD -MP -pthread
 LDLIBS  := $(LDSAN) -pthread $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
 
 LIB_SRCS := $(wildcard common/*.c model/*.c kernels/cpu/*.c ipc/*.c) \
@@ -50,7 +55,8 @@ PROTO_GEN := build/gen/proto/lamina.pb-c.c build/gen/proto/lamina.pb-c.h
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(BUILD)/proto/lamina.pb-c.o
 LIB      := $(BUILD)/liblamina.a
 TEST_SRCS := $(wildcard tests/test_*.c)
-TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
+TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%) \
+            $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(wildcard tests/test_*.cpp))
 CU_SRCS  := $(wildcard kernels/cuda/*.cu)
 CU_OBJS  := $(if $(NVCC),$(CU_SRCS:%.cu=$(BUILD)/%.o))
 BINS     := $(BUILD)/lamina $(BUILD)/lamina-worker
@@ -78,6 +84,10 @@ $(BUILD)/%.o: %.c
 build/gen/proto/%.pb-c.c build/gen/proto/%.pb-c.h: proto/%.proto
 	@mkdir -p build/gen
 	protoc-c --c_out=build/gen $<
+
+$(BUILD)/tests/%.o: tests/%.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c $< -o $@
 
 $(BUILD)/proto/%.pb-c.o: build/gen/proto/%.pb-c.c
 	@mkdir -p $(dir $@)

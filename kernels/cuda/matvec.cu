@@ -3,7 +3,8 @@
  * matvec.h; CPU twin kernels/cpu/matvec.h).
  *
  * Maths: y[r] = sum_i w[r][i] x[i] with w the dequantized weight of
- * model-spec 2.2/2.3, f32 products and f32 sums, activations never
+ * model-spec 2.2/2.3 (each type's decoder: mv_types.cuh, also compiled for
+ * the host by tests/test_mv_types.cpp), f32 products and f32 sums, activations never
  * quantized. Every type is cut into groups of 256 elements (8 blocks of
  * Q8_0/Q4_0, one K-quant super-block, 256 plain values; GB bytes each; the
  * last group of a row may be short). Lane l of a warp owns one unit of 8
@@ -45,6 +46,7 @@
  * chunk reading the weights once.
  */
 #include "kernels/cuda/matvec.h"
+#include "kernels/cuda/mv_types.cuh"
 #include "kernels/cuda/mvq.h"
 #include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -64,291 +66,16 @@ extern "C" {
 
 namespace {
 
+using namespace mv;
+
 constexpr int kWarps = 8;              /* warps per block */
 static_assert(kWarps * 32 == kTailThreads, "cuda tails assume blocks of kTailThreads");
 constexpr int kRows = 8;               /* rows per warp (R); F32 and Q6_K take 4 */
 constexpr int kGroup = 256;            /* elements per group */
-constexpr float kMagic = 8388608.0f;   /* 2^23: a float whose low byte is an integer */
 constexpr unsigned kMaxJobsY = 65535u; /* grid y limit */
 constexpr uint64_t kWantWarps = 4096;  /* warps a launch should have to fill an H200 */
 constexpr uint64_t kMaxN = 1ull << 28; /* longest row: its bytes fit 31 bits */
 constexpr size_t kPrefetch = 64 * 1024; /* weight bytes a block asks for in L2 before its wait */
-
-/* One lane's 8 elements of a group: run A adds sa*sum(q*x) + ca*sum(x). */
-struct Unit {
-    float q[8];
-    float sa, sb, ca, cb;
-};
-
-/* ---- reading staged bytes ----------------------------------------------- */
-
-__device__ __forceinline__ uint32_t rd16(const uint8_t *p)
-{
-    return *reinterpret_cast<const uint16_t *>(p);
-}
-
-/* N little-endian words at byte off of the staged group g (2-byte aligned):
- * N+1 aligned loads joined by funnel shifts (the staging buffer has room
- * for the extra word). AL: g is 4-byte aligned, so the shift depends on the
- * lane's offset alone and the compiler computes it once. */
-template <int N, bool AL>
-__device__ __forceinline__ void rdw(const uint8_t *g, unsigned off, uint32_t *out)
-{
-    const unsigned mis = AL ? off & 3u
-                            : static_cast<unsigned>((reinterpret_cast<uintptr_t>(g) + off) & 3u);
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(g + off - mis);
-    uint32_t prev = w[0];
-#pragma unroll
-    for (int i = 0; i < N; i++) {
-        uint32_t next = w[i + 1];
-        out[i] = __funnelshift_r(prev, next, mis * 8u);
-        prev = next;
-    }
-}
-
-__device__ __forceinline__ float f16(uint32_t h)
-{
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
-}
-
-/* q[i] = 2^23 + byte i of v, minus off (exact for off = 2^23 + integer). */
-__device__ __forceinline__ void levels_low(uint32_t v, float off, float *q)
-{
-    q[0] = __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7650))) - off;
-    q[1] = __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7651))) - off;
-    q[2] = __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7652))) - off;
-    q[3] = __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7653))) - off;
-}
-
-/* q[i] = the float with bytes 0x3F, byte i of v, 0, 0: for bytes 0x80 | b
- * (b < 128) that is 1 + b/128, so 6-bit values v give 1 + v/128 and
- * nibbles placed as v << 3 give 1 + v/16. */
-__device__ __forceinline__ void levels_mid(uint32_t v, float *q)
-{
-    q[0] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7054)));
-    q[1] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7154)));
-    q[2] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7254)));
-    q[3] = __int_as_float(static_cast<int>(__byte_perm(v, 0x3F000000u, 0x7354)));
-}
-
-/* get_scale_min_k4 (model-spec 2.3) of sub-block j from the 12 scale bytes
- * (little-endian words s0, s1, s2), without indexing arrays by j. */
-__device__ __forceinline__ void scale_min_k4(uint32_t s0, uint32_t s1, uint32_t s2, int j,
-                                             uint32_t *sc, uint32_t *m)
-{
-    const uint32_t sh = (j & 3) * 8, b0 = s0 >> sh, b1 = s1 >> sh, b2 = s2 >> sh;
-    if (j < 4) {
-        *sc = b0 & 63u;
-        *m = b1 & 63u;
-    } else {
-        *sc = (b2 & 0x0Fu) | ((b0 >> 2) & 0x30u);
-        *m = ((b2 >> 4) & 0x0Fu) | ((b1 >> 2) & 0x30u);
-    }
-}
-
-/* ---- the types ------------------------------------------------------------
- * Each type: EE elements in EB bytes (its block), GB bytes per group, U
- * groups per step, VW the widest load its steps allow, FIN the power of
- * two the sums are multiplied by at the end; PLAIN (no scales; rows may
- * end inside a unit), SAME (one scale for both runs, offsets K*s), MIN
- * (own offsets ca, cb), else offsets K*sa and K*sb; pa (where lane l's
- * run A starts in a group; run B starts DPB later), first/end (lowest element and one past the
- * highest of lane l's unit) and unit() (decode lane l's unit of the group
- * at g); LEAN: its aligned decode fits 64 registers. */
-
-struct TQ8_0 {
-    static constexpr int EE = 32, EB = 34, GB = 272, U = 1, VW = 16;
-    static constexpr bool PLAIN = false, SAME = true, MIN = false, LEAN = true;
-    static constexpr float K = 0.0f, FIN = 1.0f;
-    __device__ static int pa(int l) { return 32 * (l >> 2) + 8 * (l & 3); }
-    static constexpr int DPB = 4;
-    __device__ static int first(int l) { return 32 * (l >> 2); }
-    __device__ static int end(int l) { return first(l) + 32; }
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        const int b = 34 * (l >> 2);
-        uint32_t v[2];
-        rdw<2, AL>(g, b + 2 + 8 * (l & 3), v);
-        u.sa = f16(rd16(g + b));
-        levels_low(v[0] ^ 0x80808080u, kMagic + 128.0f, u.q);
-        levels_low(v[1] ^ 0x80808080u, kMagic + 128.0f, u.q + 4);
-    }
-};
-
-/* Q4_0: level 1 + v/16 for nibble v, so (v - 8) = 16 * (level - 1.5). */
-struct TQ4_0 {
-    static constexpr int EE = 32, EB = 18, GB = 144, U = 2, VW = 16;
-    static constexpr bool PLAIN = false, SAME = true, MIN = false, LEAN = true;
-    static constexpr float K = -1.5f, FIN = 16.0f;
-    __device__ static int pa(int l) { return 32 * (l >> 2) + 4 * (l & 3); }
-    static constexpr int DPB = 16;
-    __device__ static int first(int l) { return 32 * (l >> 2); }
-    __device__ static int end(int l) { return first(l) + 32; }
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        const int b = 18 * (l >> 2);
-        uint32_t v;
-        rdw<1, AL>(g, b + 2 + 4 * (l & 3), &v);
-        u.sa = f16(rd16(g + b));
-        levels_mid(((v << 3) & 0x78787878u) | 0x80808080u, u.q);
-        levels_mid(((v >> 1) & 0x78787878u) | 0x80808080u, u.q + 4);
-    }
-};
-
-/* Q4_K and Q5_K scales: lane l = 8c + j takes sub-blocks 2c and 2c + 1;
- * a run adds d*sc*sum(v*x) - dmin*m*sum(x) with v = F*(level - 1), so
- * s = d*sc and c = -(d*sc + dmin*m/F) once the sum is multiplied by F. */
-template <bool AL>
-__device__ __forceinline__ void kquant_scales(const uint8_t *g, int l, float inv_f, Unit &u)
-{
-    uint32_t s[3];
-    rdw<3, AL>(g, 4, s);
-    const float d = f16(rd16(g)), dmin = f16(rd16(g + 2)) * inv_f;
-    const int c = l >> 3;
-    uint32_t sc, m;
-    scale_min_k4(s[0], s[1], s[2], 2 * c, &sc, &m);
-    u.sa = d * static_cast<float>(sc);
-    u.ca = -fmaf(dmin, static_cast<float>(m), u.sa);
-    scale_min_k4(s[0], s[1], s[2], 2 * c + 1, &sc, &m);
-    u.sb = d * static_cast<float>(sc);
-    u.cb = -fmaf(dmin, static_cast<float>(m), u.sb);
-}
-
-/* Lane l = 8c + j takes qs bytes 4j..4j+3 of chunk c: low nibbles are
- * elements 64c + 4j.., high ones 64c + 32 + 4j.. */
-struct TQ4_K {
-    static constexpr int EE = 256, EB = 144, GB = 144, U = 2, VW = 16;
-    static constexpr bool PLAIN = false, SAME = false, MIN = true, LEAN = true;
-    static constexpr float K = 0.0f, FIN = 16.0f;
-    __device__ static int pa(int l) { return 64 * (l >> 3) + 4 * (l & 7); }
-    static constexpr int DPB = 32;
-    __device__ static int first(int) { return 0; }
-    __device__ static int end(int) { return 256; }
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        uint32_t v;
-        rdw<1, AL>(g, 16 + 32 * (l >> 3) + 4 * (l & 7), &v);
-        kquant_scales<AL>(g, l, 1.0f / FIN, u);
-        levels_mid(((v << 3) & 0x78787878u) | 0x80808080u, u.q);
-        levels_mid(((v >> 1) & 0x78787878u) | 0x80808080u, u.q + 4);
-    }
-};
-
-/* Q5_K: 5-bit values v as levels 1 + v/128. */
-struct TQ5_K {
-    static constexpr int EE = 256, EB = 176, GB = 176, U = 2, VW = 16;
-    static constexpr bool PLAIN = false, SAME = false, MIN = true, LEAN = false;
-    static constexpr float K = 0.0f, FIN = 128.0f;
-    __device__ static int pa(int l) { return TQ4_K::pa(l); }
-    static constexpr int DPB = 32;
-    __device__ static int first(int) { return 0; }
-    __device__ static int end(int) { return 256; }
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        const int c = l >> 3;
-        uint32_t v, h;
-        rdw<1, AL>(g, 48 + 32 * c + 4 * (l & 7), &v);
-        rdw<1, AL>(g, 16 + 4 * (l & 7), &h);
-        kquant_scales<AL>(g, l, 1.0f / FIN, u);
-        const uint32_t lo = (v & 0x0F0F0F0Fu) | (((h >> (2 * c)) & 0x01010101u) << 4);
-        const uint32_t hi = ((v >> 4) & 0x0F0F0F0Fu) | (((h >> (2 * c + 1)) & 0x01010101u) << 4);
-        levels_mid(lo | 0x80808080u, u.q);
-        levels_mid(hi | 0x80808080u, u.q + 4);
-    }
-};
-
-/* Q6_K: lane l = 16h + 8p + t takes ql bytes 32p + 4t.. of half h (low
- * nibbles: elements 128h + 32p + 4t.., high: 64 further) and qh bytes 4t..
- * (bits 2p and 4 + 2p); 6-bit values v as levels 1 + v/128, so
- * v - 32 = 128 * (level - 1.25). */
-struct TQ6_K {
-    static constexpr int EE = 256, EB = 210, GB = 210, U = 2, VW = 4;
-    static constexpr bool PLAIN = false, SAME = false, MIN = false, LEAN = false;
-    static constexpr float K = -1.25f, FIN = 128.0f;
-    __device__ static int pa(int l) { return 128 * (l >> 4) + 32 * ((l >> 3) & 1) + 4 * (l & 7); }
-    static constexpr int DPB = 64;
-    __device__ static int first(int) { return 0; }
-    __device__ static int end(int) { return 256; }
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        const int h = l >> 4, p = (l >> 3) & 1, t = l & 7;
-        uint32_t v, hb;
-        rdw<1, AL>(g, 64 * h + 32 * p + 4 * t, &v);
-        rdw<1, AL>(g, 128 + 32 * h + 4 * t, &hb);
-        const uint32_t lo = (v & 0x0F0F0F0Fu) | (((hb >> (2 * p)) & 0x03030303u) << 4);
-        const uint32_t hi = ((v >> 4) & 0x0F0F0F0Fu) | (((hb >> (4 + 2 * p)) & 0x03030303u) << 4);
-        levels_mid(lo | 0x80808080u, u.q);
-        levels_mid(hi | 0x80808080u, u.q + 4);
-        const int ia = 192 + 8 * h + (t >> 2) + 2 * p, ib = ia + 4;
-        const float d = f16(rd16(g + 208));
-        const int8_t sa = static_cast<int8_t>(rd16(g + (ia & ~1)) >> ((ia & 1) * 8));
-        const int8_t sb = static_cast<int8_t>(rd16(g + (ib & ~1)) >> ((ib & 1) * 8));
-        u.sa = d * static_cast<float>(sa);
-        u.sb = d * static_cast<float>(sb);
-    }
-};
-
-/* Plain types: lane l owns elements 8l .. 8l + 7. */
-struct TPlain {
-    static constexpr int EE = 1, U = 1, VW = 16;
-    static constexpr bool PLAIN = true, SAME = true, MIN = false;
-    static constexpr float K = 0.0f, FIN = 1.0f;
-    __device__ static int pa(int l) { return 8 * l; }
-    static constexpr int DPB = 4;
-    __device__ static int first(int l) { return 8 * l; }
-    __device__ static int end(int l) { return 8 * l + 8; }
-};
-
-struct TF16 : TPlain {
-    static constexpr int EB = 2, GB = 512;
-    static constexpr bool LEAN = true;
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        uint32_t v[4];
-        rdw<4, AL>(g, 16 * l, v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u.q[2 * i] = f16(v[i] & 0xFFFFu);
-            u.q[2 * i + 1] = f16(v[i] >> 16);
-        }
-    }
-};
-
-struct TBF16 : TPlain {
-    static constexpr int EB = 2, GB = 512;
-    static constexpr bool LEAN = true;
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        uint32_t v[4];
-        rdw<4, AL>(g, 16 * l, v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u.q[2 * i] = __int_as_float(static_cast<int>(v[i] << 16));
-            u.q[2 * i + 1] = __int_as_float(static_cast<int>(v[i] & 0xFFFF0000u));
-        }
-    }
-};
-
-struct TF32 : TPlain {
-    static constexpr int EB = 4, GB = 1024;
-    static constexpr bool LEAN = false;
-    template <bool AL>
-    __device__ static void unit(const uint8_t *g, int l, Unit &u)
-    {
-        uint32_t v[8];
-        rdw<8, AL>(g, 32 * l, v);
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            u.q[i] = __int_as_float(static_cast<int>(v[i]));
-    }
-};
 
 /* ---- staging ----------------------------------------------------------------- */
 
@@ -1127,6 +854,13 @@ int launch(uint32_t type, const MvArgs &a, int mode, cudaStream_t stream)
     case QUANT_TYPE_Q4_K: return launch_t<TQ4_K, NS>(a, mode, stream);
     case QUANT_TYPE_Q5_K: return launch_t<TQ5_K, NS>(a, mode, stream);
     case QUANT_TYPE_Q6_K: return launch_t<TQ6_K, NS>(a, mode, stream);
+    case QUANT_TYPE_Q4_1: return launch_t<TQ4_1, NS>(a, mode, stream);
+    case QUANT_TYPE_Q5_0: return launch_t<TQ5_0, NS>(a, mode, stream);
+    case QUANT_TYPE_Q5_1: return launch_t<TQ5_1, NS>(a, mode, stream);
+    case QUANT_TYPE_IQ4_NL: return launch_t<TIQ4_NL, NS>(a, mode, stream);
+    case QUANT_TYPE_IQ4_XS: return launch_t<TIQ4_XS, NS>(a, mode, stream);
+    case QUANT_TYPE_Q2_K: return launch_t<TQ2_K, NS>(a, mode, stream);
+    case QUANT_TYPE_Q3_K: return launch_t<TQ3_K, NS>(a, mode, stream);
     case QUANT_TYPE_F16: return launch_t<TF16, NS>(a, mode, stream);
     case QUANT_TYPE_BF16: return launch_t<TBF16, NS>(a, mode, stream);
     case QUANT_TYPE_F32: return launch_t<TF32, NS>(a, mode, stream);
@@ -1143,6 +877,13 @@ bool block_shape(uint32_t type, uint32_t *ee, uint32_t *eb)
     case QUANT_TYPE_Q4_K: *ee = 256, *eb = 144; return true;
     case QUANT_TYPE_Q5_K: *ee = 256, *eb = 176; return true;
     case QUANT_TYPE_Q6_K: *ee = 256, *eb = 210; return true;
+    case QUANT_TYPE_Q4_1: *ee = 32, *eb = 20; return true;
+    case QUANT_TYPE_Q5_0: *ee = 32, *eb = 22; return true;
+    case QUANT_TYPE_Q5_1: *ee = 32, *eb = 24; return true;
+    case QUANT_TYPE_IQ4_NL: *ee = 32, *eb = 18; return true;
+    case QUANT_TYPE_IQ4_XS: *ee = 256, *eb = 136; return true;
+    case QUANT_TYPE_Q2_K: *ee = 256, *eb = 84; return true;
+    case QUANT_TYPE_Q3_K: *ee = 256, *eb = 110; return true;
     case QUANT_TYPE_F16: *ee = 1, *eb = 2; return true;
     case QUANT_TYPE_BF16: *ee = 1, *eb = 2; return true;
     case QUANT_TYPE_F32: *ee = 1, *eb = 4; return true;

@@ -1,7 +1,8 @@
 /*
  * cuda matvec: matrix-vector and matrix-matrix products on the GPU that read
- * GGUF blocks as stored (no re-quantization): Q8_0, Q4_0, Q4_K, Q5_K, Q6_K,
- * F16, BF16, F32, with f32 activations and f32 accumulation. CPU twin:
+ * GGUF blocks as stored (no re-quantization): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16, BF16, F32 (the decoders:
+ * mv_types.cuh), with f32 activations and f32 accumulation. CPU twin:
  * kernels/cpu/matvec.h (matvec_rows, matvec_rows_batch).
  *
  * Weights: n_rows rows of n elements, row r at (const char *)d_w + r*row_bytes,

@@ -61,7 +61,11 @@
  *   - the layers split over two cuda backends: within the bound;
  *   - f16 KV cache, cuda vs token-by-token cpu with f16 KV: within the bound
  *     of TBC_TOL_F16, also with the decode attention on tensor cores
- *     (LAMINA_CUDA_ATTN_MMA=1);
+ *     (LAMINA_CUDA_ATTN_MMA=1), and with the attention decode in one launch
+ *     below LAMINA_CUDA_ATTN_FUSED_BELOW (the default, =0, and a threshold
+ *     inside the run: both decode graphs; tbc_fused_below);
+ *   - tiny synthetic qwen3next models of Q4_1, Q5_0, Q5_1 and Q4_K weights fed
+ *     the cpu's tokens: near the cpu's logits (tbc_more_types);
  *   - a device budget too small is refused;
  *   - sequence snapshots through the DeltaNet state's host copy and its fresh / ahead flags
  *     (two slots; the prompt and half the decode steps in slot 0, through the graph): the
@@ -907,6 +911,61 @@ static struct arch_model *tbc_synth(const char *shape, uint32_t layers, uint32_t
     return m;
 }
 
+/* Weight types the cuda backend runs through the f32-activation products only (Q4_1, Q5_0,
+ * Q5_1; the kernels' decoders: test_matvec_cuda, tests/test_mv_types.cpp), and Q4_K beside
+ * them: a tiny synthetic qwen3next model of each, 6 prompt positions and 10 decode steps fed
+ * the cpu backend's greedy tokens: the logits within 25 % of their largest magnitude of the
+ * cpu's and the arg-max the cpu's in 12 of the 16 rows at least (the cpu rounds activations
+ * to int8 where the cuda products keep f32, which may flip a near tie in the routing; a
+ * wrong decoder is off by the logits' own size and picks other tokens), and two cuda runs
+ * byte-identical. */
+static void tbc_more_types(void)
+{
+    static const uint32_t types[] = {QUANT_TYPE_Q4_1, QUANT_TYPE_Q5_0, QUANT_TYPE_Q5_1,
+                                     QUANT_TYPE_Q4_K};
+    for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {
+        char path[128];
+        snprintf(path, sizeof(path), "/tmp/test_backend_cuda_t%d.gguf", (int)getpid());
+        struct gguf *g = NULL;
+        struct arch_model *m = tbc_synth("tiny", 0, types[t], 11 + t, path, &g);
+        if (m) {
+            const uint32_t V = m->hp.n_vocab;
+            const size_t sz = 16 * (size_t)V * sizeof(float);
+            float *cpu = malloc(sz), *a = malloc(sz), *b = malloc(sz);
+            int32_t toks[10];
+            CHECK(cpu && a && b && tbc_greedy16_on("cpu", m, cpu) == 0, "%s: cpu run",
+                  quant_type_name(types[t]));
+            for (int d = 0; d < 10; d++)
+                toks[d] = cpu ? (int32_t)tbc_argmax(cpu + (size_t)(5 + d) * V, V) : 0;
+            tbc_forced = toks;
+            const int rc_a = a ? tbc_greedy16(m, a) : -1, rc_b = b ? tbc_greedy16(m, b) : -1;
+            tbc_forced = NULL;
+            CHECK(rc_a == 0 && rc_b == 0, "%s: cuda runs fed the cpu's tokens",
+                  quant_type_name(types[t]));
+            if (rc_a == 0 && rc_b == 0 && cpu) {
+                double mag = 0.0;
+                for (size_t i = 0; i < 16 * (size_t)V; i++)
+                    mag = fmax(mag, fabs(cpu[i]));
+                const double d = tbc_maxdiff(a, cpu, 16 * (size_t)V);
+                int same = 0;
+                for (int r = 0; r < 16; r++)
+                    same += tbc_argmax(a + (size_t)r * V, V) == tbc_argmax(cpu + (size_t)r * V, V);
+                CHECK(mag > 0 && d <= 0.25 * mag && same >= 12, "%s: max |cuda - cpu| %.3g over "
+                      "16 rows (max |logit| %.3g), the cpu's arg-max in %d rows",
+                      quant_type_name(types[t]), d, mag, same);
+                CHECK(!memcmp(a, b, sz), "%s: two cuda runs differ", quant_type_name(types[t]));
+                MEASURE("%s tiny qwen3next, 16 rows fed the cpu's tokens: max |cuda - cpu| %.3g "
+                        "(max |logit| %.3g), the cpu's arg-max in %d of 16 rows, two cuda runs "
+                        "byte-identical", quant_type_name(types[t]), d, mag, same);
+            }
+            free(cpu), free(a), free(b);
+        }
+        arch_free(m);
+        gguf_close(g);
+        unlink(path);
+    }
+}
+
 /* The shared expert as pair k of the routed decode products (the default)
  * against its own graph branch (LAMINA_CUDA_SHPAIR=0), on a small qwen3next
  * model of Q8_0 and of Q4_0 weights (the int8 decode kernels compute each
@@ -1253,6 +1312,7 @@ int main(void)
     }
     free(json);
     tbc_shpair();
+    tbc_more_types();
     tbc_xq();
     tbc_host_buffers();
     MEASURE("backend_argmax (greedy ids on the device): %d rows, %d differ from the first "

@@ -3,7 +3,9 @@
  * their CPU twin (kernels/cpu/matvec.h) on fresh random data.
  *
  * For every supported type, weights are random f32 rows quantized with
- * quant_quantize_row, uploaded as stored (aligned rows, rows at a 2-byte
+ * quant_quantize_row (random blocks with finite scales for IQ4_NL, IQ4_XS,
+ * Q2_K and Q3_K, which quant.c does not quantize; their decoders are also
+ * checked on the host, tests/test_mv_types.cpp), uploaded as stored (aligned rows, rows at a 2-byte
  * offset with padded strides, short rows, long rows, and one case in mapped
  * pinned host memory). Every output buffer is poisoned with NaN bits first;
  * each result must be within 1e-5 of sum |w_i x_i| of the exact dot
@@ -48,9 +50,11 @@
 #define TWIN_TOL 1e-2 /* against the CPU twin, which may round activations to int8 */
 #define POISON 0xFFFFFFFFu /* NaN bits written over outputs before each run */
 
-static const uint32_t types[] = {QUANT_TYPE_F32,  QUANT_TYPE_F16,  QUANT_TYPE_BF16,
-                                 QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_0, QUANT_TYPE_Q4_K,
-                                 QUANT_TYPE_Q5_K, QUANT_TYPE_Q6_K};
+static const uint32_t types[] = {QUANT_TYPE_F32,  QUANT_TYPE_F16,    QUANT_TYPE_BF16,
+                                 QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_0,   QUANT_TYPE_Q4_K,
+                                 QUANT_TYPE_Q5_K, QUANT_TYPE_Q6_K,   QUANT_TYPE_Q4_1,
+                                 QUANT_TYPE_Q5_0, QUANT_TYPE_Q5_1,   QUANT_TYPE_IQ4_NL,
+                                 QUANT_TYPE_IQ4_XS, QUANT_TYPE_Q2_K, QUANT_TYPE_Q3_K};
 #define N_TYPES (sizeof(types) / sizeof(types[0]))
 
 /* A weight matrix in host memory as stored: row r at w + r * row_bytes. */
@@ -61,8 +65,33 @@ struct mat {
     uint8_t *w;
 };
 
+/* A row of random blocks of a type quant.c does not quantize (IQ4_NL, IQ4_XS, Q2_K, Q3_K):
+ * random bytes with finite half-precision scales of 0.02 to 0.2 (Q2_K's minimum too).
+ * Returns false for the other types. */
+static bool random_blocks(uint32_t type, uint8_t *w, uint64_t n, struct rng *r)
+{
+    size_t at[2] = {0, 0}, n_at = 1;
+    switch (type) {
+    case QUANT_TYPE_IQ4_NL:
+    case QUANT_TYPE_IQ4_XS: break;
+    case QUANT_TYPE_Q2_K: at[0] = 80, at[1] = 82, n_at = 2; break;
+    case QUANT_TYPE_Q3_K: at[0] = 108; break;
+    default: return false;
+    }
+    const size_t bb = quant_block_bytes(type), bytes = quant_row_size(type, n);
+    for (size_t i = 0; i < bytes; i++)
+        w[i] = (uint8_t)rng_next(r);
+    for (size_t b = 0; b + bb <= bytes; b += bb)
+        for (size_t k = 0; k < n_at; k++) {
+            uint16_t d = quant_f32_to_f16(0.02f + 0.18f * fabsf(rng_float(r)));
+            memcpy(w + b + at[k], &d, 2);
+        }
+    return true;
+}
+
 /* Random rows (varied sub-block magnitudes and offsets, so K-quant scales
- * and mins differ) quantized as stored, with pad bytes of garbage. */
+ * and mins differ) quantized as stored, or random blocks (random_blocks),
+ * with pad bytes of garbage. */
 static struct mat mat_make(uint32_t type, uint64_t rows, uint64_t n, size_t pad, struct rng *r)
 {
     struct mat m = {type, rows, n, quant_row_size(type, n) + pad, 0, NULL};
@@ -71,6 +100,8 @@ static struct mat mat_make(uint32_t type, uint64_t rows, uint64_t n, size_t pad,
     memset(m.w, 0xA5, m.bytes);
     float *f = xmalloc(n * sizeof(float));
     for (uint64_t i = 0; i < rows; i++) {
+        if (random_blocks(type, m.w + i * m.row_bytes, n, r))
+            continue;
         float shift = 0.3f * rng_float(r);
         for (uint64_t k = 0; k < n; k++)
             f[k] = rng_float(r) * (1.0f + 3.0f * (float)((k / 32) % 3 == 0)) + shift;
@@ -388,7 +419,8 @@ static void test_rejects(void)
     float *d;
     CU(cudaMalloc((void **)&d, 4096));
     log_set_level(LOG_LEVEL_ERROR);
-    CHECK(cuda_matvec(QUANT_TYPE_Q4_1, d, 20, 1, 32, d, d, 0) == -EINVAL, "Q4_1 accepted");
+    CHECK(cuda_matvec(QUANT_TYPE_IQ2_XXS, d, 66, 1, 256, d, d, 0) == -EINVAL,
+          "IQ2_XXS accepted");
     CHECK(cuda_matvec(QUANT_TYPE_Q4_0, d, 18, 1, 33, d, d, 0) == -EINVAL, "n=33 accepted");
     CHECK(cuda_matvec(QUANT_TYPE_Q4_0, d, 17, 1, 32, d, d, 0) == -EINVAL, "short rows accepted");
     CHECK(cuda_matvec(QUANT_TYPE_Q4_0, (char *)d + 1, 18, 1, 32, d, d, 0) == -EINVAL,
@@ -398,7 +430,8 @@ static void test_rejects(void)
     CHECK(cuda_matvec_experts(QUANT_TYPE_Q8_0, (const void *const *)d, 34, 2, 32, (int32_t *)d,
                               1, d, 32, 0, d, 2, 0) == -EINVAL,
           "x_div 0 accepted");
-    CHECK(cuda_matvec_supports(QUANT_TYPE_Q6_K) && !cuda_matvec_supports(QUANT_TYPE_Q2_K),
+    CHECK(cuda_matvec_supports(QUANT_TYPE_Q6_K) && cuda_matvec_supports(QUANT_TYPE_Q3_K) &&
+              cuda_matvec_supports(QUANT_TYPE_IQ4_XS) && !cuda_matvec_supports(QUANT_TYPE_IQ2_XXS),
           "supports");
     log_set_level(LOG_LEVEL_INFO);
     CU(cudaFree(d));
