@@ -18,6 +18,9 @@
 #include "common/log.h"
 
 #define SMALL_RANGE 16 /* selections sort ranges this short, tokens */
+#define MASS_BITS 12   /* mass_prefix_wide: key bits a histogram level takes */
+#define MASS_BUCKETS (1u << MASS_BITS)
+#define MASS_WIDE 4096 /* unordered ranges longer than this: mass_prefix_wide */
 
 struct sampler_cand {
     float logit; /* logit after the filters so far */
@@ -39,6 +42,7 @@ struct sampler {
     int32_t *pen;               /* scratch: distinct penalized ids, ascending */
     size_t cap_pen;             /* entries allocated in pen (>= cap_hist) */
     size_t n_pen;               /* entries in pen for the current call */
+    double *mass;               /* scratch: MASS_BUCKETS masses (mass_prefix_wide) */
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -126,7 +130,8 @@ struct sampler *sampler_create(const struct sampler_config *cfg)
     s->hist = malloc(s->cap_hist * sizeof(*s->hist));
     s->pen = malloc(s->cap_hist * sizeof(*s->pen));
     s->cap_pen = s->cap_hist;
-    if (!s->hist || !s->pen)
+    s->mass = malloc(MASS_BUCKETS * sizeof(*s->mass));
+    if (!s->hist || !s->pen || !s->mass)
         goto out_free;
     rng_seed(s->rng, cfg->seed);
     return s;
@@ -144,6 +149,7 @@ void sampler_destroy(struct sampler *s)
         return;
     free(s->cand);
     free(s->pen);
+    free(s->mass);
     free(s->hist);
     free(s);
 }
@@ -402,15 +408,81 @@ static inline bool mass_reaches(double acc, double goal, bool strict)
     return strict ? acc > goal : acc >= goal;
 }
 
+/* A logit's place as an unsigned key: a larger logit has a larger key (-inf the smallest of
+ * all; pass_all and pass_top_k leave no NaN). */
+static inline uint32_t logit_key(float v)
+{
+    uint32_t b;
+    memcpy(&b, &v, sizeof(b));
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+
+static inline uint32_t key_bucket(const struct sampler_cand *c, int sh)
+{
+    return (logit_key(c->logit) >> sh) & (MASS_BUCKETS - 1);
+}
+
+/* mass_prefix of an unordered range by histograms of mass over the logits' keys instead of a
+ * quickselect: a pass sums the weights of c[lo .. hi) into MASS_BUCKETS buckets of key bits
+ * sh .. sh + MASS_BITS - 1 (the higher bits are equal in the range), walks them from the top
+ * while the running mass stays short of the goal, and moves the entries of the buckets above
+ * the one where it reaches the goal to the front (they are in the prefix, in no particular
+ * order) and that bucket's entries after them: the next range, at the next bits. After two
+ * levels (24 key bits) the range left is sorted and scanned. The sum runs in bucket order,
+ * then in rank order, so the cut is the rank-order scan's but for rounding; where rounding
+ * keeps the sum short of the goal, the entries below the range follow in rank order. */
+static size_t mass_prefix_wide(double *mass, struct sampler_cand *c, size_t n, double goal,
+                               bool strict)
+{
+    double acc = 0; /* mass of c[0 .. lo) */
+    size_t lo = 0, hi = n, below[2];
+    for (int level = 0; level < 2; level++) {
+        const int sh = level ? 32 - 2 * MASS_BITS : 32 - MASS_BITS;
+        memset(mass, 0, MASS_BUCKETS * sizeof(*mass));
+        for (size_t i = lo; i < hi; i++)
+            mass[key_bucket(&c[i], sh)] += c[i].w;
+        uint32_t b = MASS_BUCKETS - 1;
+        for (; b > 0 && !mass_reaches(acc + mass[b], goal, strict); b--)
+            acc += mass[b];
+        size_t p = lo;
+        for (size_t i = lo; i < hi; i++)
+            if (key_bucket(&c[i], sh) > b)
+                cand_swap(&c[p++], &c[i]);
+        size_t q = p;
+        for (size_t i = p; i < hi; i++)
+            if (key_bucket(&c[i], sh) == b)
+                cand_swap(&c[q++], &c[i]);
+        below[level] = hi;
+        lo = p;
+        hi = q;
+    }
+    /* the range left, then (rounding) what lies below it at each level, in rank order */
+    const size_t ends[3] = {hi, below[1], below[0]};
+    size_t from = lo;
+    for (int k = 0; k < 3; k++) {
+        qsort(c + from, ends[k] - from, sizeof(*c), cmp_cand);
+        for (size_t i = from; i < ends[k]; i++) {
+            acc += c[i].w;
+            if (mass_reaches(acc, goal, strict))
+                return i + 1;
+        }
+        from = ends[k];
+    }
+    return n;
+}
+
 /* The length of the shortest best-ranked prefix of c[0 .. n) whose weights (c[i].w) reach goal
  * (strict: pass it), as a cumulative scan in rank order finds it; c[count - 1] is the last token
  * of that prefix. In-order input is scanned as it lies (its order is the rank order, or the order
- * the caller wants scanned); otherwise a quickselect on mass finds the prefix in expected O(n),
+ * the caller wants scanned); otherwise a quickselect on mass (or, past MASS_WIDE entries,
+ * histograms: mass_prefix_wide, with mass its scratch) finds the prefix in expected O(n),
  * leaving c[0 .. count - 1) in no particular order. Rounding that keeps the sum short of the
  * goal keeps the whole remaining range. */
-static size_t mass_prefix(struct sampler_cand *c, size_t n, bool in_order, double goal,
-                          bool strict)
+static size_t mass_prefix(double *mass, struct sampler_cand *c, size_t n, bool in_order,
+                          double goal, bool strict)
 {
+    if (!in_order && n > MASS_WIDE)
+        return mass_prefix_wide(mass, c, n, goal, strict);
     double acc = 0; /* mass of c[0 .. lo) */
     size_t lo = 0, hi = n;
     for (int budget = 64; !in_order && hi - lo > SMALL_RANGE && budget > 0; budget--) {
@@ -441,12 +513,13 @@ static size_t mass_prefix(struct sampler_cand *c, size_t n, bool in_order, doubl
  * as llama.cpp's cumulative scan over the sorted list does; returns their count (see
  * mass_prefix: sorted input is scanned, otherwise c[0 .. count) is left in no particular
  * order). */
-static size_t filter_top_p(struct sampler_cand *c, size_t n, bool sorted, float max, float top_p)
+static size_t filter_top_p(struct sampler *s, struct sampler_cand *c, size_t n, bool sorted,
+                           float max, float top_p)
 {
     double total = 0;
     for (size_t i = 0; i < n; i++)
         total += c[i].w = expf(c[i].logit - max);
-    return mass_prefix(c, n, sorted, (double)top_p * total, false);
+    return mass_prefix(s->mass, c, n, sorted, (double)top_p * total, false);
 }
 
 /* Keeps the tokens whose probability is at least min_p times the largest, that is
@@ -467,14 +540,14 @@ static size_t filter_min_p(struct sampler_cand *c, size_t n, bool sorted, float 
 /* Draws from softmax(logit / temperature) over c[0 .. n) by the inverse CDF at u (in [0, 1)):
  * the first token whose cumulative weight passes u * total, the cumulation running in the
  * order c lies in when in_order, else in rank order. Overwrites the weights. */
-static int32_t draw(const struct sampler *s, struct sampler_cand *c, size_t n, bool in_order,
+static int32_t draw(struct sampler *s, struct sampler_cand *c, size_t n, bool in_order,
                     float max, double u)
 {
     float inv_t = 1.0f / s->cfg.temperature;
     double total = 0;
     for (size_t i = 0; i < n; i++)
         total += c[i].w = expf((c[i].logit - max) * inv_t);
-    size_t k = mass_prefix(c, n, in_order, u * total, true);
+    size_t k = mass_prefix(s->mass, c, n, in_order, u * total, true);
     while (k > 1 && c[k - 1].w == 0) /* u fell in the rounding slack: the last token with weight */
         k--;
     return c[k - 1].id;
@@ -523,7 +596,7 @@ static int32_t sample_with(struct sampler *s, const float *logits, int32_t n_voc
     if (!isfinite(max))
         return pass_argmax(s, logits, n_vocab, &max); /* nothing finite to draw from */
     if (top_p)
-        n = filter_top_p(c, n, sorted, max, s->cfg.top_p);
+        n = filter_top_p(s, c, n, sorted, max, s->cfg.top_p);
     if (s->cfg.min_p > 0)
         n = filter_min_p(c, n, sorted, max, s->cfg.min_p);
     /* top_p's quickselect leaves no order worth keeping: then the draw runs in rank order, as

@@ -435,6 +435,92 @@ static void test_top_k_exact(void)
     MEASURE("top_k selection equal to a full sort in %d cases", cases);
 }
 
+/* top_p over vocabularies past the sampler's histogram threshold (4096 unordered entries):
+ * the kept set read back in rank order through draws at a temperature of 1e30 (every kept
+ * weight 1, so the draw at u = (i + 0.5) / count returns the i-th best kept; 64 places of
+ * it, the first and last 16 among them) against a full
+ * sort and a cumulative scan of exp(logit - max) in rank order. Ties (levels), NaN and -inf
+ * entries, nuclei of a few tokens to tens of thousands; with min_p after it too. */
+static void test_top_p_wide(void)
+{
+    static const int32_t vocabs[] = {5000, 60000};
+    static const float ps[] = {0.3f, 0.9f, 0.999f};
+    int cases = 0;
+    for (size_t vi = 0; vi < 2; vi++) {
+        const int32_t nv = vocabs[vi];
+        float *l = malloc((size_t)nv * sizeof(*l));
+        struct ref_cand *ref = malloc((size_t)nv * sizeof(*ref));
+        if (!l || !ref)
+            exit(1);
+        for (int pattern = 0; pattern < 2; pattern++) {
+            fill_logits(l, nv, (uint32_t)(vi * 5 + (size_t)pattern + 3));
+            uint32_t x = (uint32_t)nv * 2654435761u + (uint32_t)pattern;
+            for (int32_t i = 0; i < nv; i++) {
+                x = x * 1664525u + 1013904223u;
+                if (pattern) /* levels: ties everywhere */
+                    l[i] = floorf(l[i] * 2.0f) * 0.5f;
+                if (x % 101 == 0)
+                    l[i] = NAN;
+                else if (x % 103 == 0)
+                    l[i] = -INFINITY;
+            }
+            float max = -INFINITY;
+            for (int32_t i = 0; i < nv; i++) {
+                ref[i] = (struct ref_cand){l[i] != l[i] ? -INFINITY : l[i], i};
+                max = ref[i].v > max ? ref[i].v : max;
+            }
+            qsort(ref, (size_t)nv, sizeof(*ref), ref_cmp);
+            double total = 0;
+            for (int32_t i = 0; i < nv; i++)
+                total += expf(ref[i].v - max);
+            for (size_t pi = 0; pi < sizeof(ps) / sizeof(ps[0]); pi++) {
+                for (int with_min_p = 0; with_min_p < 2; with_min_p++) {
+                    /* the reference: the shortest rank prefix whose mass reaches top_p */
+                    const double goal = (double)ps[pi] * total;
+                    double acc = 0;
+                    int32_t count = 0;
+                    while (count < nv && acc < goal)
+                        acc += expf(ref[count++].v - max);
+                    const float floor = max + logf(0.01f);
+                    int32_t kept = count;
+                    if (with_min_p)
+                        for (kept = 0; kept < count && ref[kept].v >= floor; kept++)
+                            ;
+                    struct sampler_config c = {.temperature = 1e30f, .top_p = ps[pi],
+                                               .min_p = with_min_p ? 0.01f : 0.0f, .seed = 1};
+                    struct sampler *s = sampler_create(&c);
+                    if (!s)
+                        exit(1);
+                    /* the first and last 16 places and 32 between: a kept set of
+                     * another size or order moves them */
+                    int bad = -1;
+                    int32_t got = -1;
+                    for (int32_t j = 0; j < 64 && bad < 0; j++) {
+                        const int32_t i = j < 16 ? j : j >= 48 ? kept - 64 + j
+                                                            : 16 + (int32_t)((int64_t)(kept - 32) *
+                                                                             (j - 16) / 32);
+                        if (i < 0 || i >= kept)
+                            continue;
+                        got = sampler_sample_given(s, l, nv, (i + 0.5) / kept, NULL, 0);
+                        if (got != ref[i].id)
+                            bad = i;
+                    }
+                    CHECK(bad < 0, "top_p %g%s over %d logits (pattern %d, %d kept): pick %d is id "
+                          "%d, the sorted scan's is %d", (double)ps[pi],
+                          with_min_p ? " then min_p 0.01" : "", nv, pattern, kept, bad, got,
+                          bad >= 0 ? ref[bad].id : -1);
+                    sampler_destroy(s);
+                    cases++;
+                }
+            }
+        }
+        free(l);
+        free(ref);
+    }
+    MEASURE("top_p's kept tokens equal a sorted cumulative scan's in %d cases over 5000 and 60000 "
+            "logits", cases);
+}
+
 static void test_config(void)
 {
     struct sampler_config bad[] = {
@@ -559,6 +645,7 @@ int main(void)
     test_penalties();
     test_given();
     test_top_k_exact();
+    test_top_p_wide();
     test_config();
     test_speed();
     return test_main_result("test_sampler");
