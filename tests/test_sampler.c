@@ -341,6 +341,24 @@ static void test_penalties(void)
     sampler_destroy(s);
 }
 
+/* fill_logits' logits with ties and holes: where step > 0 each rounded down to a multiple of
+ * step (levels); NaN at one entry in nan_every and -inf at one in inf_every, placed by an LCG
+ * from x. */
+static void fill_logits_holes(float *l, int32_t n, uint32_t seed, uint32_t x, float step,
+                              uint32_t nan_every, uint32_t inf_every)
+{
+    fill_logits(l, n, seed);
+    for (int32_t i = 0; i < n; i++) {
+        x = x * 1664525u + 1013904223u;
+        if (step > 0)
+            l[i] = floorf(l[i] / step) * step;
+        if (x % nan_every == 0)
+            l[i] = NAN;
+        else if (x % inf_every == 0)
+            l[i] = -INFINITY;
+    }
+}
+
 /* Ranks before: higher logit, then lower id (the sampler's order). */
 struct ref_cand {
     float v;
@@ -375,17 +393,10 @@ static void test_top_k_exact(void)
         if (!l || !ref)
             exit(1);
         for (int pattern = 0; pattern < 3; pattern++) {
-            fill_logits(l, nv, (uint32_t)(vi * 7 + (size_t)pattern + 1));
+            /* patterns 1 and 2: few levels, ties everywhere */
             uint32_t x = (uint32_t)nv * 40503u + (uint32_t)pattern;
-            for (int32_t i = 0; i < nv; i++) {
-                x = x * 1664525u + 1013904223u;
-                if (pattern >= 1) /* few levels: ties everywhere */
-                    l[i] = floorf(l[i] * (pattern == 1 ? 0.5f : 0.05f));
-                if (x % 97 == 0)
-                    l[i] = NAN;
-                else if (x % 89 == 0)
-                    l[i] = -INFINITY;
-            }
+            fill_logits_holes(l, nv, (uint32_t)(vi * 7 + (size_t)pattern + 1), x,
+                              pattern == 0 ? 0.0f : pattern == 1 ? 2.0f : 20.0f, 97, 89);
             size_t n_win = 0;
             for (int i = 0; pattern == 2 && i < 24; i++) {
                 x = x * 1664525u + 1013904223u;
@@ -453,17 +464,10 @@ static void test_top_p_wide(void)
         if (!l || !ref)
             exit(1);
         for (int pattern = 0; pattern < 2; pattern++) {
-            fill_logits(l, nv, (uint32_t)(vi * 5 + (size_t)pattern + 3));
-            uint32_t x = (uint32_t)nv * 2654435761u + (uint32_t)pattern;
-            for (int32_t i = 0; i < nv; i++) {
-                x = x * 1664525u + 1013904223u;
-                if (pattern) /* levels: ties everywhere */
-                    l[i] = floorf(l[i] * 2.0f) * 0.5f;
-                if (x % 101 == 0)
-                    l[i] = NAN;
-                else if (x % 103 == 0)
-                    l[i] = -INFINITY;
-            }
+            /* pattern 1: levels, ties everywhere */
+            fill_logits_holes(l, nv, (uint32_t)(vi * 5 + (size_t)pattern + 3),
+                              (uint32_t)nv * 2654435761u + (uint32_t)pattern,
+                              pattern ? 0.5f : 0.0f, 101, 103);
             float max = -INFINITY;
             for (int32_t i = 0; i < nv; i++) {
                 ref[i] = (struct ref_cand){l[i] != l[i] ? -INFINITY : l[i], i};

@@ -307,16 +307,22 @@ MV_FN uint32_t spread4(uint32_t t)
     return (t * 0x00204081u) & 0x01010101u;
 }
 
-/* Q4_1: Q4_0's lanes and levels (1 + v/16), with a minimum: w = d v + m =
- * 16 (d level + m/16 - d). */
-struct TQ4_1 {
-    static constexpr int EE = 32, EB = 20, GB = 160, U = 2, VW = 16;
-    static constexpr bool PLAIN = false, SAME = false, MIN = true, LEAN = false;
-    static constexpr float K = 0.0f, FIN = 16.0f;
+/* The blocks of 32 after Q4_0's pattern: lane l takes block l / 4 of the
+ * group, its elements 4 (l % 4) .. (run A) and 16 further (run B). */
+struct TB32 {
+    static constexpr int EE = 32, U = 2, VW = 16, DPB = 16;
+    static constexpr bool PLAIN = false, LEAN = false;
     MV_FN static int pa(int l) { return 32 * (l >> 2) + 4 * (l & 3); }
-    static constexpr int DPB = 16;
     MV_FN static int first(int l) { return 32 * (l >> 2); }
     MV_FN static int end(int l) { return first(l) + 32; }
+};
+
+/* Q4_1: Q4_0's levels (1 + v/16), with a minimum: w = d v + m =
+ * 16 (d level + m/16 - d). */
+struct TQ4_1 : TB32 {
+    static constexpr int EB = 20, GB = 160;
+    static constexpr bool SAME = false, MIN = true;
+    static constexpr float K = 0.0f, FIN = 16.0f;
     template <bool AL>
     MV_FN static void unit(const uint8_t *g, int l, Unit &u)
     {
@@ -347,14 +353,10 @@ MV_FN void q5_levels(const uint8_t *g, int qh, int qs, int l, Unit &u)
     levels_mid(hi | 0x80808080u, u.q + 4);
 }
 
-struct TQ5_0 {
-    static constexpr int EE = 32, EB = 22, GB = 176, U = 2, VW = 16;
-    static constexpr bool PLAIN = false, SAME = true, MIN = false, LEAN = false;
+struct TQ5_0 : TB32 {
+    static constexpr int EB = 22, GB = 176;
+    static constexpr bool SAME = true, MIN = false;
     static constexpr float K = -1.125f, FIN = 128.0f;
-    MV_FN static int pa(int l) { return 32 * (l >> 2) + 4 * (l & 3); }
-    static constexpr int DPB = 16;
-    MV_FN static int first(int l) { return 32 * (l >> 2); }
-    MV_FN static int end(int l) { return first(l) + 32; }
     template <bool AL>
     MV_FN static void unit(const uint8_t *g, int l, Unit &u)
     {
@@ -365,14 +367,10 @@ struct TQ5_0 {
 };
 
 /* Q5_1: w = d v + m = 128 (d level + m/128 - d). */
-struct TQ5_1 {
-    static constexpr int EE = 32, EB = 24, GB = 192, U = 2, VW = 16;
-    static constexpr bool PLAIN = false, SAME = false, MIN = true, LEAN = false;
+struct TQ5_1 : TB32 {
+    static constexpr int EB = 24, GB = 192;
+    static constexpr bool SAME = false, MIN = true;
     static constexpr float K = 0.0f, FIN = 128.0f;
-    MV_FN static int pa(int l) { return 32 * (l >> 2) + 4 * (l & 3); }
-    static constexpr int DPB = 16;
-    MV_FN static int first(int l) { return 32 * (l >> 2); }
-    MV_FN static int end(int l) { return first(l) + 32; }
     template <bool AL>
     MV_FN static void unit(const uint8_t *g, int l, Unit &u)
     {
@@ -400,14 +398,10 @@ MV_FN uint32_t iq4_bytes(uint32_t nib)
     return (lo & ~m) | (hi & m);
 }
 
-struct TIQ4_NL {
-    static constexpr int EE = 32, EB = 18, GB = 144, U = 2, VW = 16;
-    static constexpr bool PLAIN = false, SAME = true, MIN = false, LEAN = false;
+struct TIQ4_NL : TB32 {
+    static constexpr int EB = 18, GB = 144;
+    static constexpr bool SAME = true, MIN = false;
     static constexpr float K = 0.0f, FIN = 1.0f;
-    MV_FN static int pa(int l) { return 32 * (l >> 2) + 4 * (l & 3); }
-    static constexpr int DPB = 16;
-    MV_FN static int first(int l) { return 32 * (l >> 2); }
-    MV_FN static int end(int l) { return first(l) + 32; }
     template <bool AL>
     MV_FN static void unit(const uint8_t *g, int l, Unit &u)
     {
@@ -456,6 +450,16 @@ MV_FN int q23_s(int l) { return (l >> 2) & 1; }
 MV_FN int q23_pa(int l) { return 128 * q23_h(l) + 64 * q23_p(l) + 16 * q23_s(l) + 4 * (l & 3); }
 MV_FN int q23_qs(int l) { return 32 * q23_h(l) + 16 * q23_s(l) + 4 * (l & 3); }
 
+/* Q2_K's and Q3_K's lanes and groups: super-blocks of 84 and 110 bytes
+ * allow no wider loads than 4 bytes. */
+struct TB23 {
+    static constexpr int EE = 256, U = 2, VW = 4, DPB = 32;
+    static constexpr bool PLAIN = false, SAME = false, LEAN = false;
+    MV_FN static int pa(int l) { return q23_pa(l); }
+    MV_FN static int first(int) { return 0; }
+    MV_FN static int end(int) { return 256; }
+};
+
 /* Byte i of the little-endian words w0, w1, w2 (i < 12), without indexing
  * an array by i. */
 MV_FN uint32_t byte_of3(uint32_t w0, uint32_t w1, uint32_t w2, int i)
@@ -467,14 +471,10 @@ MV_FN uint32_t byte_of3(uint32_t w0, uint32_t w1, uint32_t w2, int i)
 /* Q2_K: scales at 0 (16 bytes: low nibble the scale, high the min), qs at
  * 16, d at 80, dmin at 82; w = d sc q - dmin m with 2-bit q as levels
  * 1 + q/8: w = 8 (d sc level - d sc - dmin m/8). */
-struct TQ2_K {
-    static constexpr int EE = 256, EB = 84, GB = 84, U = 2, VW = 4;
-    static constexpr bool PLAIN = false, SAME = false, MIN = true, LEAN = false;
+struct TQ2_K : TB23 {
+    static constexpr int EB = 84, GB = 84;
+    static constexpr bool MIN = true;
     static constexpr float K = 0.0f, FIN = 8.0f;
-    MV_FN static int pa(int l) { return q23_pa(l); }
-    static constexpr int DPB = 32;
-    MV_FN static int first(int) { return 0; }
-    MV_FN static int end(int) { return 256; }
     template <bool AL>
     MV_FN static void unit(const uint8_t *g, int l, Unit &u)
     {
@@ -499,14 +499,10 @@ struct TQ2_K {
  * byte j (j < 8) or high nibble of byte j - 8, high two bits at 2(j / 4) of
  * byte 8 + j % 4, less 32), d at 108; w = d sc (v - 4) with v = q + 4 hbit
  * (0..7) as levels 1 + v/8: w = 8 d sc (level - 1.5). */
-struct TQ3_K {
-    static constexpr int EE = 256, EB = 110, GB = 110, U = 2, VW = 4;
-    static constexpr bool PLAIN = false, SAME = false, MIN = false, LEAN = false;
+struct TQ3_K : TB23 {
+    static constexpr int EB = 110, GB = 110;
+    static constexpr bool MIN = false;
     static constexpr float K = -1.5f, FIN = 8.0f;
-    MV_FN static int pa(int l) { return q23_pa(l); }
-    static constexpr int DPB = 32;
-    MV_FN static int first(int) { return 0; }
-    MV_FN static int end(int) { return 256; }
     MV_FN static int scale(uint32_t s0, uint32_t s1, uint32_t s2, int j)
     {
         const uint32_t low = j < 8 ? byte_of3(s0, s1, s2, j) & 15u : byte_of3(s0, s1, s2, j - 8) >> 4;
