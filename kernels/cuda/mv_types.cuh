@@ -484,7 +484,8 @@ struct TQ2_K : TB23 {
         /* sub-blocks 8h + 2t + s and 2 further: bytes s and s + 2 of word 2h + p */
         rdw<1, AL>(g, 4 * (2 * q23_h(l) + q23_p(l)), &sw);
         const float d = f16(rd16(g + 80)), dmin = f16(rd16(g + 82)) * (1.0f / FIN);
-        const uint32_t sa = (sw >> (8 * q23_s(l))) & 0xFFu, sb = (sw >> (8 * q23_s(l) + 16)) & 0xFFu;
+        const uint32_t sa = (sw >> (8 * q23_s(l))) & 0xFFu;
+        const uint32_t sb = (sw >> (8 * q23_s(l) + 16)) & 0xFFu;
         u.sa = d * static_cast<float>(sa & 15u);
         u.ca = -fmaf(dmin, static_cast<float>(sa >> 4), u.sa);
         u.sb = d * static_cast<float>(sb & 15u);
@@ -505,7 +506,8 @@ struct TQ3_K : TB23 {
     static constexpr float K = -1.5f, FIN = 8.0f;
     MV_FN static int scale(uint32_t s0, uint32_t s1, uint32_t s2, int j)
     {
-        const uint32_t low = j < 8 ? byte_of3(s0, s1, s2, j) & 15u : byte_of3(s0, s1, s2, j - 8) >> 4;
+        const uint32_t low = j < 8 ? byte_of3(s0, s1, s2, j) & 15u
+                                   : byte_of3(s0, s1, s2, j - 8) >> 4;
         const uint32_t high = (byte_of3(s0, s1, s2, 8 + (j & 3)) >> (2 * (j >> 2))) & 3u;
         return static_cast<int>(low | high << 4) - 32;
     }
