@@ -47,8 +47,9 @@
  * before each replay), the attention decode is sized for the whole context
  * (cuda_attention_decode_at: its splits follow from the position on the
  * device, workspace preallocated), so nothing captured depends on the step.
- * The graph bakes the state pointers in: each sequence slot has its own,
- * captured at that slot's first decode step.
+ * A graph bakes the state pointers in: each sequence slot has its own two
+ * (CB_G_FUSED below fused_below, CB_G_SPLIT past it), each captured at that
+ * slot's first decode step that takes it.
  * Kernels per token (logged once; for the 48-layer 80b-a3b Qwen3-Next 364
  * a decode step past fused_below and 340 below it as graph_trace counted
  * them, docs/perf.md): per
