@@ -357,9 +357,11 @@ struct backend_cuda {
     uint64_t graph_expert_rows;       /* stats.expert_rows of one replay (counted at capture) */
     /* the attention decode in one launch (cuda_attention_decode_fused) at positions below
      * this (LAMINA_CUDA_ATTN_FUSED_BELOW; UINT32_MAX with LAMINA_CUDA_ATTN_FUSED=1, 0 with
-     * =0), the three launches at and past it; attn_fused: the pass being enqueued's choice */
+     * =0), the three launches at and past it; attn_fused: the pass being enqueued's choice;
+     * fused_seen: a layer of the pass took the one launch (none did: no layer's shape
+     * or the device takes it, and fused_below becomes 0, one decode graph) */
     uint32_t fused_below;
-    bool attn_fused;
+    bool attn_fused, fused_seen;
     /* profile (LAMINA_CUDA_PROFILE=1): an event before each kernel */
     bool prof;
     uint32_t prof_n;
@@ -1394,6 +1396,7 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
                                               hp->attn_scale, hp->attn_gated, c->att, aq,
                                               c->attn_ws, c->attn_ws_bytes, c->stream));
         if (rc != -ENOTSUP) {
+            c->fused_seen |= rc == 0;
             if (aq)
                 return rc ? rc : cb_mm_yq(c, "attn.out", &L->wo, aq, c->att, c->mix, tail);
             if (tail)
@@ -2024,6 +2027,17 @@ static int cb_capture(struct backend_cuda *c, enum cb_graph g)
     return rc;
 }
 
+/* No layer of a pass that asked for the attention decode in one launch took it
+ * (f32 cache, a head shape the kernel does not take, a device before 8.0): the
+ * three launches from the first position on, so that no second decode graph,
+ * the same as the first, is captured when the position reaches fused_below. */
+static void cb_fused_none(struct backend_cuda *c)
+{
+    log_debug("cuda layers %u-%u: no layer takes the attention decode in one launch",
+              c->l0, c->l1 - 1);
+    c->fused_below = 0;
+}
+
 /* Decode steps as one CUDA graph: the pass's form (c->attn_fused) captured
  * at the first step that takes it (positions reach the kernels through
  * c->d_pos, so the graph never changes) and replayed after. A capture with
@@ -2031,7 +2045,7 @@ static int cb_capture(struct backend_cuda *c, enum cb_graph g)
  * never fail a step). */
 static int cb_graph_step(struct backend_cuda *c)
 {
-    const enum cb_graph g = c->attn_fused ? CB_G_FUSED : CB_G_SPLIT;
+    enum cb_graph g = c->attn_fused ? CB_G_FUSED : CB_G_SPLIT;
     if (!c->gexec[g]) {
         const bool st = c->st_on;
         int rc = cb_capture(c, g);
@@ -2042,6 +2056,19 @@ static int cb_graph_step(struct backend_cuda *c)
         }
         if (rc)
             return rc;
+        if (g == CB_G_FUSED && !c->fused_seen) {
+            /* the graph is the three launches' form: kept as that one, never a second */
+            cb_fused_none(c);
+            if (!c->gexec[CB_G_SPLIT]) {
+                c->gexec[CB_G_SPLIT] = c->gexec[CB_G_FUSED];
+                c->graph_kernels[CB_G_SPLIT] = c->graph_kernels[CB_G_FUSED];
+            } else {
+                cudaGraphExecDestroy(c->gexec[CB_G_FUSED]);
+            }
+            c->gexec[CB_G_FUSED] = NULL;
+            c->graph_kernels[CB_G_FUSED] = 0;
+            g = CB_G_SPLIT;
+        }
     } else {
         /* a replay runs what the capture enqueued: count it as the capture did */
         c->launches += c->graph_kernels[g];
@@ -2077,7 +2104,10 @@ static int cb_pass(struct backend_cuda *c, float *h, uint32_t S, bool keep)
         return rc;
     const bool graph = S == 1 && c->graphs && c->all_resident && !c->prof;
     c->attn_fused = S == 1 && c->pos < c->fused_below;
+    c->fused_seen = false;
     rc = graph ? cb_graph_step(c) : cb_enqueue_layers(c, S, c->pos);
+    if (!rc && !graph && c->attn_fused && !c->fused_seen)
+        cb_fused_none(c);
     if (!rc && c->prof && c->prof_n)
         rc = CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
     if (keep && !rc) {
@@ -2369,7 +2399,12 @@ static void cb_fini(struct backend *b)
         return;
     if (c->stream)
         cudaStreamSynchronize(c->stream);
-    if (c->graph_steps)
+    if (c->graph_steps && c->fused_below == UINT32_MAX)
+        log_info("cuda layers %u-%u: %llu decode steps replayed a graph of %llu kernels "
+                 "(the attention in one launch at every position), captured and "
+                 "instantiated in %.1f ms", c->l0, c->l1 - 1, (unsigned long long)c->graph_steps,
+                 (unsigned long long)c->graph_kernels[CB_G_FUSED], 1e3 * c->graph_capture_s);
+    else if (c->graph_steps)
         log_info("cuda layers %u-%u: %llu decode steps replayed graphs of %llu kernels "
                  "(positions below %u) and %llu kernels (past it; 0: not captured), "
                  "captured and instantiated in %.1f ms", c->l0, c->l1 - 1,
@@ -2629,7 +2664,7 @@ static uint32_t cb_fused_below(void)
     char *end = NULL;
     errno = 0;
     const unsigned long long n = strtoull(ab, &end, 10);
-    if (!*ab || *end || errno || ab[0] == '-') {
+    if (!*ab || *end || errno || strchr(ab, '-')) {
         log_warn("LAMINA_CUDA_ATTN_FUSED_BELOW=%s is not a count of positions: %u taken", ab,
                  CB_FUSED_BELOW);
         return CB_FUSED_BELOW;

@@ -666,9 +666,23 @@ static void tbc_fused_below(const struct tbc_arch *a, struct backend_config cfg,
                             const float *ref, float *buf, float *tmp)
 {
     const size_t sz = a->rows * a->V * sizeof(float);
-    uint32_t n_attn = 0;
-    for (uint32_t l = 0; l < a->m->hp.n_layer; l++)
-        n_attn += !a->m->layers[l].recurrent;
+    const struct arch_hparams *hp = &a->m->hp;
+    uint32_t n_attn = 0, n_stacked = 0;
+    for (uint32_t l = 0; l < hp->n_layer; l++) {
+        const struct arch_layer *ly = &a->m->layers[l];
+        n_attn += !ly->recurrent;
+        n_stacked += !ly->recurrent && ly->wq.type == ly->wk.type &&
+                     ly->wk.type == ly->wv.type && ly->wq.row_bytes == ly->wk.row_bytes &&
+                     ly->wk.row_bytes == ly->wv.row_bytes;
+    }
+    /* where the fused kernel must run (cuda_attention_decode_fused's shapes, the
+     * backend's q|k|v in one product): an f16 cache, hd 32 to 256, compute 8.0 on */
+    int cc = 0, optin = 0;
+    const uint32_t hd = hp->head_dim;
+    const bool must = cfg.kv_f16 && (hd == 32 || hd == 64 || hd == 128 || hd == 256) &&
+                      hp->n_head % hp->n_head_kv == 0 && hp->n_head / hp->n_head_kv <= 16 &&
+                      !cuda_caps_get(&cc, &optin) && cc >= 80 && n_stacked > 0;
+    unsetenv("LAMINA_CUDA_ATTN_FUSED"); /* it would override the threshold */
     unsetenv("LAMINA_CUDA_ATTN_FUSED_BELOW");
     tbc_run(a, "cuda", cfg, buf, NULL);
     const uint64_t k_fused = tbc_last_kernels;
@@ -680,18 +694,26 @@ static void tbc_fused_below(const struct tbc_arch *a, struct backend_config cfg,
     tbc_compare(a, ref, tmp, "cuda f16 KV, attention as three launches "
                 "(LAMINA_CUDA_ATTN_FUSED_BELOW=0), vs token-by-token cpu f16 KV", TBC_TOL_F16);
     const bool ran = k_split != k_fused;
-    CHECK(!ran ? !memcmp(buf, tmp, sz) : k_split == k_fused + 2 * n_attn,
+    CHECK(ran || !must, "%s: the attention decode in one launch did not run (hd %u, compute "
+          "%d, %u of %u attention layers with q, k, v of one type)", a->name, hd, cc, n_stacked,
+          n_attn);
+    CHECK(!ran ? !memcmp(buf, tmp, sz) : k_split == k_fused + 2 * n_stacked,
           "%s: %llu kernels a decode step with the attention in one launch, %llu in three "
           "(%u attention layers)%s", a->name, (unsigned long long)k_fused,
-          (unsigned long long)k_split, n_attn, ran ? "" : ", and the logits differ");
+          (unsigned long long)k_split, n_stacked, ran ? "" : ", and the logits differ");
     const uint32_t mid = (uint32_t)a->n + TBC_DECODE / 2;
     char at[16];
     snprintf(at, sizeof at, "%u", mid);
     setenv("LAMINA_CUDA_ATTN_FUSED_BELOW", at, 1);
-    float *both = malloc(sz);
-    CHECK(both != NULL, "%s: buffer", a->name);
-    if (both) {
-        tbc_run(a, "cuda", cfg, both, NULL);
+    float *both = malloc(sz), *again = malloc(sz);
+    CHECK(both != NULL && again != NULL, "%s: buffers", a->name);
+    if (both && again) {
+        /* again: after a reset, each form's graph replayed in turn (the fused one after
+         * the split one) */
+        tbc_run(a, "cuda", cfg, both, again);
+        CHECK(!memcmp(both, again, sz), "%s: LAMINA_CUDA_ATTN_FUSED_BELOW=%u: the run after "
+              "a reset (both graphs replayed) differs (max %.3g)", a->name, mid,
+              tbc_maxdiff(both, again, a->rows * a->V));
         tbc_compare(a, ref, both, "cuda f16 KV, attention in one launch below a middle decode "
                     "step (two graphs in one run), vs token-by-token cpu f16 KV", TBC_TOL_F16);
         const size_t before = (size_t)mid * a->V * sizeof(float);
@@ -705,8 +727,8 @@ static void tbc_fused_below(const struct tbc_arch *a, struct backend_config cfg,
                 "step, %llu as three launches); max |fused - three launches| %.3g", a->name,
                 ran ? "ran" : "not taken", (unsigned long long)k_fused,
                 (unsigned long long)k_split, tbc_maxdiff(buf, tmp, a->rows * a->V));
-        free(both);
     }
+    free(both), free(again);
     unsetenv("LAMINA_CUDA_ATTN_FUSED_BELOW");
 }
 
@@ -782,14 +804,17 @@ static void tbc_arch_run(struct tbc_arch *a)
     f16.max_batch = TBC_BATCH;
     tbc_run(a, "cuda", f16, tmp, NULL);
     tbc_compare(a, gpu2, tmp, "cuda f16 KV vs token-by-token cpu f16 KV", TBC_TOL_F16);
-    /* the decode attention on tensor cores (opt-in; kernels/cuda/attn_mma.cuh) */
+    /* the decode attention on tensor cores (opt-in; kernels/cuda/attn_mma.cuh), at every
+     * position: the one-launch form below 1024 (the default) is not it */
     setenv("LAMINA_CUDA_ATTN_MMA", "1", 1);
+    setenv("LAMINA_CUDA_ATTN_FUSED_BELOW", "0", 1);
     tbc_run(a, "cuda", f16, tmp, NULL);
+    unsetenv("LAMINA_CUDA_ATTN_FUSED_BELOW");
     unsetenv("LAMINA_CUDA_ATTN_MMA");
     tbc_compare(a, gpu2, tmp, "cuda f16 KV, tensor-core decode attention, vs token-by-token cpu "
                 "f16 KV", TBC_TOL_F16);
-    tbc_fused_below(a, f16, gpu2, tok, tmp);
     tbc_snapshot(a, gpu, tok);
+    tbc_fused_below(a, f16, gpu2, tok, tmp); /* tok is scratch from here on */
     tbc_layers(a);
     tbc_budget(a);
     tbc_serve(a);
