@@ -193,10 +193,11 @@ enum cb_stage {
 
 /* A slot's decode graphs: the attention decode of every attention layer in one launch
  * (cuda_attention_decode_fused: at positions below fused_below) or as prep, decode and
- * split merge (at and past it). On an H200 the one launch decoded faster at short
- * contexts and slower at 4096 positions (docs/perf.md, thirty-second session). */
+ * split merge (at and past it). On an H200 the one launch decoded 1.3 % faster at an
+ * empty context and is the slower one eagerly from about 800 positions (docs/perf.md,
+ * thirty-sixth session: 18.1 against 19.1 us at position 640, 21.9 against 20.5 at 1023). */
 enum cb_graph { CB_G_FUSED, CB_G_SPLIT, CB_GRAPHS };
-#define CB_FUSED_BELOW 1024u          /* fused_below's default */
+#define CB_FUSED_BELOW 768u           /* fused_below's default */
 
 /* A weight matrix in device memory (possibly a row range of a larger one). */
 struct cb_mat {

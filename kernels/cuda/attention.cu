@@ -47,7 +47,8 @@
  * in device memory) launches the most splits any position up to its max_kv
  * plans (attn_decode_splits_most), the blocks past a position's own plan idle.
  *
- * The tensor-core kernels (kernels/cuda/attn_mma.cuh; opt-in, LAMINA_CUDA_ATTN_MMA=1):
+ * The tensor-core kernels (kernels/cuda/attn_mma.cuh; the default where they take the
+ * shape, LAMINA_CUDA_ATTN_MMA=0 turns them off):
  * the split decode (attn_mma_kernel, its own plan, attn_mma_limits: chunks of >= 64
  * positions, at most 128 blocks) and the prefill (attn_mma_prefill_kernel, the grid
  * below) write the same splits' triples for attn_combine_kernel from mma.sync
@@ -1357,14 +1358,16 @@ static uint32_t attn_max_blocks(uint32_t dflt)
 static thread_local bool attn_last_mma = false;
 
 /* Whether an attention of these arguments runs attn_mma_kernel (one token) or
- * attn_mma_prefill_kernel (where its shared memory fits the card, below): asked for
- * (LAMINA_CUDA_ATTN_MMA=1, read at each call; opt-in until measured), an f16
- * cache, hd 16, 32, 64, 128 or 256 and compute capability 8.0 or later. */
+ * attn_mma_prefill_kernel (where its shared memory fits the card, below): not
+ * refused (LAMINA_CUDA_ATTN_MMA=0, read at each call), an f16 cache, hd 16, 32,
+ * 64, 128 or 256 and compute capability 8.0 or later. On an H200 (docs/perf.md,
+ * thirty-sixth session) the decode as fast at 4096 positions and 1.4 to 1.6 times
+ * faster at 16384 and 65536, the prefill 3.8 to 5.0 times. */
 static bool attn_mma_takes(const struct attn_args &a, bool f16)
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_MMA");
     const bool hd = a.hd == 16 || a.hd == 32 || a.hd == 64 || a.hd == 128 || a.hd == 256;
-    return env && strcmp(env, "1") == 0 && f16 && hd && cuda_caps_cc() >= 80;
+    return !(env && strcmp(env, "0") == 0) && f16 && hd && cuda_caps_cc() >= 80;
 }
 
 /* The tensor-core kernel's splits: longer chunks (one tile for each of its 4

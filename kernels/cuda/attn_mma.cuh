@@ -2,7 +2,8 @@
  * attn_mma: attention's kernels on tensor cores, the split decode's per-split kernel
  * (attn_mma_kernel) and the prefill's (attn_mma_prefill_kernel), included by
  * attention.cu only (they use that file's attn_args, split plans, cp.async helpers and
- * warp merge). Opt-in: LAMINA_CUDA_ATTN_MMA=1 (attention.cu's attn_mma_takes); the
+ * warp merge). The default where they take the shape; LAMINA_CUDA_ATTN_MMA=0 turns
+ * them off (attention.cu's attn_mma_takes); the
  * splits' triples are those the CUDA-core kernels write, so attn_combine_kernel merges
  * them unchanged.
  *

@@ -68,8 +68,8 @@ int cuda_kv_store(void *d_kcache, void *d_vcache, bool f16, const float *d_k, co
  * head h at the query pointer + hd (qwen3next layout). Long contexts are
  * split across blocks (online softmax). Over an f16 cache with hd 16, 32, 64,
  * 128 or 256 on compute capability 8.0 or later, the tensor-core kernels run
- * where LAMINA_CUDA_ATTN_MMA=1 (read at each call; opt-in: other roundings,
- * within f32's error of the CUDA-core kernels'; the same for
+ * unless LAMINA_CUDA_ATTN_MMA=0 (read at each call; other roundings, within
+ * f32's error of the CUDA-core kernels'; the same for
  * cuda_attention_decode_at and _at_xq). */
 int cuda_attention(const float *d_q, size_t q_tok_stride, size_t q_head_stride,
                    const void *d_kcache, const void *d_vcache, bool f16, uint32_t n_head,

@@ -7,9 +7,10 @@
  * prefill, f16 and f32 caches, GQA 16/2 and 4/2 (plus 32/2, 6/2, 8/8), head
  * dims 256, 128, 16, gated and not; decode attention is timed at 4k, 16k and
  * 64k positions (cudaEvents, median of 20) with the KV bytes read per second.
- * The tensor-core kernels (opt-in, LAMINA_CUDA_ATTN_MMA=1: the split decode and
- * the prefill) over the same kinds of cases with an f16 cache, hd 256 to 16,
- * and timed beside the default.
+ * The tensor-core kernels (the split decode and the prefill; the default over
+ * an f16 cache, so the other attention checks run with LAMINA_CUDA_ATTN_MMA=0
+ * and check the CUDA-core kernels) over the same kinds of cases with an f16
+ * cache, hd 256 to 16, and timed beside the CUDA-core kernels.
  * The fused decode (prep, attention and merge in one launch; refused with
  * LAMINA_CUDA_ATTN_FUSED=0) against the prep and the decode launched apart,
  * at positions 0 .. 69999, timed at seven of them (100 to 3071: where the
@@ -751,7 +752,7 @@ static void test_attention_mma(struct rng *r)
         CHECK(!cuda_attention_last_mma(), "attention decode: the tensor-core kernel ran for f16 %d "
               "hd %u", declined[i].f16, declined[i].hd);
     }
-    unsetenv("LAMINA_CUDA_ATTN_MMA");
+    setenv("LAMINA_CUDA_ATTN_MMA", "0", 1); /* the CUDA-core checks' setting (main) */
 }
 
 static void test_attention_prefill(struct rng *r)
@@ -857,10 +858,11 @@ static void test_attention_timing(struct rng *r, const char *pool)
             const struct attn_case c = {16, 2, 256, 1, pos0s[p], true, true};
             const double err = attn_case_run(&c, r); /* which checks it against the cpu's */
             const float ms = attn_time_ms(&c, r);
-            MEASURE("attention decode heads 16/2 hd 256 ctx %u f16, %s=%s%s%s%s: %.1f us, %.0f "
-                    "GB/s of KV (%s), max abs err %.3g",
+            MEASURE("attention decode heads 16/2 hd 256 ctx %u f16, %s=%s%s%s%s%s: %.1f us, "
+                    "%.0f GB/s of KV (%s), max abs err %.3g",
                     pos0s[p] + 1, vs[i].var, vs[i].val, vs[i].var2 ? " " : "",
-                    vs[i].var2 ? vs[i].var2 : "", vs[i].var2 ? "=" : "", ms * 1e3,
+                    vs[i].var2 ? vs[i].var2 : "", vs[i].var2 ? "=" : "",
+                    vs[i].var2 ? vs[i].val2 : "", ms * 1e3,
                     2048.0 * (pos0s[p] + 1) / (ms * 1e-3) / 1e9, pool, err);
         }
         unsetenv(vs[i].var);
@@ -1529,12 +1531,13 @@ static void attn_fused_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t h
             cudaEvent_t ev[2];
             CU(cudaEventCreate(&ev[0]));
             CU(cudaEventCreate(&ev[1]));
-            float ms[2];
-            for (int f = 0; f < 2; f++) {
+            float ms[3]; /* the three launches on CUDA cores, fused, on tensor cores */
+            for (int f = 0; f < 3; f++) {
+                setenv("LAMINA_CUDA_ATTN_MMA", f == 2 ? "1" : "0", 1);
                 for (int it = -20; it < 200; it++) {
                     if (it == 0)
                         CU(cudaEventRecord(ev[0], 0));
-                    if (f)
+                    if (f == 1)
                         cuda_attention_decode_fused(dq[1], g * hd, dk[1], dv, dqn, dkn, eps, n_rot,
                                                     base, kc[1], vc[1], f16, nh, nkv, hd, d_pos,
                                                     max_kv, scale, gated, dout[1], dxq[1], ws1,
@@ -1550,11 +1553,12 @@ static void attn_fused_case(struct rng *r, uint32_t nh, uint32_t nkv, uint32_t h
                 CU(cudaEventSynchronize(ev[1]));
                 CU(cudaEventElapsedTime(&ms[f], ev[0], ev[1]));
             }
+            setenv("LAMINA_CUDA_ATTN_MMA", "0", 1); /* the CUDA-core checks' setting (main) */
             const char *sp = getenv("LAMINA_CUDA_ATTN_SPLITS");
             MEASURE("attention decode heads %u/%u hd %u pos %u max_kv %u, one step: fused %.2f us "
-                    "(at most %s splits a kv head), prep + decode + merge %.2f us (mean of 200 "
-                    "dependent steps)", nh, nkv, hd, pos, max_kv, ms[1] * 1e3 / 200,
-                    sp ? sp : "32", ms[0] * 1e3 / 200);
+                    "(at most %s splits a kv head), prep + decode + merge %.2f us, the decode on "
+                    "tensor cores %.2f us (mean of 200 dependent steps)", nh, nkv, hd, pos, max_kv,
+                    ms[1] * 1e3 / 200, sp ? sp : "32", ms[0] * 1e3 / 200, ms[2] * 1e3 / 200);
             cudaEventDestroy(ev[0]);
             cudaEventDestroy(ev[1]);
         }
@@ -1647,11 +1651,15 @@ int main(int argc, char **argv)
         test_add(&r);
         test_rope(&r);
         test_kv_store(&r);
+        /* the tensor-core kernels are the default where they take the shape: the
+         * attention checks but test_attention_mma's check the CUDA-core kernels */
+        setenv("LAMINA_CUDA_ATTN_MMA", "0", 1);
         test_attn_prep(&r);
         test_attention_fused(&r);
         test_attention_decode(&r);
         test_attention_mma(&r);
         test_attention_prefill(&r);
+        unsetenv("LAMINA_CUDA_ATTN_MMA");
     }
     test_attention_timing(&r, "default pool");
     keep_pool_memory();
