@@ -141,6 +141,11 @@ stage() {
 use_pack() {
     rm -rf .devbin/as_sm .devbin/tests # a machine kept warm may hold an earlier call's
     tar -xJf "$1" || { echo "device-check: cannot unpack $1"; exit 1; }
+    # the architecture .devbin/lamina was built for, where this pack brought it (the sys
+    # tests run it with the tests' LAMINA_CUDA_AS_SM, which must be the same)
+    if tar -tJf "$1" | grep -qx '.devbin/lamina'; then
+        cat .devbin/as_sm 2>/dev/null >.devbin/lamina.as_sm || echo 90 >.devbin/lamina.as_sm
+    fi
     if [ -f .devbin/as_sm ]; then
         export LAMINA_CUDA_AS_SM
         LAMINA_CUDA_AS_SM=$(cat .devbin/as_sm)
@@ -194,6 +199,12 @@ tests() {
         [ -z "${TESTS:-}" ] || [[ " $TESTS " == *" $n "* ]] || continue
         if [ ! -x .devbin/lamina ]; then # a stage-tests pack: no binaries to run
             skip=$((skip + 1)); echo "SKIP $n: no .devbin/lamina in this pack"; continue
+        fi
+        if [ -f .devbin/lamina.as_sm ] &&
+            [ "$(cat .devbin/lamina.as_sm)" != "${LAMINA_CUDA_AS_SM:-90}" ]; then
+            skip=$((skip + 1))
+            echo "SKIP $n: .devbin/lamina is built for compute_$(cat .devbin/lamina.as_sm), the tests for compute_${LAMINA_CUDA_AS_SM:-90}"
+            continue
         fi
         BUILD=.devbin timeout 300 sh "$t" >$log 2>&1
         rc=$?
