@@ -193,11 +193,12 @@ enum cb_stage {
 
 /* A slot's decode graphs: the attention decode of every attention layer in one launch
  * (cuda_attention_decode_fused: at positions below fused_below) or as prep, decode and
- * split merge (at and past it). On an H200 the one launch decoded 1.3 % faster at an
- * empty context and is the slower one eagerly from about 800 positions (docs/perf.md,
- * thirty-sixth session: 18.1 against 19.1 us at position 640, 21.9 against 20.5 at 1023). */
+ * split merge (at and past it). The one launch decoded 1.3 % (H200) and 2.3 % (H100)
+ * faster at an empty context; eagerly, against the three launches with the decode on
+ * tensor cores (the default), 12.9 against 16.7 us at position 100 and 18.4 against
+ * 17.4 at 640 (docs/perf.md, thirty-sixth session): the crossing near 500. */
 enum cb_graph { CB_G_FUSED, CB_G_SPLIT, CB_GRAPHS };
-#define CB_FUSED_BELOW 768u           /* fused_below's default */
+#define CB_FUSED_BELOW 512u           /* fused_below's default */
 
 /* A weight matrix in device memory (possibly a row range of a larger one). */
 struct cb_mat {

@@ -655,7 +655,7 @@ out:
 
 /* The attention decode in one launch (cuda_attention_decode_fused) at positions below
  * LAMINA_CUDA_ATTN_FUSED_BELOW, as three launches at and past it, each decode form a graph
- * of its own, with an f16 cache (cfg): below 768 by default (every decode step here),
+ * of its own, with an f16 cache (cfg): below 512 by default (every decode step here),
  * from the first position (=0), and from a decode step in the middle of the run (both
  * graphs captured in one run), each within the bound of the token-by-token cpu with f16
  * KV (ref). Where the fused launch ran (the default's last step has two kernels fewer an
@@ -686,7 +686,7 @@ static void tbc_fused_below(const struct tbc_arch *a, struct backend_config cfg,
     unsetenv("LAMINA_CUDA_ATTN_FUSED_BELOW");
     tbc_run(a, "cuda", cfg, buf, NULL);
     const uint64_t k_fused = tbc_last_kernels;
-    tbc_compare(a, ref, buf, "cuda f16 KV, attention in one launch (the default below 768), "
+    tbc_compare(a, ref, buf, "cuda f16 KV, attention in one launch (the default below 512), "
                 "vs token-by-token cpu f16 KV", TBC_TOL_F16);
     setenv("LAMINA_CUDA_ATTN_FUSED_BELOW", "0", 1);
     tbc_run(a, "cuda", cfg, tmp, NULL);
@@ -806,7 +806,7 @@ static void tbc_arch_run(struct tbc_arch *a)
     tbc_compare(a, gpu2, tmp, "cuda f16 KV vs token-by-token cpu f16 KV", TBC_TOL_F16);
     /* the attention on CUDA cores (the tensor-core kernels, kernels/cuda/attn_mma.cuh,
      * are the default with an f16 cache), the three launches at every position: the
-     * one-launch form below 768 (the default) is neither */
+     * one-launch form below 512 (the default) is neither */
     setenv("LAMINA_CUDA_ATTN_MMA", "0", 1);
     setenv("LAMINA_CUDA_ATTN_FUSED_BELOW", "0", 1);
     tbc_run(a, "cuda", f16, tmp, NULL);
