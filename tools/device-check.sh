@@ -315,6 +315,9 @@ trace() {
 
 profile() {
     local m=.models/q3n-80b-q4_0.gguf
+    mkdir -p .models
+    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
+        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
     LAMINA_CUDA_PROFILE=1 LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 16 -r 1 \
         --inproc --backend cuda:0 --no-membw >"$OUT/profile.txt" 2>&1
     grep -A40 "cuda profile" "$OUT/profile.txt" | sed 's/^.*info: //' | head -60
