@@ -10,13 +10,13 @@ CXX     ?= c++
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 PKGS    := libpcre2-8 libzmq libprotobuf-c
 # The GPU architectures lamina ships for, listed once: code for sm_90 (H100/H200), sm_75,
-# sm_86 and sm_89 (Turing, Ampere, Ada), and PTX for compute_90 and compute_75, which the
+# sm_86 and sm_89 (Turing, Ampere, Ada), and PTX for compute_90 and compute_80, which the
 # driver compiles at first use for a card none of them runs (compute_90 for Blackwell,
-# compute_75 for an A100 or A30): the kernels then take the paths of the code's
-# architecture (kernels/cuda/caps.h). Both PTX come from the same front-end pass as the
-# code beside them.
+# compute_80 for an A100, A30 or Jetson Orin: their tensor-core attention, cp.async and
+# int8 tensor-core prefill, which compute_75's PTX, shipped before, lacked): the kernels
+# then take the paths of the code's architecture (kernels/cuda/caps.h).
 CUDA_ARCHS := -gencode=arch=compute_90,code=[sm_90,compute_90] \
-              -gencode=arch=compute_75,code=[sm_75,compute_75] \
+              -gencode=arch=compute_75,code=sm_75 -gencode=arch=compute_80,code=compute_80 \
               -gencode=arch=compute_86,code=sm_86 -gencode=arch=compute_89,code=sm_89
 # nvcc compiles a file's architectures this many at a time (the int8 decode
 # products take minutes per architecture: one after the other they were the

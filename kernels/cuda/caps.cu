@@ -5,8 +5,8 @@
  *
  * The build's device code is read from a one-line kernel of this file
  * (cudaFuncGetAttributes: ptxVersion is the virtual architecture it was
- * compiled for, 90 in a plain sm_90 build, 75 in one for compute_75, or
- * where the driver compiled the build's compute_75 PTX for a card it has no
+ * compiled for, 90 in a plain sm_90 build, 75 in one for compute_75, 80
+ * where the driver compiled the build's compute_80 PTX for a card it has no
  * code of its own for): the capability the launchers see is never above it,
  * a lowered capability is refused where the kernels were compiled for a
  * later one, and a card the build has no code for is named as such.

@@ -42,7 +42,7 @@ int cuda_caps_parse_as_sm(const char *value);
  * block into *smem_optin (either may be NULL), both lowered under
  * LAMINA_CUDA_AS_SM (read at each call), the capability never above the
  * architecture the build's code for the card was compiled for (a card
- * running the build's compute_75 PTX, compiled by the driver, is a 7.5 card
+ * running the build's compute_80 PTX, compiled by the driver, is an 8.0 card
  * to the launchers). The card's facts are read once per device. 0; -EIO
  * where the device cannot be asked, -EINVAL for a LAMINA_CUDA_AS_SM not
  * understood, -ENOTSUP where it asks for an architecture older than the
