@@ -143,7 +143,7 @@ use_pack() {
     tar -xJf "$1" || { echo "device-check: cannot unpack $1"; exit 1; }
     # the architecture .devbin/lamina was built for, where this pack brought it (the sys
     # tests run it with the tests' LAMINA_CUDA_AS_SM, which must be the same)
-    if tar -tJf "$1" | grep -qx '.devbin/lamina'; then
+    if tar -tJf "$1" | grep -x '.devbin/lamina' >/dev/null; then # not -q: pipefail, SIGPIPE
         cat .devbin/as_sm 2>/dev/null >.devbin/lamina.as_sm || echo 90 >.devbin/lamina.as_sm
     fi
     if [ -f .devbin/as_sm ]; then
