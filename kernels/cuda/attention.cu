@@ -1361,8 +1361,9 @@ static thread_local bool attn_last_mma = false;
  * attn_mma_prefill_kernel (where its shared memory fits the card, below): not
  * refused (LAMINA_CUDA_ATTN_MMA=0, read at each call), an f16 cache, hd 16, 32,
  * 64, 128 or 256 and compute capability 8.0 or later. On an H200 (docs/perf.md,
- * thirty-sixth session) the decode as fast at 4096 positions and 1.4 to 1.6 times
- * faster at 16384 and 65536, the prefill 3.8 to 5.0 times. */
+ * thirty-sixth session) the decode as fast at 4096 positions at hd 256 (1.4 times
+ * faster at hd 128) and 1.4 to 1.6 times faster at 16384 and 65536, the prefill 3.8
+ * to 5.0 times. */
 static bool attn_mma_takes(const struct attn_args &a, bool f16)
 {
     const char *env = getenv("LAMINA_CUDA_ATTN_MMA");
