@@ -408,12 +408,13 @@ static inline bool mass_reaches(double acc, double goal, bool strict)
     return strict ? acc > goal : acc >= goal;
 }
 
-/* A logit's place as an unsigned key: a larger logit has a larger key (-inf the smallest of
- * all; pass_all and pass_top_k leave no NaN). */
+/* A logit's place as an unsigned key: a larger logit has a larger key, -0 the key of +0 (they
+ * rank as equals, by id), -inf the smallest of all (pass_all and pass_top_k leave no NaN). */
 static inline uint32_t logit_key(float v)
 {
+    const float z = v + 0.0f; /* -0 + 0 is +0 */
     uint32_t b;
-    memcpy(&b, &v, sizeof(b));
+    memcpy(&b, &z, sizeof(b));
     return (b & 0x80000000u) ? ~b : b | 0x80000000u;
 }
 

@@ -463,11 +463,15 @@ static void test_top_p_wide(void)
         struct ref_cand *ref = malloc((size_t)nv * sizeof(*ref));
         if (!l || !ref)
             exit(1);
-        for (int pattern = 0; pattern < 2; pattern++) {
-            /* pattern 1: levels, ties everywhere */
+        for (int pattern = 0; pattern < 3; pattern++) {
+            /* pattern 1: levels, ties everywhere; 2: the same with every positive logit 0
+             * (the top, half the entries tied), -0 at odd ids: it ranks as +0 */
             fill_logits_holes(l, nv, (uint32_t)(vi * 5 + (size_t)pattern + 3),
                               (uint32_t)nv * 2654435761u + (uint32_t)pattern,
                               pattern ? 0.5f : 0.0f, 101, 103);
+            for (int32_t i = 0; pattern == 2 && i < nv; i++)
+                if (l[i] >= 0.0f)
+                    l[i] = (i & 1) ? -0.0f : 0.0f;
             float max = -INFINITY;
             for (int32_t i = 0; i < nv; i++) {
                 ref[i] = (struct ref_cand){l[i] != l[i] ? -INFINITY : l[i], i};
