@@ -82,6 +82,48 @@ __global__ void __launch_bounds__(kThreads) floor_persistent_kernel(float *a, fl
     }
 }
 
+/* The code-size form: the same step, then NF multiply-adds unrolled into
+ * straight-line code (eight independent accumulators), run by every thread
+ * once a launch. Instance V differs from the others only in its constants,
+ * so each is its own code of the same length. The accumulators reach
+ * memory only where `sink` is set (never in the measurement), so the step's
+ * output is the plain form's. */
+template <int V, int NF>
+__global__ void __launch_bounds__(kThreads) floor_code_kernel(const float *x, float *y,
+                                                              uint32_t n, float *sink)
+{
+    __shared__ float s_tmp[32];
+    pdl_wait();
+    pdl_trigger();
+    floor_step(x, y, n, s_tmp);
+    float a[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        a[k] = __ldcg(x + (threadIdx.x * 8 + k) % n);
+#pragma unroll
+    for (int i = 0; i < NF; i++)
+        a[i & 7] = fmaf(a[i & 7], 1.0f + (float)(V * NF + i) * 1e-7f, 0.25f);
+    if (sink) {
+        float t = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            t += a[k];
+        sink[blockIdx.x * kThreads + threadIdx.x] = t;
+    }
+}
+
+typedef void (*floor_code_fn)(const float *, float *, uint32_t, float *);
+
+template <int NF>
+floor_code_fn floor_code_pick(uint32_t v)
+{
+    static const floor_code_fn k[CUDA_STEP_FLOOR_VARIANTS] = {
+        floor_code_kernel<0, NF>, floor_code_kernel<1, NF>, floor_code_kernel<2, NF>,
+        floor_code_kernel<3, NF>, floor_code_kernel<4, NF>, floor_code_kernel<5, NF>,
+        floor_code_kernel<6, NF>};
+    return k[v];
+}
+
 } /* namespace */
 
 extern "C" int cuda_step_floor(int persistent, float *d_a, float *d_b, uint32_t n,
@@ -116,6 +158,40 @@ extern "C" int cuda_step_floor(int persistent, float *d_a, float *d_b, uint32_t 
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda_step_floor: launch failed: %s", cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+extern "C" int cuda_step_floor_code(uint32_t fmas, uint32_t variants, float *d_a, float *d_b,
+                                    uint32_t n, uint32_t steps, float *d_sink,
+                                    cudaStream_t stream)
+{
+    if (!d_a || !d_b || n == 0 || steps == 0 || variants == 0 ||
+        variants > CUDA_STEP_FLOOR_VARIANTS ||
+        (fmas != 512 && fmas != 2048 && fmas != 8192)) {
+        log_error("cuda_step_floor_code: bad arguments (a %p, b %p, n %u, steps %u, fmas %u, "
+                  "variants %u: fmas 512, 2048 or 8192, variants 1 to %d)",
+                  (void *)d_a, (void *)d_b, n, steps, fmas, variants, CUDA_STEP_FLOOR_VARIANTS);
+        return -EINVAL;
+    }
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        log_error("cuda_step_floor_code: device query failed");
+        return -EIO;
+    }
+    for (uint32_t s = 0; s < steps; s++) {
+        const uint32_t v = s % variants;
+        const floor_code_fn k = fmas == 512    ? floor_code_pick<512>(v)
+                                : fmas == 2048 ? floor_code_pick<2048>(v)
+                                               : floor_code_pick<8192>(v);
+        pdl_launch(k, sms, kThreads, 0, stream, (const float *)(s % 2 ? d_b : d_a),
+                   s % 2 ? d_a : d_b, n, d_sink);
+    }
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        log_error("cuda_step_floor_code: launch failed: %s", cudaGetErrorString(e));
         return -EIO;
     }
     return 0;

@@ -27,6 +27,22 @@ extern "C" {
 int cuda_step_floor(int persistent, float *d_a, float *d_b, uint32_t n, uint32_t steps,
                     unsigned int *d_ctr, cudaStream_t stream);
 
+/* Distinct kernels cuda_step_floor_code can rotate through. */
+#define CUDA_STEP_FLOOR_VARIANTS 7
+
+/* What a kernel's code size costs a step of the chain: the launches' form
+ * (one kernel a step, capture them), each step followed in every thread by
+ * `fmas` (512, 2048 or 8192: about 8, 32 or 128 KiB of straight-line code)
+ * multiply-adds into registers, the steps rotating through `variants` (1 to
+ * CUDA_STEP_FLOOR_VARIANTS) kernels of the same length and different code.
+ * One variant: the code stays in the SMs' instruction caches from step to
+ * step; seven: each step's code was last run seven steps back, as a layer's
+ * seven kernels are. The output is cuda_step_floor's (launches) bit for bit;
+ * d_sink (NULL in the measurement) receives the accumulators, a float a
+ * thread of blocks x 256. Errors as cuda_step_floor. */
+int cuda_step_floor_code(uint32_t fmas, uint32_t variants, float *d_a, float *d_b, uint32_t n,
+                         uint32_t steps, float *d_sink, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

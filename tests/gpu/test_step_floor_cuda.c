@@ -8,7 +8,10 @@
  *     recurrence computed here in the kernels' order (block sum tree), and
  *     the barrier counter ends at (steps - 1) x blocks;
  *   - timed: median of 10 replays after warm-up (CUDA events), [measure]
- *     lines in us a step.
+ *     lines in us a step;
+ *   - what code size costs: the launches followed by 512, 2048 or 8192
+ *     straight-line multiply-adds a thread, one kernel every step against
+ *     seven in rotation (same bits as the recurrence; [measure] lines).
  * Needs a CUDA device: exits 1 with a message when there is none.
  */
 #include <errno.h>
@@ -35,17 +38,22 @@ static int sf_cmp(const void *a, const void *b)
 }
 
 /* Runs one form `reps` times (after three warm-up runs) from the same
- * input; returns the median us of a run and leaves the last output in out. */
-static float sf_time(int persistent, const float *h_in, float *d_a, float *d_b,
-                     unsigned int *d_ctr, cudaStream_t s, float *out)
+ * input; returns the median us of a run and leaves the last output in out.
+ * persistent 0: launches; 1: the persistent kernel; 2: the code-size form
+ * with `fmas` and `variants`. */
+static float sf_time(int persistent, uint32_t fmas, uint32_t variants, const float *h_in,
+                     float *d_a, float *d_b, unsigned int *d_ctr, cudaStream_t s, float *out)
 {
     cudaGraphExec_t ge = NULL;
-    if (!persistent) {
+    if (persistent != 1) {
         cudaGraph_t g;
         CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        const int rc = cuda_step_floor(0, d_a, d_b, SF_N, SF_STEPS, NULL, s);
+        const int rc = persistent ? cuda_step_floor_code(fmas, variants, d_a, d_b, SF_N,
+                                                         SF_STEPS, NULL, s)
+                                  : cuda_step_floor(0, d_a, d_b, SF_N, SF_STEPS, NULL, s);
         CU(cudaStreamEndCapture(s, &g));
-        CHECK(rc == 0, "launches: rc %d", rc);
+        CHECK(rc == 0, "launches (form %d, fmas %u, variants %u): rc %d", persistent, fmas,
+              variants, rc);
         CU(cudaGraphInstantiate(&ge, g, 0));
         CU(cudaGraphDestroy(g));
     }
@@ -57,7 +65,7 @@ static float sf_time(int persistent, const float *h_in, float *d_a, float *d_b,
         CU(cudaMemcpyAsync(d_a, h_in, SF_N * sizeof(float), cudaMemcpyHostToDevice, s));
         CU(cudaMemsetAsync(d_ctr, 0, sizeof(unsigned int), s));
         CU(cudaEventRecord(e0, s));
-        if (persistent) {
+        if (persistent == 1) {
             const int rc = cuda_step_floor(1, d_a, d_b, SF_N, SF_STEPS, d_ctr, s);
             CHECK(rc == 0, "persistent: rc %d", rc);
         } else {
@@ -140,8 +148,8 @@ int main(void)
     CU(cudaMalloc((void **)&d_ctr, sizeof(unsigned int)));
     cudaStream_t s;
     CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    const float us_launch = sf_time(0, h_in, d_a, d_b, d_ctr, s, outs[0]);
-    const float us_pers = sf_time(1, h_in, d_a, d_b, d_ctr, s, outs[1]);
+    const float us_launch = sf_time(0, 0, 0, h_in, d_a, d_b, d_ctr, s, outs[0]);
+    const float us_pers = sf_time(1, 0, 0, h_in, d_a, d_b, d_ctr, s, outs[1]);
     unsigned int ctr = 0;
     CU(cudaMemcpy(&ctr, d_ctr, sizeof(ctr), cudaMemcpyDeviceToHost));
     CHECK(ctr == (SF_STEPS - 1) * (unsigned)sms, "barrier counter %u, want %u", ctr,
@@ -153,7 +161,31 @@ int main(void)
     MEASURE("dependent step floor (%u steps over %u floats, %d blocks, median of %d): launches "
             "in a graph with PDL %.2f us a step, persistent kernel with grid barriers %.2f us a "
             "step", SF_STEPS, SF_N, sms, SF_REPS, us_launch / SF_STEPS, us_pers / SF_STEPS);
+    /* The code-size form: straight-line code after each step, the same
+     * kernel every step (its code stays in the instruction caches) against
+     * seven kernels in rotation (as a layer's seven launches). */
+    static const uint32_t fmas[3] = {512, 2048, 8192};
+    for (int f = 0; f < 3; f++) {
+        float us[2];
+        for (int r = 0; r < 2; r++) {
+            const uint32_t variants = r ? CUDA_STEP_FLOOR_VARIANTS : 1;
+            memset(tmp, 0xff, SF_N * sizeof(float));
+            us[r] = sf_time(2, fmas[f], variants, h_in, d_a, d_b, d_ctr, s, tmp);
+            CHECK(!memcmp(tmp, ref, SF_N * sizeof(float)),
+                  "code form (%u fmas, %u variants): the result differs from the CPU recurrence",
+                  fmas[f], variants);
+        }
+        MEASURE("step with %u straight-line fmas a thread (about %u KiB of code): one kernel "
+                "%.2f us a step, %d kernels in rotation %.2f us a step (+%.2f)", fmas[f],
+                fmas[f] * 16 / 1024, us[0] / SF_STEPS, CUDA_STEP_FLOOR_VARIANTS,
+                us[1] / SF_STEPS, (us[1] - us[0]) / SF_STEPS);
+    }
     /* refusals: nothing launched */
+    CHECK(cuda_step_floor_code(1000, 1, d_a, d_b, SF_N, 4, NULL, s) == -EINVAL,
+          "fmas 1000: not -EINVAL");
+    CHECK(cuda_step_floor_code(512, CUDA_STEP_FLOOR_VARIANTS + 1, d_a, d_b, SF_N, 4, NULL, s) ==
+              -EINVAL,
+          "too many variants: not -EINVAL");
     CHECK(cuda_step_floor(1, d_a, d_b, SF_N, 4, NULL, s) == -EINVAL, "no counter: not -EINVAL");
     CHECK(cuda_step_floor(0, d_a, d_b, 0, 4, NULL, s) == -EINVAL, "n 0: not -EINVAL");
     CU(cudaStreamDestroy(s));
