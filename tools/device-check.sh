@@ -120,7 +120,8 @@ stage() {
     # binaries and f32 fixtures shrink about 3x); PACK=NAME writes it there
     local pack=${PACK:-.devpack.tar.xz}
     case $what in
-    bin) tar -cf - .devbin/lamina .devbin/lamina-worker $([ -f .devbin/as_sm ] && echo .devbin/as_sm) |
+    bin) tar -cf - .devbin/lamina .devbin/lamina-worker $([ -f .devbin/as_sm ] && echo .devbin/as_sm) \
+            $([ -f .devbin/lamina-base ] && echo .devbin/lamina-base) |
             xz -T2 -6 >"$pack" ;;
     tests) tar -cf - .devbin | xz -T2 -6 >"$pack"
         tar -cf - .fixtures | xz -T2 -6 >.devpack-fix.tar.xz ;;
@@ -318,7 +319,7 @@ profile() {
     mkdir -p .models
     [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
         --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
-    LAMINA_CUDA_PROFILE=1 LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 16 -r 1 \
+    LAMINA_CUDA_PROFILE=1 LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 16 -r 3 \
         --inproc --backend cuda:0 --no-membw >"$OUT/profile.txt" 2>&1
     grep -A40 "cuda profile" "$OUT/profile.txt" | sed 's/^.*info: //' | head -60
 }

@@ -366,6 +366,7 @@ struct backend_cuda {
     bool attn_fused, fused_seen;
     /* profile (LAMINA_CUDA_PROFILE=1): an event before each kernel */
     bool prof;
+    bool prof_warm[2];                /* [decode, prefill]: a first pass was left out */
     uint32_t prof_n;
     cudaEvent_t prof_ev[CB_PROF_MAX + 1];
     const char *prof_label[CB_PROF_MAX];
@@ -1068,26 +1069,69 @@ static int cb_alloc_host(struct backend_cuda *c)
 
 /* ---- profile (LAMINA_CUDA_PROFILE=1) ---- */
 
+/* Turns the profile off for good after a failed event call, logging why
+ * once, and clears the error so that the next launch's check does not take
+ * it for its own (a profile never fails a step). */
+static void cb_prof_off(struct backend_cuda *c, const char *what, cudaError_t e)
+{
+    (void)cudaGetLastError();
+    if (!c->prof)
+        return;
+    c->prof = false;
+    log_warn("cuda layers %u-%u: profile off: %s failed: %s", c->l0, c->l1 - 1, what,
+             cudaGetErrorString(e));
+}
+
 /* Records an event before the kernel `label` is enqueued (profile only). */
 static void cb_mark(struct backend_cuda *c, const char *label)
 {
     if (!c->prof || c->prof_n >= CB_PROF_MAX)
         return;
-    cudaEventRecord(c->prof_ev[c->prof_n], c->stream);
+    const cudaError_t e = cudaEventRecord(c->prof_ev[c->prof_n], c->stream);
+    if (e != cudaSuccess) {
+        cb_prof_off(c, "cudaEventRecord", e);
+        return;
+    }
     c->prof_label[c->prof_n++] = label;
 }
 
+/* Records the event that ends the last marked kernel (profile only): after
+ * the layers of a pass, again after a head enqueued behind them (the head's
+ * first mark takes that slot). */
+static void cb_prof_close(struct backend_cuda *c)
+{
+    if (!c->prof || !c->prof_n)
+        return;
+    const cudaError_t e = cudaEventRecord(c->prof_ev[c->prof_n], c->stream);
+    if (e != cudaSuccess)
+        cb_prof_off(c, "cudaEventRecord", e);
+}
+
 /* After the pass's sync: adds the time between consecutive events to the
- * rows of their labels. */
+ * rows of their labels. The first pass of each kind is left out: it pays
+ * the kernels' loading on first use (CUDA's lazy module loading). */
 static void cb_prof_collect(struct backend_cuda *c, bool decode)
 {
     if (!c->prof || !c->prof_n)
         return;
-    cudaEventSynchronize(c->prof_ev[c->prof_n]);
+    cudaError_t e = cudaEventSynchronize(c->prof_ev[c->prof_n]);
+    if (e != cudaSuccess) {
+        cb_prof_off(c, "cudaEventSynchronize", e);
+        return;
+    }
+    if (!c->prof_warm[decode ? 0 : 1]) {
+        c->prof_warm[decode ? 0 : 1] = true;
+        c->prof_n = 0;
+        return;
+    }
     struct cb_prof_row *rows = c->prof_rows[decode ? 0 : 1];
     for (uint32_t i = 0; i < c->prof_n; i++) {
         float ms = 0.0f;
-        cudaEventElapsedTime(&ms, c->prof_ev[i], c->prof_ev[i + 1]);
+        e = cudaEventElapsedTime(&ms, c->prof_ev[i], c->prof_ev[i + 1]);
+        if (e != cudaSuccess) {
+            cb_prof_off(c, "cudaEventElapsedTime", e);
+            return;
+        }
         for (int r = 0; r < CB_PROF_ROWS; r++) {
             if (rows[r].label && strcmp(rows[r].label, c->prof_label[i]))
                 continue;
@@ -1108,7 +1152,8 @@ static void cb_prof_report(const struct backend_cuda *c)
             total += c->prof_rows[d][r].ms;
         if (total <= 0.0)
             continue;
-        log_info("cuda profile (%s, layers %u-%u, kernels one by one, event to event):",
+        log_info("cuda profile (%s, layers %u-%u, kernels one by one, event to event, the "
+                 "first pass left out):",
                  d ? "prefill" : "decode", c->l0, c->l1 - 1);
         for (int r = 0; r < CB_PROF_ROWS && c->prof_rows[d][r].label; r++) {
             const struct cb_prof_row *p = &c->prof_rows[d][r];
@@ -2110,8 +2155,8 @@ static int cb_pass(struct backend_cuda *c, float *h, uint32_t S, bool keep)
     rc = graph ? cb_graph_step(c) : cb_enqueue_layers(c, S, c->pos);
     if (!rc && !graph && c->attn_fused && !c->fused_seen)
         cb_fused_none(c);
-    if (!rc && c->prof && c->prof_n)
-        rc = CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
+    if (!rc)
+        cb_prof_close(c);
     if (keep && !rc) {
         c->pass_rows = S, c->pass_graph = graph, c->pass_launches0 = launches0;
         return 0;
@@ -3018,9 +3063,12 @@ static int cb_head_enqueue(struct backend_cuda *c, const float *d_h, uint32_t S,
                                                     c->hp->eps, c->stream));
         rc = rc ? rc : cb_mm(c, "head.lm", o, c->xa, ne, S, c->logits, nvocab);
     }
-    if (ids) {
+    if (ids)
         rc = rc ? rc : CB_K(c, "head.argmax", cuda_argmax(c->logits, (uint32_t)nvocab, S,
                                                           c->d_argmax, c->stream));
+    if (!rc)
+        cb_prof_close(c);
+    if (ids) {
         return rc ? rc : CUDA_CHECK(cudaMemcpyAsync(ids, c->d_argmax, S * sizeof(int32_t),
                                                     cudaMemcpyDeviceToHost, c->stream));
     }
@@ -3046,6 +3094,8 @@ static int cb_head(struct backend *b, const float *h, uint32_t n, float *out, in
         rc = rc ? rc : cb_head_enqueue(c, c->h, S, ids ? NULL : out + (size_t)s * nvocab,
                                        ids ? ids + s : NULL);
         rc = rc ? rc : CUDA_CHECK(cudaStreamSynchronize(c->stream));
+        if (!rc)
+            cb_prof_collect(c, n == 1);
     }
     c->failed = rc == -EIO;
     return rc;
