@@ -6,17 +6,25 @@
  * by cuda_matmul (matvec.cu) for F32 weights and S >= 16 rows, where the
  * matvec kernels would read the weights once per 8 rows.
  *
- * Ownership: a block of 256 threads computes a 64 (rows s) x 64 (weight
- * rows r) tile of Y, each thread a 4 x 4 piece (rows ty + 16i, weight rows
- * tx + 16j). The K dimension goes in steps of 16: the block stages the
- * step's 64 x 16 slices of X and of W into shared memory (transposed, k
- * outer, padded against bank conflicts), then every thread adds its 16
- * products per output in k order. Edges (S, n_rows or n not multiples of
- * the tile) load zeros and skip the stores.
+ * Ownership: a block of (T/4)^2 threads computes a T (rows s) x T (weight
+ * rows r) tile of Y, each thread a 4 x 4 piece (rows ty + (T/4) i, weight
+ * rows tx + (T/4) j). The K dimension goes in steps of 16: the block stages
+ * the step's T x 16 slices of X and of W into shared memory (transposed, k
+ * outer, padded against bank conflicts; two buffers, the next step's slices
+ * loaded into registers while this step's products run), then every thread
+ * adds its 16 products per output in k order. Edges (S, n_rows or n not
+ * multiples of the tile) load zeros and skip the stores.
+ *
+ * T is 64 (256 threads) where that gives every multiprocessor two blocks,
+ * else 32 (64 threads): a 512 x 2048 router over 512 rows is 64 tiles of 64,
+ * half an H100 idle, or 256 of 32. Each output is the same chain of FMAs in
+ * k order (zeros past n included) either way, so both give the same bits.
  */
 #include "kernels/cuda/sgemm.h"
 
 #include <errno.h>
+
+#include "kernels/cuda/caps.h"
 
 extern "C" {
 #include "common/log.h"
@@ -24,46 +32,71 @@ extern "C" {
 
 namespace {
 
-constexpr int kTile = 64, kStep = 16, kThreads = 256;
+constexpr int kStep = 16;
 
-__global__ void __launch_bounds__(kThreads)
+template <int T>
+__global__ void __launch_bounds__((T / 4) * (T / 4))
     sgemm_nt_kernel(const float *__restrict__ w, size_t ldw, uint32_t n_rows, uint32_t n,
                     const float *__restrict__ x, size_t ldx, uint32_t S, float *__restrict__ y,
                     size_t ldy, bool vec)
 {
-    __shared__ float s_x[kStep][kTile + 4];
-    __shared__ float s_w[kStep][kTile + 4];
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const uint32_t s0 = blockIdx.y * kTile, r0 = blockIdx.x * kTile;
+    constexpr int TD = T / 4, NT = TD * TD;
+    /* float4 pieces of a slice (T rows x 16 k) a thread loads */
+    constexpr int LD = T * kStep / 4 / NT;
+    __shared__ float s_x[2][kStep][T + 4];
+    __shared__ float s_w[2][kStep][T + 4];
+    const int tx = threadIdx.x % TD, ty = threadIdx.x / TD;
+    const uint32_t s0 = blockIdx.y * T, r0 = blockIdx.x * T;
     float acc[4][4] = {};
-    /* loader: thread t copies row t / 4, k quarter (t % 4) * 4 .. + 3 of both slices */
-    const int lr = threadIdx.x / 4, lk = (threadIdx.x % 4) * 4;
-    for (uint32_t k0 = 0; k0 < n; k0 += kStep) {
-        const uint32_t s = s0 + lr, r = r0 + lr, k = k0 + lk;
-        if (vec && k + 3 < n) { /* 16-byte loads */
-            const float4 xv = s < S ? *reinterpret_cast<const float4 *>(x + s * ldx + k)
-                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            const float4 wv = r < n_rows ? *reinterpret_cast<const float4 *>(w + r * ldw + k)
-                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            s_x[lk][lr] = xv.x, s_x[lk + 1][lr] = xv.y, s_x[lk + 2][lr] = xv.z;
-            s_x[lk + 3][lr] = xv.w;
-            s_w[lk][lr] = wv.x, s_w[lk + 1][lr] = wv.y, s_w[lk + 2][lr] = wv.z;
-            s_w[lk + 3][lr] = wv.w;
-        } else {
+    /* loader: piece q of thread t is row (t + q NT) / 4, k quarter ((t + q NT) % 4) * 4 */
+    float4 rx[LD], rw[LD];
+    auto load = [&](uint32_t k0) {
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                s_x[lk + q][lr] = s < S && k + q < n ? x[s * ldx + k + q] : 0.0f;
-                s_w[lk + q][lr] = r < n_rows && k + q < n ? w[r * ldw + k + q] : 0.0f;
+        for (int q = 0; q < LD; q++) {
+            const int idx = threadIdx.x + q * NT, lr = idx / 4, lk = (idx % 4) * 4;
+            const uint32_t s = s0 + lr, r = r0 + lr, k = k0 + lk;
+            if (vec && k + 3 < n) { /* 16-byte loads */
+                rx[q] = s < S ? *reinterpret_cast<const float4 *>(x + s * ldx + k)
+                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                rw[q] = r < n_rows ? *reinterpret_cast<const float4 *>(w + r * ldw + k)
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            } else {
+                float xv[4], wv[4];
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    xv[c] = s < S && k + c < n ? x[s * ldx + k + c] : 0.0f;
+                    wv[c] = r < n_rows && k + c < n ? w[r * ldw + k + c] : 0.0f;
+                }
+                rx[q] = make_float4(xv[0], xv[1], xv[2], xv[3]);
+                rw[q] = make_float4(wv[0], wv[1], wv[2], wv[3]);
             }
         }
-        __syncthreads();
+    };
+    auto store = [&](int b) {
+#pragma unroll
+        for (int q = 0; q < LD; q++) {
+            const int idx = threadIdx.x + q * NT, lr = idx / 4, lk = (idx % 4) * 4;
+            s_x[b][lk][lr] = rx[q].x, s_x[b][lk + 1][lr] = rx[q].y;
+            s_x[b][lk + 2][lr] = rx[q].z, s_x[b][lk + 3][lr] = rx[q].w;
+            s_w[b][lk][lr] = rw[q].x, s_w[b][lk + 1][lr] = rw[q].y;
+            s_w[b][lk + 2][lr] = rw[q].z, s_w[b][lk + 3][lr] = rw[q].w;
+        }
+    };
+    load(0);
+    store(0);
+    __syncthreads();
+    int b = 0;
+    for (uint32_t k0 = 0; k0 < n; k0 += kStep, b ^= 1) {
+        const bool more = k0 + kStep < n;
+        if (more) /* the next step's slices in flight during this step's products */
+            load(k0 + kStep);
 #pragma unroll
         for (int k = 0; k < kStep; k++) {
             float xs[4], ws[4];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                xs[i] = s_x[k][ty + 16 * i];
-                ws[i] = s_w[k][tx + 16 * i];
+                xs[i] = s_x[b][k][ty + TD * i];
+                ws[i] = s_w[b][k][tx + TD * i];
             }
 #pragma unroll
             for (int i = 0; i < 4; i++)
@@ -71,13 +104,17 @@ __global__ void __launch_bounds__(kThreads)
                 for (int j = 0; j < 4; j++)
                     acc[i][j] = fmaf(xs[i], ws[j], acc[i][j]);
         }
+        /* buffer b ^ 1 was last read in the step before, whose reads all
+         * came before that step's barrier */
+        if (more)
+            store(b ^ 1);
         __syncthreads();
     }
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            const uint32_t s = s0 + ty + 16 * i, r = r0 + tx + 16 * j;
+            const uint32_t s = s0 + ty + TD * i, r = r0 + tx + TD * j;
             if (s < S && r < n_rows)
                 y[s * ldy + r] = acc[i][j];
         }
@@ -85,34 +122,50 @@ __global__ void __launch_bounds__(kThreads)
 
 } /* namespace */
 
-extern "C" int cuda_sgemm_nt(const float *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
-                             const float *d_X, size_t ldx, uint32_t S, float *d_Y, size_t ldy,
-                             cudaStream_t stream)
+extern "C" int cuda_sgemm_nt_tile(uint32_t tile, const float *d_w, size_t row_bytes,
+                                  uint64_t n_rows, uint64_t n, const float *d_X, size_t ldx,
+                                  uint32_t S, float *d_Y, size_t ldy, cudaStream_t stream)
 {
     if (!d_w || !d_X || !d_Y || row_bytes % 4 || row_bytes < n * 4 || ldx < n || ldy < n_rows ||
-        n_rows > UINT32_MAX || n > UINT32_MAX ||
-        (uint64_t)S * ldx > (1ull << 40) || n_rows / kTile >= 65535u * 1024) {
+        n_rows > UINT32_MAX || n > UINT32_MAX || (tile && tile != 32 && tile != 64) ||
+        (uint64_t)S * ldx > (1ull << 40) || n_rows / 32 >= 65535u * 1024) {
         log_error("cuda_sgemm_nt: bad arguments (w %p row_bytes %zu rows %llu n %llu x %p ldx %zu "
-                  "S %u y %p ldy %zu)", (const void *)d_w, row_bytes,
+                  "S %u y %p ldy %zu tile %u)", (const void *)d_w, row_bytes,
                   (unsigned long long)n_rows, (unsigned long long)n, (const void *)d_X, ldx, S,
-                  (void *)d_Y, ldy);
+                  (void *)d_Y, ldy, tile);
         return -EINVAL;
     }
     if (n_rows == 0 || S == 0)
         return 0;
-    const dim3 grid((unsigned)((n_rows + kTile - 1) / kTile), (S + kTile - 1) / kTile);
+    if (!tile) { /* 64 where every multiprocessor gets two blocks of them */
+        const uint64_t tiles64 = (n_rows + 63) / 64 * ((S + 63) / 64);
+        const int sms = cuda_caps_sms();
+        tile = sms > 0 && tiles64 >= 2 * (uint64_t)sms ? 64 : 32;
+    }
+    const dim3 grid((unsigned)((n_rows + tile - 1) / tile), (S + tile - 1) / tile);
     if (grid.y > 65535) {
         log_error("cuda_sgemm_nt: %u activation rows exceed the grid", S);
         return -EINVAL;
     }
     const uintptr_t addr = reinterpret_cast<uintptr_t>(d_w) | reinterpret_cast<uintptr_t>(d_X);
     const bool vec = (addr & 15) == 0 && row_bytes % 16 == 0 && ldx % 4 == 0;
-    sgemm_nt_kernel<<<grid, kThreads, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
-                                                   (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
+    if (tile == 64)
+        sgemm_nt_kernel<64><<<grid, 256, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
+                                                      (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
+    else
+        sgemm_nt_kernel<32><<<grid, 64, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
+                                                     (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda_sgemm_nt: kernel launch failed: %s", cudaGetErrorString(e));
         return -EIO;
     }
     return 0;
+}
+
+extern "C" int cuda_sgemm_nt(const float *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
+                             const float *d_X, size_t ldx, uint32_t S, float *d_Y, size_t ldy,
+                             cudaStream_t stream)
+{
+    return cuda_sgemm_nt_tile(0, d_w, row_bytes, n_rows, n, d_X, ldx, S, d_Y, ldy, stream);
 }

@@ -20,6 +20,13 @@ int cuda_sgemm_nt(const float *d_w, size_t row_bytes, uint64_t n_rows, uint64_t 
                   const float *d_X, size_t ldx, uint32_t S, float *d_Y, size_t ldy,
                   cudaStream_t stream);
 
+/* The same with the tile chosen: 32 or 64 (rows of Y and of W a block), 0
+ * for cuda_sgemm_nt's choice (64 where every multiprocessor gets two such
+ * blocks, else 32). Every tile gives the same bits. */
+int cuda_sgemm_nt_tile(uint32_t tile, const float *d_w, size_t row_bytes, uint64_t n_rows,
+                       uint64_t n, const float *d_X, size_t ldx, uint32_t S, float *d_Y,
+                       size_t ldy, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
