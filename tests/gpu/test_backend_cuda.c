@@ -98,7 +98,8 @@
  *     against the add + norm launch: byte-identical, one kernel a layer
  *     fewer than the launch (it ran); the decode steps through
  *     backend_layers_head (the head on the device right after the layers)
- *     byte-identical to the layers then backend_logits; the decode graph's kernel
+ *     byte-identical to the layers then backend_logits, and both ways with
+ *     the profile (LAMINA_CUDA_PROFILE=1); the decode graph's kernel
  *     nodes as many as the kernels a step launched one by one counts
  *     (LAMINA_CUDA_GRAPHS=0, logits byte-identical); the DeltaNet output
  *     product over the y that conv + heads rounded (int8 kernels) against
@@ -1202,6 +1203,18 @@ static void tbc_xq(void)
         CHECK(rc_h == 0 && !memcmp(a, b, sz), "layers + head: other logits than the layers "
               "then the head (max %.3g)",
               rc_h == 0 ? tbc_maxdiff(a, b, sz / sizeof(float)) : 0.0);
+        /* the profile (LAMINA_CUDA_PROFILE=1: kernels one by one, an event before
+         * each, the pass's closing event after the head): both ways run and give
+         * the same bits (its head once left an event unrecorded, and the next
+         * step failed on the error that left behind) */
+        if (a && b)
+            tbc_greedy16_same(m, "LAMINA_CUDA_PROFILE", "1", a, b, sz, "with the profile");
+        setenv("LAMINA_CUDA_PROFILE", "1", 1);
+        const int rc_hp = a && b ? tbc_greedy16_via("cuda", m, b, true) : -1;
+        unsetenv("LAMINA_CUDA_PROFILE");
+        CHECK(rc_hp == 0 && !memcmp(a, b, sz), "layers + head with the profile: rc %d, other "
+              "logits than the default (max %.3g)", rc_hp,
+              rc_hp == 0 ? tbc_maxdiff(a, b, sz / sizeof(float)) : 0.0);
         /* yq: the DeltaNet output product over the rounded y of conv + heads,
          * and the attention output product (layer 3) over the combine's
          * rounded output (int8 kernels) where they had taken the f32 kernels
