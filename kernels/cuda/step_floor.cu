@@ -18,6 +18,7 @@
  */
 #include <errno.h>
 
+#include "kernels/cuda/caps.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/ops_device.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -134,12 +135,9 @@ extern "C" int cuda_step_floor(int persistent, float *d_a, float *d_b, uint32_t 
                   (void *)d_a, (void *)d_b, n, steps, (void *)d_ctr);
         return -EINVAL;
     }
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-        log_error("cuda_step_floor: device query failed");
+    const int sms = cuda_caps_sms(); /* 0 where it cannot be read (logged there) */
+    if (sms <= 0)
         return -EIO;
-    }
     if (!persistent) {
         for (uint32_t s = 0; s < steps; s++)
             pdl_launch(floor_launch_kernel, sms, kThreads, 0, stream, s % 2 ? d_b : d_a,
@@ -175,12 +173,9 @@ extern "C" int cuda_step_floor_code(uint32_t fmas, uint32_t variants, float *d_a
                   (void *)d_a, (void *)d_b, n, steps, fmas, variants, CUDA_STEP_FLOOR_VARIANTS);
         return -EINVAL;
     }
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-        log_error("cuda_step_floor_code: device query failed");
+    const int sms = cuda_caps_sms(); /* 0 where it cannot be read (logged there) */
+    if (sms <= 0)
         return -EIO;
-    }
     for (uint32_t s = 0; s < steps; s++) {
         const uint32_t v = s % variants;
         const floor_code_fn k = fmas == 512    ? floor_code_pick<512>(v)
