@@ -19,9 +19,14 @@
  * sorted (pair indices grouped by expert), and the number of tiles used.
  *
  * Shapes and ownership (mmq_kernel): a block of 4 warps owns a tile of
- * kBM = 64 weight rows x BN = 16*NT activation columns (NT = 1, 2, 4);
- * warp (wm, wn) owns rows 32*wm.. (two m16 tiles) and columns 8*NT*wn..
- * (NT n8 tiles), so 2*NT accumulators of 4 floats per lane. The row is
+ * kBM = 64 weight rows x BN = 16, 32 or 64 activation columns. By default
+ * warp w owns rows 16*w.. (one m16 tile) and all BN columns (BN/8 n8
+ * tiles), so each weight fragment is decoded once a block (the decoding,
+ * not the memory, bounds these products at prefill's few columns an
+ * expert); with LAMINA_CUDA_MMQ_WARPS=2 warp (wm, wn) owns rows 32*wm..
+ * (two m16 tiles) and columns BN/2*wn.., and both column warps decode the
+ * same fragments. Each output is the same chain of block sums either way.
+ * The row is
  * walked in stages of 256 elements: the 64 weight rows (as stored: 144,
  * 272 or 176 bytes each), the BN int8 activation rows (256 bytes each,
  * padded to 272 so the B fragment reads are conflict-free) and their
@@ -45,6 +50,8 @@
 #include "kernels/cuda/mmq.h"
 
 #include <errno.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cuda_fp16.h>
 
@@ -411,9 +418,9 @@ struct Args {
     bool aligned;              /* dense: weights staged with cp.async */
 };
 
-template <class T, int NT>
+template <class T, int BN_>
 struct Tile {
-    static constexpr int BN = 16 * NT;
+    static constexpr int BN = BN_;
     static constexpr int W = kBM * T::SB, X = BN * kXRow, D = kBlocks * BN * 8;
     static constexpr int STAGE = W + X + D;
     static constexpr int SMEM = 2 * STAGE;
@@ -421,11 +428,11 @@ struct Tile {
 
 /* Stage s of the tile into buffer sm: weight rows (clamped to the
  * matrix), activation rows cols[] and their scales. */
-template <class T, int NT>
+template <class T, int BN>
 __device__ __forceinline__ void issue(uint8_t *sm, const Args &a, const uint8_t *w, bool aligned,
                                       uint64_t row0, const int *cols, uint32_t s, int tid)
 {
-    using TL = Tile<T, NT>;
+    using TL = Tile<T, BN>;
     uint8_t *sw = sm, *sx = sm + TL::W;
     float2 *sd = reinterpret_cast<float2 *>(sm + TL::W + TL::X);
     const uint8_t *ws = w + static_cast<size_t>(s) * T::SB;
@@ -458,30 +465,32 @@ __device__ __forceinline__ void issue(uint8_t *sm, const Args &a, const uint8_t 
     }
 }
 
-/* The warp's 2 x NT mma tiles over one staged step of 256 elements. */
-template <class T, int NT>
+/* The warp's MT x NT mma tiles (MT = 4 / WM) over one staged step of 256
+ * elements. */
+template <class T, int WM, int NT>
 __device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int lane,
-                                        float (&acc)[2][NT][4])
+                                        float (&acc)[4 / WM][NT][4])
 {
-    using TL = Tile<T, NT>;
+    constexpr int MT = 4 / WM;
+    using TL = Tile<T, 8 * NT * (4 / WM)>;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t *sx = sm + TL::W;
     const float2 *sd = reinterpret_cast<const float2 *>(sm + TL::W + TL::X);
-    const uint8_t *ra[2][2];
-    typename T::Head hd[2][2];
+    const uint8_t *ra[MT][2];
+    typename T::Head hd[MT][2];
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            ra[mt][h] = sm + (wm * 32 + mt * 16 + h * 8 + g) * T::SB;
+            ra[mt][h] = sm + (wm * 16 * MT + mt * 16 + h * 8 + g) * T::SB;
             T::head(ra[mt][h], t, hd[mt][h]);
         }
 #pragma unroll
     for (int kb = 0; kb < kBlocks; kb++) {
-        uint32_t A[2][4];
-        float dw[2][2], mw[2][2];
+        uint32_t A[MT][4];
+        float dw[MT][2], mw[MT][2];
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
                 T::decode(ra[mt][h], hd[mt][h], kb, t, A[mt][h], A[mt][2 + h], dw[mt][h],
@@ -494,7 +503,7 @@ __device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int l
             /* (dx, sx) of columns c + 2t and c + 2t + 1 */
             const float4 ds = *reinterpret_cast<const float4 *>(sd + kb * TL::BN + c + 2 * t);
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
+            for (int mt = 0; mt < MT; mt++) {
                 int ci[4];
                 mma_s8(ci, A[mt], b0, b1);
                 float *o = acc[mt][nt];
@@ -514,16 +523,19 @@ __device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int l
 }
 
 /* EXPERTS: blockIdx.x is a tile of the grouping; else a run of BN
- * activation rows. blockIdx.y: 64 weight rows. */
-template <class T, int NT, bool EXPERTS>
+ * activation rows. blockIdx.y: 64 weight rows. WM warps along the rows
+ * (2: two m16 tiles each, 4: one), 4 / WM along the columns, NT n8 tiles
+ * each: BN = 8 NT (4 / WM) columns. */
+template <class T, int WM, int NT, bool EXPERTS>
 __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    using TL = Tile<T, NT>;
+    constexpr int MT = 4 / WM;
+    using TL = Tile<T, 8 * NT * (4 / WM)>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ int cols[TL::BN], outs[TL::BN];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1;
+    const int wm = warp % WM, wn = warp / WM;
     const uint64_t row0 = static_cast<uint64_t>(blockIdx.y) * kBM;
     const uint8_t *w;
     int n_cols;
@@ -549,34 +561,35 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
         aligned = a.aligned;
     }
     __syncthreads();
-    float acc[2][NT][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 acc[mt][nt][i] = 0.0f;
     const uint32_t nst = static_cast<uint32_t>(a.n / kStep);
-    issue<T, NT>(smem, a, w, aligned, row0, cols, 0, tid);
+    issue<T, TL::BN>(smem, a, w, aligned, row0, cols, 0, tid);
     cp_commit();
     for (uint32_t s = 0; s < nst; s++) {
         if (s + 1 < nst)
-            issue<T, NT>(smem + ((s + 1) & 1) * TL::STAGE, a, w, aligned, row0, cols, s + 1, tid);
+            issue<T, TL::BN>(smem + ((s + 1) & 1) * TL::STAGE, a, w, aligned, row0, cols, s + 1,
+                             tid);
         cp_commit();
         cp_wait_one();
         __syncthreads();
-        compute<T, NT>(smem + (s & 1) * TL::STAGE, wm, wn, lane, acc);
+        compute<T, WM, NT>(smem + (s & 1) * TL::STAGE, wm, wn, lane, acc);
         __syncthreads();
     }
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const uint64_t row = row0 + wm * 32 + mt * 16 + g + (i & 2) * 4;
+                const uint64_t row = row0 + wm * 16 * MT + mt * 16 + g + (i & 2) * 4;
                 const int col = wn * 8 * NT + nt * 8 + 2 * t + (i & 1);
                 if (row < a.n_rows && col < n_cols)
                     a.y[static_cast<size_t>(outs[col]) * a.ldy + row] = acc[mt][nt][i];
@@ -660,17 +673,27 @@ int quantize(const char *what, const float *d_X, size_t ldx, uint64_t n, uint64_
     return launch_check(what);
 }
 
-template <class T, int NT, bool EXPERTS>
+template <class T, int WM, int NT, bool EXPERTS>
 int launch_mm(const char *what, const Args &a, unsigned grid_x, cudaStream_t stream)
 {
-    constexpr int smem = Tile<T, NT>::SMEM;
-    auto kernel = mmq_kernel<T, NT, EXPERTS>;
+    constexpr int smem = Tile<T, 8 * NT * (4 / WM)>::SMEM;
+    auto kernel = mmq_kernel<T, WM, NT, EXPERTS>;
     const int rc = cuda_caps_allow_smem((const void *)kernel, smem, what);
     if (rc)
         return rc;
     const dim3 grid(grid_x, static_cast<unsigned>((a.n_rows + kBM - 1) / kBM));
     kernel<<<grid, kThreads, smem, stream>>>(a);
     return launch_check(what);
+}
+
+/* LAMINA_CUDA_MMQ_WARPS=2: two warps along a tile's 64 rows and two along its
+ * columns (each weight fragment decoded by both column warps), else four along
+ * the rows. The same sums in the same order either way. Read at each call, for
+ * measurements. */
+bool tall()
+{
+    const char *env = getenv("LAMINA_CUDA_MMQ_WARPS");
+    return !(env && strcmp(env, "2") == 0);
 }
 
 template <class T, bool EXPERTS>
@@ -682,10 +705,17 @@ int launch_nt(const char *what, int nt, const Args &a, uint64_t cols, cudaStream
         log_error("%s: %llu column tiles are too many", what, (unsigned long long)gx);
         return -EINVAL;
     }
+    const unsigned g = static_cast<unsigned>(gx);
+    if (tall()) /* the four warps along the rows: each weight fragment decoded once */
+        switch (nt) {
+        case 4: return launch_mm<T, 4, 8, EXPERTS>(what, a, g, stream);
+        case 2: return launch_mm<T, 4, 4, EXPERTS>(what, a, g, stream);
+        default: return launch_mm<T, 4, 2, EXPERTS>(what, a, g, stream);
+        }
     switch (nt) {
-    case 4: return launch_mm<T, 4, EXPERTS>(what, a, static_cast<unsigned>(gx), stream);
-    case 2: return launch_mm<T, 2, EXPERTS>(what, a, static_cast<unsigned>(gx), stream);
-    default: return launch_mm<T, 1, EXPERTS>(what, a, static_cast<unsigned>(gx), stream);
+    case 4: return launch_mm<T, 2, 4, EXPERTS>(what, a, g, stream);
+    case 2: return launch_mm<T, 2, 2, EXPERTS>(what, a, g, stream);
+    default: return launch_mm<T, 2, 1, EXPERTS>(what, a, g, stream);
     }
 }
 
