@@ -10,7 +10,8 @@
  * dw = d; Q4_K/Q5_K sub-block j: v = 4/5-bit level, dw = d * sc_j,
  * mw = -dmin * m_j. So a block adds dw * dx * sum(v q) + mw * sx, with
  * sum(v q) an exact int32 from mma.sync m16n8k32 s8.s8.s32 (|sum| < 2^22,
- * turned into f32 exactly by a magic-number add instead of a slow I2F)
+ * turned into f32 exactly by a magic number, added by the mma as its
+ * accumulator input, and one subtraction instead of a slow I2F)
  * and the rest in f32.
  *
  * Work layout (d_work): xq, rows of n int8 (rounded activations); xds,
@@ -102,10 +103,11 @@ __device__ __forceinline__ uint32_t sub8(uint32_t v)
     return (v + 0x78787878u) ^ 0x80808080u;
 }
 
-/* Exact float of an int32 below 2^22 in magnitude. */
+/* Exact float of c - kMagicI, an int32 below 2^22 in magnitude that the
+ * product below has added to the magic number's bits. */
 __device__ __forceinline__ float i2f(int c)
 {
-    return __int_as_float(c + kMagicI) - kMagicF;
+    return __int_as_float(c) - kMagicF;
 }
 
 __device__ __forceinline__ void cp16(void *dst, const void *src)
@@ -139,7 +141,9 @@ __device__ __forceinline__ void cp_wait_one()
 #endif
 }
 
-/* d = A (16x32, rows g and g+8 in a0/a2 and a1/a3) times B (32x8). */
+/* d = A (16x32, rows g and g+8 in a0/a2 and a1/a3) times B (32x8), plus
+ * kMagicI: the bits of 1.5 * 2^23 + sum as a float (i2f), the integer add
+ * done by the tensor core. */
 __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                        uint32_t b1)
 {
@@ -147,9 +151,9 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(kMagicI));
 #else
-    d[0] = d[1] = d[2] = d[3] = 0;
+    d[0] = d[1] = d[2] = d[3] = kMagicI;
 #endif
 }
 
