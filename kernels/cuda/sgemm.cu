@@ -19,6 +19,15 @@
  * else 32 (64 threads): a 512 x 2048 router over 512 rows is 64 tiles of 64,
  * half an H100 idle, or 256 of 32. Each output is the same chain of FMAs in
  * k order (zeros past n included) either way, so both give the same bits.
+ *
+ * Split (KS 4, tile 32 only): where even tiles of 32 leave the
+ * multiprocessors under four blocks of work each and n is long (a 512-row
+ * prompt's router: 256 tiles of 64 threads, two warps an SM), a block has
+ * four groups of 64 threads, group g owning the g-th quarter of the K steps
+ * (its own two buffers, zeros past n), and group 0 adds the others' 4 x 4
+ * pieces to its own in group order through shared memory: four chains
+ * summed in one fixed order, the same bits at every run, not those of
+ * split 1.
  */
 #include "kernels/cuda/sgemm.h"
 
@@ -33,9 +42,11 @@ extern "C" {
 namespace {
 
 constexpr int kStep = 16;
+constexpr int kSplit = 4;        /* K groups of a split block */
+constexpr uint64_t kSplitN = 1024; /* shortest row split: 16 steps a group */
 
-template <int T>
-__global__ void __launch_bounds__((T / 4) * (T / 4))
+template <int T, int KS>
+__global__ void __launch_bounds__((T / 4) * (T / 4) * KS)
     sgemm_nt_kernel(const float *__restrict__ w, size_t ldw, uint32_t n_rows, uint32_t n,
                     const float *__restrict__ x, size_t ldx, uint32_t S, float *__restrict__ y,
                     size_t ldy, bool vec)
@@ -43,17 +54,24 @@ __global__ void __launch_bounds__((T / 4) * (T / 4))
     constexpr int TD = T / 4, NT = TD * TD;
     /* float4 pieces of a slice (T rows x 16 k) a thread loads */
     constexpr int LD = T * kStep / 4 / NT;
-    __shared__ float s_x[2][kStep][T + 4];
-    __shared__ float s_w[2][kStep][T + 4];
-    const int tx = threadIdx.x % TD, ty = threadIdx.x / TD;
+    __shared__ float s_xg[KS][2][kStep][T + 4];
+    __shared__ float s_wg[KS][2][kStep][T + 4];
+    const int grp = KS > 1 ? static_cast<int>(threadIdx.x) / NT : 0;
+    const int tid = KS > 1 ? static_cast<int>(threadIdx.x) % NT : static_cast<int>(threadIdx.x);
+    float(*s_x)[kStep][T + 4] = s_xg[grp];
+    float(*s_w)[kStep][T + 4] = s_wg[grp];
+    const int tx = tid % TD, ty = tid / TD;
     const uint32_t s0 = blockIdx.y * T, r0 = blockIdx.x * T;
+    /* the group's K steps: [k_begin, k_end), the same count in every group */
+    const uint32_t steps = (n + kStep - 1) / kStep, per = (steps + KS - 1) / KS;
+    const uint32_t k_begin = grp * per * kStep, k_end = k_begin + per * kStep;
     float acc[4][4] = {};
     /* loader: piece q of thread t is row (t + q NT) / 4, k quarter ((t + q NT) % 4) * 4 */
     float4 rx[LD], rw[LD];
     auto load = [&](uint32_t k0) {
 #pragma unroll
         for (int q = 0; q < LD; q++) {
-            const int idx = threadIdx.x + q * NT, lr = idx / 4, lk = (idx % 4) * 4;
+            const int idx = tid + q * NT, lr = idx / 4, lk = (idx % 4) * 4;
             const uint32_t s = s0 + lr, r = r0 + lr, k = k0 + lk;
             if (vec && k + 3 < n) { /* 16-byte loads */
                 rx[q] = s < S ? *reinterpret_cast<const float4 *>(x + s * ldx + k)
@@ -75,19 +93,19 @@ __global__ void __launch_bounds__((T / 4) * (T / 4))
     auto store = [&](int b) {
 #pragma unroll
         for (int q = 0; q < LD; q++) {
-            const int idx = threadIdx.x + q * NT, lr = idx / 4, lk = (idx % 4) * 4;
+            const int idx = tid + q * NT, lr = idx / 4, lk = (idx % 4) * 4;
             s_x[b][lk][lr] = rx[q].x, s_x[b][lk + 1][lr] = rx[q].y;
             s_x[b][lk + 2][lr] = rx[q].z, s_x[b][lk + 3][lr] = rx[q].w;
             s_w[b][lk][lr] = rw[q].x, s_w[b][lk + 1][lr] = rw[q].y;
             s_w[b][lk + 2][lr] = rw[q].z, s_w[b][lk + 3][lr] = rw[q].w;
         }
     };
-    load(0);
+    load(k_begin);
     store(0);
     __syncthreads();
     int b = 0;
-    for (uint32_t k0 = 0; k0 < n; k0 += kStep, b ^= 1) {
-        const bool more = k0 + kStep < n;
+    for (uint32_t k0 = k_begin; k0 < k_end; k0 += kStep, b ^= 1) {
+        const bool more = k0 + kStep < k_end;
         if (more) /* the next step's slices in flight during this step's products */
             load(k0 + kStep);
 #pragma unroll
@@ -110,6 +128,25 @@ __global__ void __launch_bounds__((T / 4) * (T / 4))
             store(b ^ 1);
         __syncthreads();
     }
+    if (KS > 1) { /* the other groups' pieces into group 0's, in group order */
+        float *red = &s_xg[0][0][0][0]; /* (KS - 1) x NT x 16 floats, after the last barrier */
+        static_assert((KS - 1) * NT * 16 <= KS * 2 * kStep * (T + 4), "reduction space");
+        if (grp > 0)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    red[((grp - 1) * 16 + i * 4 + j) * NT + tid] = acc[i][j];
+        __syncthreads();
+        if (grp > 0)
+            return;
+        for (int g = 1; g < KS; g++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    acc[i][j] += red[((g - 1) * 16 + i * 4 + j) * NT + tid];
+    }
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -122,26 +159,33 @@ __global__ void __launch_bounds__((T / 4) * (T / 4))
 
 } /* namespace */
 
-extern "C" int cuda_sgemm_nt_tile(uint32_t tile, const float *d_w, size_t row_bytes,
-                                  uint64_t n_rows, uint64_t n, const float *d_X, size_t ldx,
-                                  uint32_t S, float *d_Y, size_t ldy, cudaStream_t stream)
+extern "C" int cuda_sgemm_nt_form(uint32_t tile, uint32_t split, const float *d_w,
+                                  size_t row_bytes, uint64_t n_rows, uint64_t n, const float *d_X,
+                                  size_t ldx, uint32_t S, float *d_Y, size_t ldy,
+                                  cudaStream_t stream)
 {
     if (!d_w || !d_X || !d_Y || row_bytes % 4 || row_bytes < n * 4 || ldx < n || ldy < n_rows ||
         n_rows > UINT32_MAX || n > UINT32_MAX || (tile && tile != 32 && tile != 64) ||
-        (uint64_t)S * ldx > (1ull << 40) || n_rows / 32 >= 65535u * 1024) {
+        (split && split != 1 && split != kSplit) || (split == kSplit && tile != 32) ||
+        (!tile && split) || (uint64_t)S * ldx > (1ull << 40) || n_rows / 32 >= 65535u * 1024) {
         log_error("cuda_sgemm_nt: bad arguments (w %p row_bytes %zu rows %llu n %llu x %p ldx %zu "
-                  "S %u y %p ldy %zu tile %u)", (const void *)d_w, row_bytes,
+                  "S %u y %p ldy %zu tile %u split %u)", (const void *)d_w, row_bytes,
                   (unsigned long long)n_rows, (unsigned long long)n, (const void *)d_X, ldx, S,
-                  (void *)d_Y, ldy, tile);
+                  (void *)d_Y, ldy, tile, split);
         return -EINVAL;
     }
     if (n_rows == 0 || S == 0)
         return 0;
-    if (!tile) { /* 64 where every multiprocessor gets two blocks of them */
+    if (!tile) { /* 64 where every multiprocessor gets two blocks of them, else 32, split
+                  * where its tiles give the multiprocessors under four blocks each */
         const uint64_t tiles64 = (n_rows + 63) / 64 * ((S + 63) / 64);
+        const uint64_t tiles32 = (n_rows + 31) / 32 * ((S + 31) / 32);
         const int sms = cuda_caps_sms();
         tile = sms > 0 && tiles64 >= 2 * (uint64_t)sms ? 64 : 32;
+        split = tile == 32 && sms > 0 && tiles32 < 4 * (uint64_t)sms && n >= kSplitN ? kSplit : 1;
     }
+    if (!split)
+        split = 1;
     const dim3 grid((unsigned)((n_rows + tile - 1) / tile), (S + tile - 1) / tile);
     if (grid.y > 65535) {
         log_error("cuda_sgemm_nt: %u activation rows exceed the grid", S);
@@ -150,11 +194,14 @@ extern "C" int cuda_sgemm_nt_tile(uint32_t tile, const float *d_w, size_t row_by
     const uintptr_t addr = reinterpret_cast<uintptr_t>(d_w) | reinterpret_cast<uintptr_t>(d_X);
     const bool vec = (addr & 15) == 0 && row_bytes % 16 == 0 && ldx % 4 == 0;
     if (tile == 64)
-        sgemm_nt_kernel<64><<<grid, 256, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
-                                                      (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
+        sgemm_nt_kernel<64, 1><<<grid, 256, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
+                                                         (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
+    else if (split == kSplit)
+        sgemm_nt_kernel<32, kSplit><<<grid, 64 * kSplit, 0, stream>>>(
+            d_w, row_bytes / 4, (uint32_t)n_rows, (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
     else
-        sgemm_nt_kernel<32><<<grid, 64, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
-                                                     (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
+        sgemm_nt_kernel<32, 1><<<grid, 64, 0, stream>>>(d_w, row_bytes / 4, (uint32_t)n_rows,
+                                                        (uint32_t)n, d_X, ldx, S, d_Y, ldy, vec);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda_sgemm_nt: kernel launch failed: %s", cudaGetErrorString(e));
@@ -167,5 +214,5 @@ extern "C" int cuda_sgemm_nt(const float *d_w, size_t row_bytes, uint64_t n_rows
                              const float *d_X, size_t ldx, uint32_t S, float *d_Y, size_t ldy,
                              cudaStream_t stream)
 {
-    return cuda_sgemm_nt_tile(0, d_w, row_bytes, n_rows, n, d_X, ldx, S, d_Y, ldy, stream);
+    return cuda_sgemm_nt_form(0, 0, d_w, row_bytes, n_rows, n, d_X, ldx, S, d_Y, ldy, stream);
 }

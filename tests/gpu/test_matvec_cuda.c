@@ -16,15 +16,16 @@
  * must not write (stride padding, rows of pairs whose expert is NULL) must
  * still hold the poison. Checked: cuda_matvec, cuda_matmul for S = 1, 3,
  * 17, 64 (aligned and unaligned activation rows), cuda_sgemm_nt's tiles 32
- * and 64 and its choice on F32 products with edges in every dimension (the
- * same bytes each, and against the CPU), cuda_matvec_experts with
+ * and 64 (the same bytes), tile 32 split in four (the same bytes twice) and
+ * its choice (one of those) on F32 products with edges in every dimension,
+ * each against the CPU, cuda_matvec_experts with
  * 8 experts (two NULL, one misaligned, one in mapped host memory), top_k 2,
  * x_div 2 and 1. Then the decode kernel is timed in CUDA graphs on Q4_0
  * and Q8_0 matrices of 2048x8192, 8192x2048 and 151936x2048, Q4_K and Q6_K
  * on one shape each (rotating over copies that together exceed the L2
  * cache; median of 20, GB/s of weight bytes; sampled rows checked), routed
  * experts of a decode step, a 64-row matmul against 64 matvecs, and a
- * prefill router's F32 product (512 x 2048, S 512 and 4096) at each tile.
+ * prefill router's F32 product (512 x 2048, S 512 and 4096) in each form.
  * Programmatic dependent launch (sm_90+): a chain of 32 small MoE-like
  * layers (norm, a Q4_0 product on the int8 path, one on the f32 path, an
  * F32 router, top-k, Q4_0 experts picked by it, combine) run as a graph with
@@ -328,46 +329,56 @@ static void test_matmul(struct rng *r, struct twin_stats *ts)
     }
 }
 
-/* ---- cuda_sgemm_nt's tiles ---------------------------------------------------------- */
+/* ---- cuda_sgemm_nt's forms ---------------------------------------------------------- */
 
-/* One F32 product through tile 32, tile 64 and the launcher's choice: the same bytes
- * each (each output is one chain of FMAs in k order whatever the tile), within TOL of
- * the exact dot, the padding untouched. */
+/* One F32 product through tile 32, tile 64, tile 32 split in four (twice) and the
+ * launcher's choice: tiles 32 and 64 the same bytes (each output one chain of FMAs in k
+ * order whatever the tile), the split's two runs the same bytes, the choice the bytes of
+ * one of them, every form within TOL of the exact dot with the padding untouched. */
 static void sgemm_case(uint64_t rows, uint64_t n, uint32_t S, size_t ldx, struct rng *r,
                        struct twin_stats *ts)
 {
     struct mat m = mat_make(QUANT_TYPE_F32, rows, n, 0, r);
     const size_t ldy = rows + 3, ny = (S - 1) * ldy + rows + 8;
     float *X = rand_floats((S - 1) * ldx + n, r), *ref = xmalloc(ny * sizeof(float));
-    float *got[3];
+    enum { FORMS = 5 };
+    static const uint32_t tiles[FORMS] = {32, 64, 32, 32, 0}, splits[FORMS] = {1, 1, 4, 4, 0};
+    float *got[FORMS];
     matvec_rows_batch(m.type, m.w, m.row_bytes, X, ldx, S, n, ref, ldy, 0, rows);
     void *base;
     const float *d_w = mat_upload(&m, 0, &base);
     float *d_X = dev_floats(X, (S - 1) * ldx + n), *d_Y;
     CU(cudaMalloc((void **)&d_Y, ny * sizeof(float)));
-    static const uint32_t tiles[3] = {32, 64, 0};
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < FORMS; t++) {
         got[t] = xmalloc(ny * sizeof(float));
         CU(cudaMemset(d_Y, 0xFF, ny * sizeof(float)));
-        const int rc = cuda_sgemm_nt_tile(tiles[t], d_w, m.row_bytes, rows, n, d_X, ldx, S, d_Y,
-                                          ldy, 0);
-        CHECK(rc == 0, "sgemm tile %u rc %d", tiles[t], rc);
+        const int rc = cuda_sgemm_nt_form(tiles[t], splits[t], d_w, m.row_bytes, rows, n, d_X,
+                                          ldx, S, d_Y, ldy, 0);
+        CHECK(rc == 0, "sgemm tile %u split %u rc %d", tiles[t], splits[t], rc);
         CU(cudaDeviceSynchronize());
         CU(cudaMemcpy(got[t], d_Y, ny * sizeof(float), cudaMemcpyDeviceToHost));
     }
-    for (int t = 1; t < 3; t++)
-        CHECK(!memcmp(got[0], got[t], ny * sizeof(float)),
-              "sgemm %llux%llu S=%u: tile %u differs from tile 32", (unsigned long long)rows,
-              (unsigned long long)n, S, tiles[t]);
-    for (uint32_t s = 0; s < S; s++) {
-        char what[64];
-        snprintf(what, sizeof(what), "sgemm S=%u s=%u", S, s);
-        compare_rows(what, &m, X + s * ldx, got[0] + s * ldy, ref + s * ldy, S, ts);
-        for (size_t i = rows; i < (s + 1 < S ? ldy : rows + 8); i++)
-            CHECK(is_poison(got[0][s * ldy + i]), "sgemm S=%u wrote padding %zu of row %u", S, i,
-                  s);
-    }
-    for (int t = 0; t < 3; t++)
+    CHECK(!memcmp(got[0], got[1], ny * sizeof(float)),
+          "sgemm %llux%llu S=%u: tile 64 differs from tile 32", (unsigned long long)rows,
+          (unsigned long long)n, S);
+    CHECK(!memcmp(got[2], got[3], ny * sizeof(float)),
+          "sgemm %llux%llu S=%u: two runs of the split differ", (unsigned long long)rows,
+          (unsigned long long)n, S);
+    CHECK(!memcmp(got[0], got[4], ny * sizeof(float)) ||
+              !memcmp(got[2], got[4], ny * sizeof(float)),
+          "sgemm %llux%llu S=%u: the launcher's choice is neither form's bytes",
+          (unsigned long long)rows, (unsigned long long)n, S);
+    for (int t = 0; t < FORMS; t += 2)
+        for (uint32_t s = 0; s < S; s++) {
+            char what[64];
+            snprintf(what, sizeof(what), "sgemm split %u S=%u s=%u", splits[t], S, s);
+            compare_rows(what, &m, X + s * ldx, got[t] + s * ldy, ref + s * ldy, S, ts);
+            for (size_t i = rows; i < (s + 1 < S ? ldy : rows + 8); i++)
+                CHECK(is_poison(got[t][s * ldy + i]),
+                      "sgemm tile %u split %u S=%u wrote padding %zu of row %u", tiles[t],
+                      splits[t], S, i, s);
+        }
+    for (int t = 0; t < FORMS; t++)
         free(got[t]);
     CU(cudaFree(base));
     CU(cudaFree(d_X));
@@ -384,9 +395,15 @@ static void test_sgemm(struct rng *r, struct twin_stats *ts)
     sgemm_case(130, 37, 65, 41, r, ts);
     sgemm_case(512, 2048, 200, 2048, r, ts);
     sgemm_case(96, 515, 33, 518, r, ts);
-    CHECK(cuda_sgemm_nt_tile(48, (const float *)16, 64, 4, 16, (const float *)16, 16, 2,
+    CHECK(cuda_sgemm_nt_form(48, 1, (const float *)16, 64, 4, 16, (const float *)16, 16, 2,
                              (float *)16, 4, 0) == -EINVAL,
           "sgemm tile 48: not -EINVAL");
+    CHECK(cuda_sgemm_nt_form(64, 4, (const float *)16, 64, 4, 16, (const float *)16, 16, 2,
+                             (float *)16, 4, 0) == -EINVAL,
+          "sgemm tile 64 split 4: not -EINVAL");
+    CHECK(cuda_sgemm_nt_form(32, 3, (const float *)16, 64, 4, 16, (const float *)16, 16, 2,
+                             (float *)16, 4, 0) == -EINVAL,
+          "sgemm split 3: not -EINVAL");
 }
 
 /* ---- cuda_matvec_experts ----------------------------------------------------------- */
@@ -720,9 +737,9 @@ static int mm_naive_launch(const void *ctx, int i, cudaStream_t s)
                        c->d_Y + i * c->rows, s);
 }
 
-/* cuda_sgemm_nt_tile on one shape (ctx), for time_graph. */
+/* cuda_sgemm_nt_form on one shape (ctx), for time_graph. */
 struct sg_ctx {
-    uint32_t tile, S;
+    uint32_t tile, split, S;
     uint64_t rows, n;
     const float *d_w, *d_X;
     float *d_Y;
@@ -732,8 +749,8 @@ static int sg_launch(const void *ctx, int i, cudaStream_t s)
 {
     const struct sg_ctx *c = ctx;
     (void)i;
-    return cuda_sgemm_nt_tile(c->tile, c->d_w, c->n * 4, c->rows, c->n, c->d_X, c->n, c->S,
-                              c->d_Y, c->rows, s);
+    return cuda_sgemm_nt_form(c->tile, c->split, c->d_w, c->n * 4, c->rows, c->n, c->d_X, c->n,
+                              c->S, c->d_Y, c->rows, s);
 }
 
 /* A prefill router: 512 x 2048 F32 over S rows, each tile. */
@@ -747,15 +764,16 @@ static void bench_sgemm(struct rng *r)
     CU(cudaMemset(d_X, 0, 4096 * n * sizeof(float)));
     CU(cudaMalloc((void **)&d_Y, 4096 * rows * sizeof(float)));
     for (int i = 0; i < 2; i++) {
-        double us[3];
-        static const uint32_t tiles[3] = {32, 64, 0};
-        for (int t = 0; t < 3; t++) {
-            const struct sg_ctx c = {tiles[t], Ss[i], rows, n, d_w, d_X, d_Y};
+        double us[4];
+        static const uint32_t tiles[4] = {32, 64, 32, 0}, splits[4] = {1, 1, 4, 0};
+        for (int t = 0; t < 4; t++) {
+            const struct sg_ctx c = {tiles[t], splits[t], Ss[i], rows, n, d_w, d_X, d_Y};
             us[t] = 1e6 * time_graph(sg_launch, &c, 10);
         }
-        MEASURE("prefill router F32 %llux%llu, S=%u: tile 32 %.1f us, tile 64 %.1f us, chosen "
-                "%.1f us (%.1f TFLOP/s)", (unsigned long long)rows, (unsigned long long)n, Ss[i],
-                us[0], us[1], us[2], 2.0 * rows * n * Ss[i] / (us[2] * 1e6));
+        MEASURE("prefill router F32 %llux%llu, S=%u: tile 32 %.1f us, tile 64 %.1f us, tile 32 "
+                "split 4 %.1f us, chosen %.1f us (%.1f TFLOP/s)", (unsigned long long)rows,
+                (unsigned long long)n, Ss[i], us[0], us[1], us[2], us[3],
+                2.0 * rows * n * Ss[i] / (us[3] * 1e6));
     }
     CU(cudaFree(d_w));
     CU(cudaFree(d_X));
