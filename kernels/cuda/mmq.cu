@@ -422,6 +422,11 @@ struct Args {
     bool aligned;              /* dense: weights staged with cp.async */
 };
 
+/* Columns of a tile whose WM warps along its rows (4 / WM along its columns) take NT n8
+ * tiles each. */
+template <int WM, int NT>
+constexpr int kTileN = 8 * NT * (4 / WM);
+
 template <class T, int BN_>
 struct Tile {
     static constexpr int BN = BN_;
@@ -476,7 +481,7 @@ __device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int l
                                         float (&acc)[4 / WM][NT][4])
 {
     constexpr int MT = 4 / WM;
-    using TL = Tile<T, 8 * NT * (4 / WM)>;
+    using TL = Tile<T, kTileN<WM, NT>>;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t *sx = sm + TL::W;
     const float2 *sd = reinterpret_cast<const float2 *>(sm + TL::W + TL::X);
@@ -535,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int MT = 4 / WM;
-    using TL = Tile<T, 8 * NT * (4 / WM)>;
+    using TL = Tile<T, kTileN<WM, NT>>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ int cols[TL::BN], outs[TL::BN];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -680,7 +685,7 @@ int quantize(const char *what, const float *d_X, size_t ldx, uint64_t n, uint64_
 template <class T, int WM, int NT, bool EXPERTS>
 int launch_mm(const char *what, const Args &a, unsigned grid_x, cudaStream_t stream)
 {
-    constexpr int smem = Tile<T, 8 * NT * (4 / WM)>::SMEM;
+    constexpr int smem = Tile<T, kTileN<WM, NT>>::SMEM;
     auto kernel = mmq_kernel<T, WM, NT, EXPERTS>;
     const int rc = cuda_caps_allow_smem((const void *)kernel, smem, what);
     if (rc)

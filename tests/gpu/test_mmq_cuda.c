@@ -443,7 +443,7 @@ static double time_calls(call_fn fn, const void *ctx)
 /* The product in both warp layouts (four warps along a tile's rows, the default, then
  * LAMINA_CUDA_MMQ_WARPS=2): median seconds of each in t, the second's n_out floats of
  * d_Y byte for byte the first's. */
-static void time_layouts(const char *what, call_fn fn, const void *ctx, const float *d_Y,
+static void time_layouts(const char *what, call_fn fn, const void *ctx, float *d_Y,
                          size_t n_out, double t[2])
 {
     float *first = xmalloc(n_out * sizeof(float)), *got = xmalloc(n_out * sizeof(float));
@@ -457,7 +457,7 @@ static void time_layouts(const char *what, call_fn fn, const void *ctx, const fl
           "%s: the two warp layouts do not give the same bytes", what);
     unsetenv("LAMINA_CUDA_MMQ_WARPS");
     /* the default's output left in d_Y for the caller's checks */
-    CU(cudaMemcpy((void *)d_Y, first, n_out * sizeof(float), cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_Y, first, n_out * sizeof(float), cudaMemcpyHostToDevice));
     free(first);
     free(got);
 }
