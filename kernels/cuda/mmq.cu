@@ -56,6 +56,8 @@
 
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 extern "C" {
 #include "common/log.h"
 #include "model/quant.h"
@@ -420,6 +422,7 @@ struct Args {
     uint32_t S;                /* dense: activation rows */
     uint32_t x_div;            /* experts: pairs per activation row */
     bool aligned;              /* dense: weights staged with cp.async */
+    uint64_t x_rows;           /* rows of xq (the PRE launcher's check) */
 };
 
 /* Columns of a tile whose WM warps along its rows (4 / WM along its columns) take NT n8
@@ -472,6 +475,100 @@ __device__ __forceinline__ void issue(uint8_t *sm, const Args &a, const uint8_t 
             a.xds + static_cast<size_t>(cols[c]) * (a.n / 32) + static_cast<size_t>(s) * kBlocks +
                 kb);
     }
+}
+
+/* A thread's copies of every stage, their source offsets computed once a
+ * block (issue() computes them at every copy: a division by the row's
+ * chunks, a clamp and 64-bit products, about 20 instructions a copy). The
+ * weights' from the tile's first row (64 rows fit 32 bits: the launcher's
+ * check), the activations' and scales' from xq and xds (x_rows x n fits 32
+ * bits). A stage moves them by SB bytes, 256 bytes and 8 scales. The
+ * destinations follow from the copy's index: a weight chunk i of a stage
+ * lands at 16 i (SB = 16 chunks a row), as in issue(). */
+template <class T, int BN>
+struct Pre {
+    static constexpr int WCH = kBM * T::SB / 16;               /* weight chunks a stage */
+    static constexpr int CW = (WCH + kThreads - 1) / kThreads;
+    static constexpr int CA = BN * (kStep / 16) / kThreads;   /* activation chunks */
+    static constexpr int CS = BN * kBlocks / kThreads;        /* scale pairs */
+    static_assert(T::SB % 16 == 0 && CA * kThreads == BN * (kStep / 16) &&
+                      CS * kThreads == BN * kBlocks,
+                  "copies a thread");
+    uint32_t w[CW], x[CA], d[CS];
+};
+
+template <class T, int BN>
+__device__ __forceinline__ void pre_offsets(Pre<T, BN> &p, const Args &a, uint64_t row0,
+                                            const int *cols, int tid)
+{
+    constexpr int WC = T::SB / 16;
+    const uint64_t last = a.n_rows - 1 - row0; /* the tile's last row that exists */
+#pragma unroll
+    for (int j = 0; j < Pre<T, BN>::CW; j++) {
+        const int i = min(tid + j * kThreads, Pre<T, BN>::WCH - 1), r = i / WC, c = i - r * WC;
+        const uint64_t rr = min(static_cast<uint64_t>(r), last);
+        p.w[j] = static_cast<uint32_t>(rr * a.row_bytes) + c * 16;
+    }
+#pragma unroll
+    for (int j = 0; j < Pre<T, BN>::CA; j++) {
+        const int i = tid + j * kThreads;
+        p.x[j] = static_cast<uint32_t>(cols[i >> 4]) * static_cast<uint32_t>(a.n) + (i & 15) * 16;
+    }
+#pragma unroll
+    for (int j = 0; j < Pre<T, BN>::CS; j++) {
+        const int i = tid + j * kThreads;
+        p.d[j] = static_cast<uint32_t>(cols[i >> 3]) * static_cast<uint32_t>(a.n / 32) + (i & 7);
+    }
+}
+
+/* issue() for aligned weights with the offsets of pre_offsets: the same
+ * copies. wt: the tile's first weight row. */
+template <class T, int BN>
+__device__ __forceinline__ void issue_pre(uint8_t *sm, const Args &a, const uint8_t *wt,
+                                          const Pre<T, BN> &p, uint32_t s, int tid)
+{
+    using TL = Tile<T, BN>;
+    uint8_t *sw = sm, *sx = sm + TL::W;
+    float2 *sd = reinterpret_cast<float2 *>(sm + TL::W + TL::X);
+    const uint8_t *ws = wt + static_cast<size_t>(s) * T::SB;
+#pragma unroll
+    for (int j = 0; j < Pre<T, BN>::CW; j++) {
+        const int i = tid + j * kThreads;
+        if (j + 1 < Pre<T, BN>::CW || i < Pre<T, BN>::WCH)
+            cp16(sw + i * 16, ws + p.w[j]);
+    }
+    const int8_t *xs = a.xq + static_cast<size_t>(s) * kStep;
+#pragma unroll
+    for (int j = 0; j < Pre<T, BN>::CA; j++) {
+        const int i = tid + j * kThreads;
+        cp16(sx + (i >> 4) * kXRow + (i & 15) * 16, xs + p.x[j]);
+    }
+    const float2 *ds = a.xds + static_cast<size_t>(s) * kBlocks;
+#pragma unroll
+    for (int j = 0; j < Pre<T, BN>::CS; j++) {
+        const int i = tid + j * kThreads;
+        cp8(sd + (i & 7) * BN + (i >> 3), ds + p.d[j]);
+    }
+}
+
+struct NoPre {};
+
+/* Stage s: issue_pre where PRE and the weights are aligned, else issue. */
+template <class T, int BN, bool PRE, class P>
+__device__ __forceinline__ void stage(uint8_t *sm, const Args &a, const uint8_t *w,
+                                      const uint8_t *wt, bool aligned, uint64_t row0,
+                                      const int *cols, const P &pre, uint32_t s, int tid)
+{
+    if constexpr (PRE) {
+        if (aligned) {
+            issue_pre<T, BN>(sm, a, wt, pre, s, tid);
+            return;
+        }
+    } else {
+        (void)wt;
+        (void)pre;
+    }
+    issue<T, BN>(sm, a, w, aligned, row0, cols, s, tid);
 }
 
 /* The warp's MT x NT mma tiles (MT = 4 / WM) over one staged step of 256
@@ -535,7 +632,7 @@ __device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int l
  * activation rows. blockIdx.y: 64 weight rows. WM warps along the rows
  * (2: two m16 tiles each, 4: one), 4 / WM along the columns, NT n8 tiles
  * each: BN = 8 NT (4 / WM) columns. */
-template <class T, int WM, int NT, bool EXPERTS>
+template <class T, int WM, int NT, bool EXPERTS, bool PRE>
 __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -579,12 +676,20 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
             for (int i = 0; i < 4; i++)
                 acc[mt][nt][i] = 0.0f;
     const uint32_t nst = static_cast<uint32_t>(a.n / kStep);
-    issue<T, TL::BN>(smem, a, w, aligned, row0, cols, 0, tid);
+    /* PRE: the copies' offsets once (aligned weights; a misaligned expert's block stages
+     * as issue() does) */
+    std::conditional_t<PRE, Pre<T, TL::BN>, NoPre> pre;
+    const uint8_t *wt = w + row0 * a.row_bytes;
+    if constexpr (PRE) {
+        if (aligned)
+            pre_offsets<T, TL::BN>(pre, a, row0, cols, tid);
+    }
+    stage<T, TL::BN, PRE>(smem, a, w, wt, aligned, row0, cols, pre, 0, tid);
     cp_commit();
     for (uint32_t s = 0; s < nst; s++) {
         if (s + 1 < nst)
-            issue<T, TL::BN>(smem + ((s + 1) & 1) * TL::STAGE, a, w, aligned, row0, cols, s + 1,
-                             tid);
+            stage<T, TL::BN, PRE>(smem + ((s + 1) & 1) * TL::STAGE, a, w, wt, aligned, row0, cols,
+                                  pre, s + 1, tid);
         cp_commit();
         cp_wait_one();
         __syncthreads();
@@ -682,11 +787,11 @@ int quantize(const char *what, const float *d_X, size_t ldx, uint64_t n, uint64_
     return launch_check(what);
 }
 
-template <class T, int WM, int NT, bool EXPERTS>
+template <class T, int WM, int NT, bool EXPERTS, bool PRE = false>
 int launch_mm(const char *what, const Args &a, unsigned grid_x, cudaStream_t stream)
 {
     constexpr int smem = Tile<T, kTileN<WM, NT>>::SMEM;
-    auto kernel = mmq_kernel<T, WM, NT, EXPERTS>;
+    auto kernel = mmq_kernel<T, WM, NT, EXPERTS, PRE>;
     const int rc = cuda_caps_allow_smem((const void *)kernel, smem, what);
     if (rc)
         return rc;
@@ -705,6 +810,16 @@ bool tall()
     return !(env && strcmp(env, "2") == 0);
 }
 
+/* LAMINA_CUDA_MMQ_PRE=1 (with the default layout): each thread's copy offsets computed
+ * once a block (Pre), where 64 weight rows and the rounded activations fit 32-bit
+ * offsets. Opt-in until measured. The same bits. Read at each call. */
+bool pre(const Args &a)
+{
+    const char *env = getenv("LAMINA_CUDA_MMQ_PRE");
+    return env && strcmp(env, "1") == 0 && kBM * a.row_bytes < (1ull << 32) &&
+           a.x_rows * a.n < (1ull << 32);
+}
+
 template <class T, bool EXPERTS>
 int launch_nt(const char *what, int nt, const Args &a, uint64_t cols, cudaStream_t stream)
 {
@@ -715,6 +830,12 @@ int launch_nt(const char *what, int nt, const Args &a, uint64_t cols, cudaStream
         return -EINVAL;
     }
     const unsigned g = static_cast<unsigned>(gx);
+    if (tall() && pre(a)) /* and the copies' offsets computed once a block */
+        switch (nt) {
+        case 4: return launch_mm<T, 4, 8, EXPERTS, true>(what, a, g, stream);
+        case 2: return launch_mm<T, 4, 4, EXPERTS, true>(what, a, g, stream);
+        default: return launch_mm<T, 4, 2, EXPERTS, true>(what, a, g, stream);
+        }
     if (tall()) /* the four warps along the rows: each weight fragment decoded once */
         switch (nt) {
         case 4: return launch_mm<T, 4, 8, EXPERTS>(what, a, g, stream);
@@ -811,6 +932,7 @@ extern "C" int cuda_mmq(uint32_t type, const void *d_w, size_t row_bytes, uint64
     a.n = n;
     a.S = S;
     a.x_div = 1;
+    a.x_rows = S;
     a.aligned = ((reinterpret_cast<uintptr_t>(d_w) | row_bytes) & 15) == 0;
     /* the widest tiles that still give every SM a block */
     const uint64_t row_tiles = (n_rows + kBM - 1) / kBM;
@@ -896,6 +1018,7 @@ extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32
     a.n_rows = n_rows;
     a.n = n;
     a.x_div = x_div;
+    a.x_rows = x_rows;
     const uint64_t bound = (n_pairs + bn - 1) / bn + n_expert;
     return launch<true>(what, type, nt, a, bound < n_pairs ? bound : n_pairs, stream);
 }

@@ -17,13 +17,15 @@
  * weights misaligned (2-byte offset and stride: the plain-load staging),
  * shapes that pick each tile width. Experts: 512 experts top-10 with NULL
  * and misaligned experts, x_div 10 and 1, and fewer, busier experts
- * (several tiles per expert, each tile width). All of it in both warp
- * layouts (the default and LAMINA_CUDA_MMQ_WARPS=2). Then [measure] lines:
+ * (several tiles per expert, each tile width). All of it in each form:
+ * the default, LAMINA_CUDA_MMQ_WARPS=2 (the older warp layout) and
+ * LAMINA_CUDA_MMQ_PRE=1 (copy offsets once a block; misaligned experts
+ * take the per-copy path inside it). Then [measure] lines:
  * median of 25 timed calls after warm-up (cudaEvents) for a dense
  * 2048 x 8192 Q4_0 product at S = 512, routed experts 512 x (512 x 2048)
  * and 512 x (1024 x 2048) Q4_0 with 5120 pairs (x_div 10, gate- and
  * gate/up-like) and 20480 pairs, and 512 x (2048 x 512) with 5120 pairs
- * (down-like), each in both layouts (byte for byte equal) and beside
+ * (down-like), each in the three forms (byte for byte equal) and beside
  * cuda_matmul / cuda_matvec_experts on the same data.
  */
 #include "kernels/cuda/caps.h"
@@ -440,22 +442,36 @@ static double time_calls(call_fn fn, const void *ctx)
     return ms[REPS / 2] * 1e-3;
 }
 
-/* The product in both warp layouts (four warps along a tile's rows, the default, then
- * LAMINA_CUDA_MMQ_WARPS=2): median seconds of each in t, the second's n_out floats of
- * d_Y byte for byte the first's. */
-static void time_layouts(const char *what, call_fn fn, const void *ctx, float *d_Y,
-                         size_t n_out, double t[2])
+/* The forms a product can take, each by one setting: the default, then
+ * LAMINA_CUDA_MMQ_WARPS=2 (the older warp layout), then LAMINA_CUDA_MMQ_PRE=1 (the copies'
+ * offsets computed once a block). */
+static const char *const form_env[3][2] = {
+    {NULL, NULL}, {"LAMINA_CUDA_MMQ_WARPS", "2"}, {"LAMINA_CUDA_MMQ_PRE", "1"}};
+
+static void set_form(int f)
+{
+    unsetenv("LAMINA_CUDA_MMQ_WARPS");
+    unsetenv("LAMINA_CUDA_MMQ_PRE");
+    if (form_env[f][0])
+        CHECK(setenv(form_env[f][0], form_env[f][1], 1) == 0, "setenv");
+}
+
+/* The product in each form: median seconds of each in t, every form's n_out floats of d_Y
+ * byte for byte the default's. */
+static void time_forms(const char *what, call_fn fn, const void *ctx, float *d_Y,
+                         size_t n_out, double t[3])
 {
     float *first = xmalloc(n_out * sizeof(float)), *got = xmalloc(n_out * sizeof(float));
-    unsetenv("LAMINA_CUDA_MMQ_WARPS");
-    t[0] = time_calls(fn, ctx);
-    CU(cudaMemcpy(first, d_Y, n_out * sizeof(float), cudaMemcpyDeviceToHost));
-    CHECK(setenv("LAMINA_CUDA_MMQ_WARPS", "2", 1) == 0, "setenv");
-    t[1] = time_calls(fn, ctx);
-    CU(cudaMemcpy(got, d_Y, n_out * sizeof(float), cudaMemcpyDeviceToHost));
-    CHECK(memcmp(got, first, n_out * sizeof(float)) == 0,
-          "%s: the two warp layouts do not give the same bytes", what);
-    unsetenv("LAMINA_CUDA_MMQ_WARPS");
+    for (int f = 0; f < 3; f++) {
+        set_form(f);
+        CU(cudaMemset(d_Y, 0xFF, n_out * sizeof(float)));
+        t[f] = time_calls(fn, ctx);
+        CU(cudaMemcpy(f ? got : first, d_Y, n_out * sizeof(float), cudaMemcpyDeviceToHost));
+        CHECK(!f || memcmp(got, first, n_out * sizeof(float)) == 0,
+              "%s: %s=%s does not give the default's bytes", what, form_env[f][0],
+              form_env[f][1]);
+    }
+    set_form(0);
     /* the default's output left in d_Y for the caller's checks */
     CU(cudaMemcpy(d_Y, first, n_out * sizeof(float), cudaMemcpyHostToDevice));
     free(first);
@@ -523,17 +539,18 @@ static void bench_dense(uint32_t type, uint64_t rows, uint64_t n, uint32_t S, st
     void *d_work;
     CU(cudaMalloc(&d_work, cuda_mmq_work_bytes(n, S)));
     struct dense_ctx c = {type, d_w, rb, rows, n, S, d_X, d_Y, d_work};
-    double tl[2];
-    time_layouts("bench dense", dense_mmq, &c, d_Y, (size_t)S * rows, tl);
+    double tl[3];
+    time_forms("bench dense", dense_mmq, &c, d_Y, (size_t)S * rows, tl);
     const double t_mmq = tl[0];
     CU(cudaMemcpy(got, d_Y, (size_t)S * rows * sizeof(float), cudaMemcpyDeviceToHost));
     check_samples("bench dense", type, h, rb, n, X, got, rows, S, NULL, NULL, 0, r);
     const double t_mm = time_calls(dense_matmul, &c), flop = 2.0 * S * rows * n;
     MEASURE("mmq dense %-4s %llu x %llu, S=%u: %.1f us, %.1f TFLOP/s, %.0f GB/s of weights "
-            "(LAMINA_CUDA_MMQ_WARPS=2 %.1f us); cuda_matmul %.1f us, %.1f TFLOP/s (mmq %.2fx)",
+            "(LAMINA_CUDA_MMQ_WARPS=2 %.1f us, LAMINA_CUDA_MMQ_PRE=1 %.1f us); cuda_matmul "
+            "%.1f us, %.1f TFLOP/s (mmq %.2fx)",
             quant_type_name(type), (unsigned long long)rows, (unsigned long long)n, S,
-            t_mmq * 1e6, flop / t_mmq * 1e-12, bytes / t_mmq * 1e-9, tl[1] * 1e6, t_mm * 1e6,
-            flop / t_mm * 1e-12, t_mm / t_mmq);
+            t_mmq * 1e6, flop / t_mmq * 1e-12, bytes / t_mmq * 1e-9, tl[1] * 1e6, tl[2] * 1e6,
+            t_mm * 1e6, flop / t_mm * 1e-12, t_mm / t_mmq);
     CU(cudaFree(d_w));
     CU(cudaFree(d_X));
     CU(cudaFree(d_Y));
@@ -609,8 +626,8 @@ static void bench_experts(uint32_t type, uint32_t E, uint32_t top_k, uint32_t n_
     CU(cudaMalloc(&d_work, wb));
     struct ex_ctx c = {type, E, (const void *const *)d_addr, rb, rows, n, d_ids,
                        n_pairs, x_div, d_X, d_Y, d_work, wb};
-    double tl[2];
-    time_layouts("bench experts", ex_mmq, &c, d_Y, (size_t)n_pairs * rows, tl);
+    double tl[3];
+    time_forms("bench experts", ex_mmq, &c, d_Y, (size_t)n_pairs * rows, tl);
     const double t_mmq = tl[0];
     CU(cudaMemcpy(got, d_Y, (size_t)n_pairs * rows * sizeof(float), cudaMemcpyDeviceToHost));
     check_samples("bench experts", type, h, rb, n, X, got, rows, n_pairs, x_row_of,
@@ -618,11 +635,12 @@ static void bench_experts(uint32_t type, uint32_t E, uint32_t top_k, uint32_t n_
     const double t_mv = time_calls(ex_matvec, &c), flop = 2.0 * n_pairs * rows * n;
     MEASURE("mmq experts %-4s %u tokens top-%u of %u x (%llu x %llu), x_div %u: %.1f us, "
             "%.1f TFLOP/s, %.0f GB/s of the %u experts used (LAMINA_CUDA_MMQ_WARPS=2 %.1f us, "
-            "%.0f GB/s); cuda_matvec_experts %.1f us, %.2f TFLOP/s (mmq %.2fx)",
+            "LAMINA_CUDA_MMQ_PRE=1 %.1f us, %.0f GB/s); cuda_matvec_experts %.1f us, "
+            "%.2f TFLOP/s (mmq %.2fx)",
             quant_type_name(type), n_tok, top_k, E, (unsigned long long)rows,
             (unsigned long long)n, x_div, t_mmq * 1e6, flop / t_mmq * 1e-12,
-            (double)used * bytes / t_mmq * 1e-9, used, tl[1] * 1e6,
-            (double)used * bytes / tl[1] * 1e-9, t_mv * 1e6, flop / t_mv * 1e-12, t_mv / t_mmq);
+            (double)used * bytes / t_mmq * 1e-9, used, tl[1] * 1e6, tl[2] * 1e6,
+            (double)used * bytes / tl[2] * 1e-9, t_mv * 1e6, flop / t_mv * 1e-12, t_mv / t_mmq);
     CU(cudaFree(d_w));
     CU(cudaFree(d_addr));
     CU(cudaFree(d_ids));
@@ -661,13 +679,13 @@ int main(void)
     }
     struct rng r = {0x9E3779B97F4A7C15ull};
     test_rejects();
-    /* against the reference in both warp layouts */
-    test_dense(&r);
-    test_experts(&r);
-    CHECK(setenv("LAMINA_CUDA_MMQ_WARPS", "2", 1) == 0, "setenv");
-    test_dense(&r);
-    test_experts(&r);
-    unsetenv("LAMINA_CUDA_MMQ_WARPS");
+    /* against the reference in every form */
+    for (int f = 0; f < 3; f++) {
+        set_form(f);
+        test_dense(&r);
+        test_experts(&r);
+    }
+    set_form(0);
     bench_dense(QUANT_TYPE_Q4_0, 2048, 8192, 512, &r);
     bench_dense(QUANT_TYPE_Q8_0, 2048, 8192, 512, &r);
     bench_dense(QUANT_TYPE_Q4_0, 8192, 2048, 512, &r);
