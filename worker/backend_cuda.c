@@ -340,6 +340,8 @@ struct backend_cuda {
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
     bool norm_in_on;                  /* LAMINA_CUDA_NORM_IN: the residual add + norm after
                                        * a decode mixer formed by its consumers (cb_norm_in) */
+    bool parts_on;                    /* LAMINA_CUDA_MMQ_PARTS: a prefill's stacked input
+                                       * products in one launch (cb_mm_parts) */
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
     float *out_norm, *logits;
@@ -1284,6 +1286,23 @@ static int cb_mm(struct backend_cuda *c, const char *label, const struct cb_mat 
                                       Y, ldy, c->stream));
 }
 
+/* A prefill product of S rows of c->xa over the stacked matrix w (its row
+ * ranges the parts, in order) in one int8 launch, each part's outputs to its
+ * own buffer: the bits of a cb_mm of each. -ENOTSUP (nothing launched) where
+ * that launch does not take it; the caller then runs the parts apart. */
+static int cb_mm_parts(struct backend_cuda *c, const char *label, const struct cb_mat *w,
+                       uint32_t S, const struct cuda_mmq_part *p, uint32_t n_parts)
+{
+    void *work = c->stream == c->side ? c->mmq_side : c->mmq_work;
+    if (S < 2 || !work || !w->n_out || !c->parts_on)
+        return -ENOTSUP;
+    const int rc = CB_K(c, label, cuda_mmq_parts(w->type, w->d, w->row_bytes, w->n_in, c->xa,
+                                                 w->n_in, S, p, n_parts, work, c->stream));
+    if (rc == -ENOTSUP)
+        cb_unlaunch(c);
+    return rc;
+}
+
 /* The decode input product of a layer (one row of c->xa): from the rows the
  * previous layer's combine rounded (c->xq) where they are there and the
  * int8 product takes it, else cb_mm: the same bits either way. */
@@ -1426,9 +1445,13 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
         rc = raw ? cb_mm_norm(c, "attn.qkv", &L->wqkv1, L->attn_norm, c->dec)
                  : cb_mm_in(c, "attn.qkv", &L->wqkv1, c->dec);
     } else {
-        rc = cb_mm(c, "attn.q", &L->wq, c->xa, n, S, q, q_out);
-        rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
-        rc = rc ? rc : cb_mm(c, "attn.v", &L->wv, c->xa, n, S, vx, kvd);
+        const struct cuda_mmq_part p[] = {{q, q_out, q_out}, {kx, kvd, kvd}, {vx, kvd, kvd}};
+        rc = cb_mm_parts(c, "attn.qkv", &L->wqkv1, S, p, 3);
+        if (rc == -ENOTSUP) {
+            rc = cb_mm(c, "attn.q", &L->wq, c->xa, n, S, q, q_out);
+            rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
+            rc = rc ? rc : cb_mm(c, "attn.v", &L->wv, c->xa, n, S, vx, kvd);
+        }
     }
     if (!rc && S == 1 && L->wqkv1.n_out && c->attn_fused) {
         /* prep, attention and its split merge in one launch where the pass asks for it
@@ -1564,10 +1587,15 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
         rc = raw ? cb_mm_norm(c, "dn.in", &L->dn1, L->attn_norm, c->dec)
                  : cb_mm_in(c, "dn.in", &L->dn1, c->dec);
     } else {
-        rc = cb_mm(c, "dn.qkv", &L->qkv, c->xa, n, S, qkv, cd);
-        rc = rc ? rc : cb_mm(c, "dn.z", &L->z, c->xa, n, S, z, vd);
-        rc = rc ? rc : cb_mm(c, "dn.beta", &L->beta, c->xa, n, S, beta, nv);
-        rc = rc ? rc : cb_mm(c, "dn.alpha", &L->alpha, c->xa, n, S, alpha, nv);
+        const struct cuda_mmq_part p[] = {
+            {qkv, cd, cd}, {z, vd, vd}, {beta, nv, nv}, {alpha, nv, nv}};
+        rc = cb_mm_parts(c, "dn.in", &L->dn1, S, p, 4);
+        if (rc == -ENOTSUP) {
+            rc = cb_mm(c, "dn.qkv", &L->qkv, c->xa, n, S, qkv, cd);
+            rc = rc ? rc : cb_mm(c, "dn.z", &L->z, c->xa, n, S, z, vd);
+            rc = rc ? rc : cb_mm(c, "dn.beta", &L->beta, c->xa, n, S, beta, nv);
+            rc = rc ? rc : cb_mm(c, "dn.alpha", &L->alpha, c->xa, n, S, alpha, nv);
+        }
     }
     if (S == 1 && c->fuse) { /* conv and heads in one launch */
         /* y also rounded for the output product where it takes it (cb_mm_yq) */
@@ -2770,6 +2798,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     const char *ni = getenv("LAMINA_CUDA_NORM_IN");
     c->norm_in_on = !(ni && !strcmp(ni, "0"));
+    const char *mp = getenv("LAMINA_CUDA_MMQ_PARTS");
+    c->parts_on = !(mp && !strcmp(mp, "0"));
     const char *ip = getenv("LAMINA_CUDA_IDS_POLL");
     c->ids_poll = !(ip && !strcmp(ip, "0"));
     const char *tr = getenv("LAMINA_CUDA_TOPK_ROUNDS");

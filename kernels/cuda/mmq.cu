@@ -76,6 +76,7 @@ constexpr int kQuantWarps = 8;             /* warps per block of the rounding ke
 constexpr int kGroupThreads = 1024;        /* threads of the grouping kernel */
 constexpr uint32_t kMaxExperts = 8192;     /* grouping counts live in shared memory */
 constexpr uint64_t kMaxN = 1ull << 28;     /* longest row */
+constexpr int kParts = CUDA_MMQ_MAX_PARTS;  /* destinations of a dense product */
 constexpr unsigned kMaxGridY = 65535u;     /* grid y limit: weight row tiles */
 constexpr int kMagicI = 0x4B400000;        /* bits of 1.5 * 2^23 */
 constexpr float kMagicF = 12582912.0f;     /* 1.5 * 2^23 */
@@ -416,8 +417,12 @@ struct Args {
     const int32_t *n_tiles;    /* experts: tiles in use */
     const int8_t *xq;          /* rounded activations: rows of n */
     const float2 *xds;         /* (dx, sx) per block: rows of n/32 */
-    float *y;
-    size_t row_bytes, ldy;
+    /* the output: weight rows from pbeg[q] (consecutive, pbeg[0] = 0; unused parts
+     * UINT64_MAX) go to yp[q] + s * ldp[q] + (row - pbeg[q]); experts: part 0 only */
+    float *yp[kParts];
+    size_t ldp[kParts];
+    uint64_t pbeg[kParts];
+    size_t row_bytes;
     uint64_t n_rows, n;
     uint32_t S;                /* dense: activation rows */
     uint32_t x_div;            /* experts: pairs per activation row */
@@ -700,14 +705,28 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+        for (int h = 0; h < 2; h++) {
+            /* the row's part (static indices: selects, not local memory) */
+            const uint64_t row = row0 + wm * 16 * MT + mt * 16 + g + h * 8;
+            float *y = a.yp[0] + row;
+            size_t ld = a.ldp[0];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const uint64_t row = row0 + wm * 16 * MT + mt * 16 + g + (i & 2) * 4;
-                const int col = wn * 8 * NT + nt * 8 + 2 * t + (i & 1);
-                if (row < a.n_rows && col < n_cols)
-                    a.y[static_cast<size_t>(outs[col]) * a.ldy + row] = acc[mt][nt][i];
-            }
+            for (int q = 1; q < kParts; q++)
+                if (row >= a.pbeg[q]) {
+                    y = a.yp[q] + (row - a.pbeg[q]);
+                    ld = a.ldp[q];
+                }
+            if (row >= a.n_rows)
+                continue;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int col = wn * 8 * NT + nt * 8 + 2 * t + j;
+                    if (col < n_cols)
+                        y[static_cast<size_t>(outs[col]) * ld] = acc[mt][nt][2 * h + j];
+                }
+        }
 #else
     (void)a;
     __trap(); /* launched on sm_80 and later only (device_check, caps.h) */
@@ -810,13 +829,14 @@ bool tall()
     return !(env && strcmp(env, "2") == 0);
 }
 
-/* LAMINA_CUDA_MMQ_PRE=1 (with the default layout): each thread's copy offsets computed
- * once a block (Pre), where 64 weight rows and the rounded activations fit 32-bit
- * offsets. Opt-in until measured. The same bits. Read at each call. */
+/* With the default layout, each thread's copy offsets computed once a block (Pre),
+ * where 64 weight rows and the rounded activations fit 32-bit offsets (else issue()
+ * at every copy); LAMINA_CUDA_MMQ_PRE=0: issue() always, for measurements. The same
+ * bits. Read at each call. */
 bool pre(const Args &a)
 {
     const char *env = getenv("LAMINA_CUDA_MMQ_PRE");
-    return env && strcmp(env, "1") == 0 && kBM * a.row_bytes < (1ull << 32) &&
+    return !(env && strcmp(env, "0") == 0) && kBM * a.row_bytes < (1ull << 32) &&
            a.x_rows * a.n < (1ull << 32);
 }
 
@@ -892,24 +912,44 @@ extern "C" size_t cuda_mmq_work_bytes(uint64_t n, uint32_t S)
     return act_bytes(n, S);
 }
 
-extern "C" int cuda_mmq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
-                        uint64_t n, const float *d_X, size_t ldx, uint32_t S, float *d_Y,
-                        size_t ldy, void *d_work, cudaStream_t stream)
+extern "C" int cuda_mmq_parts(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n,
+                              const float *d_X, size_t ldx, uint32_t S,
+                              const struct cuda_mmq_part *parts, uint32_t n_parts, void *d_work,
+                              cudaStream_t stream)
 {
     const char *what = "cuda mmq";
     int n_sm = 0;
     int rc = check_weights(what, type, row_bytes, n, &n_sm);
     if (rc)
         return rc;
-    if (n_rows == 0 || S == 0)
+    if (!parts || n_parts == 0 || n_parts > kParts) {
+        log_error("%s: %u destinations (1 to %d)", what, n_parts, kParts);
+        return -EINVAL;
+    }
+    Args a = {};
+    uint64_t n_rows = 0;
+    for (uint32_t q = 0; q < kParts; q++) {
+        a.yp[q] = q < n_parts ? parts[q].d_Y : nullptr;
+        a.ldp[q] = q < n_parts ? parts[q].ldy : 0;
+        a.pbeg[q] = q < n_parts ? n_rows : UINT64_MAX;
+        if (q >= n_parts)
+            continue;
+        if (!parts[q].d_Y || parts[q].rows == 0 || parts[q].ldy < parts[q].rows ||
+            reinterpret_cast<uintptr_t>(parts[q].d_Y) & 3 || parts[q].rows > kMaxGridY * kBM) {
+            log_error("%s: bad destination %u (y %p ldy %zu for %llu rows)", what, q,
+                      static_cast<void *>(parts[q].d_Y), parts[q].ldy,
+                      (unsigned long long)parts[q].rows);
+            return -EINVAL;
+        }
+        n_rows += parts[q].rows;
+    }
+    if (S == 0)
         return 0;
-    if (!d_w || !d_X || !d_Y || !d_work || ldx < n || ldy < n_rows ||
-        reinterpret_cast<uintptr_t>(d_w) & 1 ||
-        (reinterpret_cast<uintptr_t>(d_X) | reinterpret_cast<uintptr_t>(d_Y)) & 3 ||
-        reinterpret_cast<uintptr_t>(d_work) & 15) {
-        log_error("%s: bad buffers (w %p x %p ldx %zu y %p ldy %zu work %p for %llu x %llu)",
-                  what, d_w, static_cast<const void *>(d_X), ldx, static_cast<void *>(d_Y), ldy,
-                  d_work, (unsigned long long)n_rows, (unsigned long long)n);
+    if (!d_w || !d_X || !d_work || ldx < n || reinterpret_cast<uintptr_t>(d_w) & 1 ||
+        reinterpret_cast<uintptr_t>(d_X) & 3 || reinterpret_cast<uintptr_t>(d_work) & 15) {
+        log_error("%s: bad buffers (w %p x %p ldx %zu work %p for %llu x %llu)", what, d_w,
+                  static_cast<const void *>(d_X), ldx, d_work, (unsigned long long)n_rows,
+                  (unsigned long long)n);
         return -EINVAL;
     }
     if ((n_rows + kBM - 1) / kBM > kMaxGridY) {
@@ -921,13 +961,10 @@ extern "C" int cuda_mmq(uint32_t type, const void *d_w, size_t row_bytes, uint64
     rc = quantize(what, d_X, ldx, n, S, xq, xds, stream);
     if (rc)
         return rc;
-    Args a = {};
     a.w = static_cast<const uint8_t *>(d_w);
     a.xq = xq;
     a.xds = xds;
-    a.y = d_Y;
     a.row_bytes = row_bytes;
-    a.ldy = ldy;
     a.n_rows = n_rows;
     a.n = n;
     a.S = S;
@@ -941,6 +978,18 @@ extern "C" int cuda_mmq(uint32_t type, const void *d_w, size_t row_bytes, uint64
                                           static_cast<uint64_t>(n_sm)))
         nt /= 2;
     return launch<false>(what, type, nt, a, S, stream);
+}
+
+extern "C" int cuda_mmq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                        uint64_t n, const float *d_X, size_t ldx, uint32_t S, float *d_Y,
+                        size_t ldy, void *d_work, cudaStream_t stream)
+{
+    if (n_rows == 0) {
+        int n_sm = 0;
+        return check_weights("cuda mmq", type, row_bytes, n, &n_sm);
+    }
+    const struct cuda_mmq_part p = {d_Y, ldy, n_rows};
+    return cuda_mmq_parts(type, d_w, row_bytes, n, d_X, ldx, S, &p, 1, d_work, stream);
 }
 
 extern "C" size_t cuda_mmq_experts_work_bytes(uint64_t n, uint32_t n_pairs, uint32_t n_expert)
@@ -1012,9 +1061,11 @@ extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32
     a.n_tiles = n_tiles;
     a.xq = xq;
     a.xds = xds;
-    a.y = d_Y;
+    a.yp[0] = d_Y;
+    a.ldp[0] = ldy;
+    for (int q = 1; q < kParts; q++)
+        a.pbeg[q] = UINT64_MAX;
     a.row_bytes = row_bytes;
-    a.ldy = ldy;
     a.n_rows = n_rows;
     a.n = n;
     a.x_div = x_div;

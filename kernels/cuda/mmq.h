@@ -53,6 +53,24 @@ int cuda_mmq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, 
              const float *d_X, size_t ldx, uint32_t S, float *d_Y, size_t ldy, void *d_work,
              cudaStream_t stream);
 
+/* One destination of cuda_mmq_parts: the next `rows` weight rows of the
+ * product (the parts follow each other), the part's row r of activation
+ * row s at d_Y[s*ldy + r]. */
+#define CUDA_MMQ_MAX_PARTS 4
+struct cuda_mmq_part {
+    float *d_Y;
+    size_t ldy;
+    uint64_t rows;
+};
+
+/* cuda_mmq over W's n_rows = the parts' rows summed, each part's outputs
+ * to its own buffer: one launch (and one rounding of d_X) for matrices
+ * stored back to back that their consumers want apart, the same bits as a
+ * cuda_mmq of each. 1 to CUDA_MMQ_MAX_PARTS parts of at least one row. */
+int cuda_mmq_parts(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n,
+                   const float *d_X, size_t ldx, uint32_t S, const struct cuda_mmq_part *parts,
+                   uint32_t n_parts, void *d_work, cudaStream_t stream);
+
 /* Bytes of d_work cuda_mmq_experts needs for n_pairs pairs of rows of n
  * elements over n_expert experts (any x_div). */
 size_t cuda_mmq_experts_work_bytes(uint64_t n, uint32_t n_pairs, uint32_t n_expert);

@@ -15,12 +15,14 @@
  * of skipped pairs) must still hold the NaN poison written before each
  * run. Dense: odd row counts, S = 1, 7, 33, 64, 512, n = 512, 2048, 4096,
  * weights misaligned (2-byte offset and stride: the plain-load staging),
- * shapes that pick each tile width. Experts: 512 experts top-10 with NULL
+ * shapes that pick each tile width. Stacked matrices through
+ * cuda_mmq_parts (1 to 4 parts, odd sizes): byte for byte the product of
+ * the whole and of each part alone. Experts: 512 experts top-10 with NULL
  * and misaligned experts, x_div 10 and 1, and fewer, busier experts
  * (several tiles per expert, each tile width). All of it in each form:
- * the default, LAMINA_CUDA_MMQ_WARPS=2 (the older warp layout) and
- * LAMINA_CUDA_MMQ_PRE=1 (copy offsets once a block; misaligned experts
- * take the per-copy path inside it). Then [measure] lines:
+ * the default (copy offsets once a block; misaligned experts take the
+ * per-copy path inside it), LAMINA_CUDA_MMQ_WARPS=2 (the older warp layout)
+ * and LAMINA_CUDA_MMQ_PRE=0 (offsets at every copy). Then [measure] lines:
  * median of 25 timed calls after warm-up (cudaEvents) for a dense
  * 2048 x 8192 Q4_0 product at S = 512, routed experts 512 x (512 x 2048)
  * and 512 x (1024 x 2048) Q4_0 with 5120 pairs (x_div 10, gate- and
@@ -247,6 +249,90 @@ static void test_dense(struct rng *r)
     }
 }
 
+/* Stacked matrices through cuda_mmq_parts: each part's outputs byte for byte
+ * those of cuda_mmq over the whole matrix and of cuda_mmq over the part's own
+ * rows (another tile width where it has fewer row tiles), the parts' padding
+ * untouched. */
+static void test_parts(struct rng *r)
+{
+    static const struct {
+        uint32_t n_parts, S;
+        uint64_t rows[4], n;
+        size_t mis;
+    } cases[] = {
+        {4, 33, {37, 64, 5, 130}, 2048, 0},
+        {4, 512, {256, 128, 32, 32}, 512, 0},
+        {3, 7, {1, 200, 3, 0}, 256, 2},
+        {1, 64, {300, 0, 0, 0}, 1024, 0},
+    };
+    for (size_t t = 0; t < N_TYPES; t++)
+        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+            const uint32_t np = cases[c].n_parts, S = cases[c].S;
+            uint64_t total = 0;
+            for (uint32_t q = 0; q < np; q++)
+                total += cases[c].rows[q];
+            struct mat m = mat_make(types[t], total, cases[c].n, cases[c].mis, r);
+            const size_t ldx = m.n + 1, nx = (S - 1) * ldx + m.n;
+            float *X = rand_floats(nx, r);
+            void *base, *d_work;
+            const void *d_w = mat_upload(&m, cases[c].mis, &base);
+            float *d_X = dev_floats(X, nx), *d_all = dev_poison((size_t)S * total);
+            CU(cudaMalloc(&d_work, cuda_mmq_work_bytes(m.n, S)));
+            CHECK(cuda_mmq(m.type, d_w, m.row_bytes, total, m.n, d_X, ldx, S, d_all, total,
+                           d_work, 0) == 0,
+                  "parts: the whole matrix");
+            float *all = xmalloc((size_t)S * total * sizeof(float));
+            CU(cudaDeviceSynchronize());
+            CU(cudaMemcpy(all, d_all, (size_t)S * total * sizeof(float),
+                          cudaMemcpyDeviceToHost));
+            struct cuda_mmq_part p[4];
+            float *d_own[4];
+            for (uint32_t q = 0; q < np; q++) {
+                const size_t ld = cases[c].rows[q] + 3;
+                p[q] = (struct cuda_mmq_part){dev_poison(S * ld), ld, cases[c].rows[q]};
+                d_own[q] = dev_poison(S * ld);
+            }
+            CHECK(cuda_mmq_parts(m.type, d_w, m.row_bytes, m.n, d_X, ldx, S, p, np, d_work, 0) ==
+                      0,
+                  "cuda_mmq_parts %s case %zu", quant_type_name(m.type), c);
+            uint64_t r0 = 0;
+            for (uint32_t q = 0; q < np; q++) {
+                const uint64_t rows = cases[c].rows[q];
+                const size_t ld = p[q].ldy;
+                CHECK(cuda_mmq(m.type, (const uint8_t *)d_w + r0 * m.row_bytes, m.row_bytes,
+                               rows, m.n, d_X, ldx, S, d_own[q], ld, d_work, 0) == 0,
+                      "parts: part %u alone", q);
+                float *got = xmalloc(S * ld * sizeof(float)), *own = xmalloc(S * ld * sizeof(float));
+                CU(cudaDeviceSynchronize());
+                CU(cudaMemcpy(got, p[q].d_Y, S * ld * sizeof(float), cudaMemcpyDeviceToHost));
+                CU(cudaMemcpy(own, d_own[q], S * ld * sizeof(float), cudaMemcpyDeviceToHost));
+                CHECK(memcmp(got, own, S * ld * sizeof(float)) == 0,
+                      "parts %s case %zu: part %u differs from cuda_mmq over its rows",
+                      quant_type_name(m.type), c, q);
+                for (uint32_t s2 = 0; s2 < S; s2++) {
+                    CHECK(memcmp(got + s2 * ld, all + s2 * total + r0, rows * sizeof(float)) == 0,
+                          "parts %s case %zu: part %u row %u differs from the whole product",
+                          quant_type_name(m.type), c, q, s2);
+                    for (size_t i = rows; i < ld; i++)
+                        CHECK(is_poison(got[s2 * ld + i]), "parts: part %u wrote padding %zu",
+                              q, i);
+                }
+                r0 += rows;
+                free(got);
+                free(own);
+                CU(cudaFree(p[q].d_Y));
+                CU(cudaFree(d_own[q]));
+            }
+            CU(cudaFree(base));
+            CU(cudaFree(d_X));
+            CU(cudaFree(d_all));
+            CU(cudaFree(d_work));
+            free(X);
+            free(all);
+            mat_free(&m);
+        }
+}
+
 /* ---- experts ------------------------------------------------------------------- */
 
 struct ex_case {
@@ -401,6 +487,17 @@ static void test_rejects(void)
     CHECK(cuda_mmq_experts(QUANT_TYPE_Q8_0, (const void *const *)d, 0, 272, 2, 256, (int32_t *)d,
                            1, d, 256, 1, d, 2, d, 1 << 20, 0) == -EINVAL,
           "0 experts accepted");
+    const struct cuda_mmq_part bad[5] = {{d, 4, 4}, {d, 4, 4}, {d, 4, 4}, {d, 4, 4}, {d, 4, 4}};
+    CHECK(cuda_mmq_parts(QUANT_TYPE_Q4_0, d, 144, 256, d, 256, 2, bad, 0, d, 0) == -EINVAL,
+          "0 parts accepted");
+    CHECK(cuda_mmq_parts(QUANT_TYPE_Q4_0, d, 144, 256, d, 256, 2, bad, 5, d, 0) == -EINVAL,
+          "5 parts accepted");
+    const struct cuda_mmq_part empty[2] = {{d, 4, 4}, {d, 4, 0}}, short_ld[2] = {{d, 4, 4},
+                                                                                 {d, 3, 4}};
+    CHECK(cuda_mmq_parts(QUANT_TYPE_Q4_0, d, 144, 256, d, 256, 2, empty, 2, d, 0) == -EINVAL,
+          "a part of 0 rows accepted");
+    CHECK(cuda_mmq_parts(QUANT_TYPE_Q4_0, d, 144, 256, d, 256, 2, short_ld, 2, d, 0) == -EINVAL,
+          "a part's ldy < its rows accepted");
     CHECK(cuda_mmq_supports(QUANT_TYPE_Q5_K) && !cuda_mmq_supports(QUANT_TYPE_Q6_K), "supports");
     log_set_level(LOG_LEVEL_INFO);
     CU(cudaDeviceSynchronize());
@@ -443,10 +540,10 @@ static double time_calls(call_fn fn, const void *ctx)
 }
 
 /* The forms a product can take, each by one setting: the default, then
- * LAMINA_CUDA_MMQ_WARPS=2 (the older warp layout), then LAMINA_CUDA_MMQ_PRE=1 (the copies'
- * offsets computed once a block). */
+ * LAMINA_CUDA_MMQ_WARPS=2 (the older warp layout), then LAMINA_CUDA_MMQ_PRE=0 (the copies'
+ * offsets computed at every copy). */
 static const char *const form_env[3][2] = {
-    {NULL, NULL}, {"LAMINA_CUDA_MMQ_WARPS", "2"}, {"LAMINA_CUDA_MMQ_PRE", "1"}};
+    {NULL, NULL}, {"LAMINA_CUDA_MMQ_WARPS", "2"}, {"LAMINA_CUDA_MMQ_PRE", "0"}};
 
 static void set_form(int f)
 {
@@ -546,7 +643,7 @@ static void bench_dense(uint32_t type, uint64_t rows, uint64_t n, uint32_t S, st
     check_samples("bench dense", type, h, rb, n, X, got, rows, S, NULL, NULL, 0, r);
     const double t_mm = time_calls(dense_matmul, &c), flop = 2.0 * S * rows * n;
     MEASURE("mmq dense %-4s %llu x %llu, S=%u: %.1f us, %.1f TFLOP/s, %.0f GB/s of weights "
-            "(LAMINA_CUDA_MMQ_WARPS=2 %.1f us, LAMINA_CUDA_MMQ_PRE=1 %.1f us); cuda_matmul "
+            "(LAMINA_CUDA_MMQ_WARPS=2 %.1f us, LAMINA_CUDA_MMQ_PRE=0 %.1f us); cuda_matmul "
             "%.1f us, %.1f TFLOP/s (mmq %.2fx)",
             quant_type_name(type), (unsigned long long)rows, (unsigned long long)n, S,
             t_mmq * 1e6, flop / t_mmq * 1e-12, bytes / t_mmq * 1e-9, tl[1] * 1e6, tl[2] * 1e6,
@@ -635,7 +732,7 @@ static void bench_experts(uint32_t type, uint32_t E, uint32_t top_k, uint32_t n_
     const double t_mv = time_calls(ex_matvec, &c), flop = 2.0 * n_pairs * rows * n;
     MEASURE("mmq experts %-4s %u tokens top-%u of %u x (%llu x %llu), x_div %u: %.1f us, "
             "%.1f TFLOP/s, %.0f GB/s of the %u experts used (LAMINA_CUDA_MMQ_WARPS=2 %.1f us, "
-            "LAMINA_CUDA_MMQ_PRE=1 %.1f us, %.0f GB/s); cuda_matvec_experts %.1f us, "
+            "LAMINA_CUDA_MMQ_PRE=0 %.1f us, %.0f GB/s); cuda_matvec_experts %.1f us, "
             "%.2f TFLOP/s (mmq %.2fx)",
             quant_type_name(type), n_tok, top_k, E, (unsigned long long)rows,
             (unsigned long long)n, x_div, t_mmq * 1e6, flop / t_mmq * 1e-12,
@@ -683,6 +780,7 @@ int main(void)
     for (int f = 0; f < 3; f++) {
         set_form(f);
         test_dense(&r);
+        test_parts(&r);
         test_experts(&r);
     }
     set_form(0);
