@@ -342,6 +342,8 @@ struct backend_cuda {
                                        * a decode mixer formed by its consumers (cb_norm_in) */
     bool parts_on;                    /* LAMINA_CUDA_MMQ_PARTS: a prefill's stacked input
                                        * products in one launch (cb_mm_parts) */
+    bool glu_on;                      /* LAMINA_CUDA_MMQ_GLU: a prefill's SiLU gate in the
+                                       * expert down product's rounding, its grouping reused */
     /* output head, uploaded on the first logits() call */
     uint8_t *head;
     float *out_norm, *logits;
@@ -1635,17 +1637,22 @@ struct cb_pairs {
 
 /* One routed-expert product over the pairs: int8 tensor cores for a
  * prefill where the type allows, else the matvec kernels. x_div: of X's
- * rows (1: a row per pair). */
+ * rows (1: a row per pair). *grouped (where not NULL): whether the int8
+ * launch ran, leaving the pairs' grouping in c->mmq_work. */
 static int cb_experts_mm(struct backend_cuda *c, const char *label, const struct arch_matrix *m,
                          const void *const *tab, uint64_t rows, uint64_t n,
                          const struct cb_pairs *pr, const float *X, size_t ldx, uint32_t x_div,
-                         float *Y, size_t ldy)
+                         float *Y, size_t ldy, bool *grouped)
 {
+    if (grouped)
+        *grouped = false;
     if (pr->prefill && c->mmq_work) {
         const int rc = CB_K(c, label, cuda_mmq_experts(m->type, tab, c->hp->n_expert,
                                                        m->row_bytes, rows, n, pr->ids, pr->P, X,
                                                        ldx, x_div, Y, ldy, c->mmq_work,
                                                        c->mmq_work_bytes, c->stream));
+        if (grouped)
+            *grouped = rc == 0;
         if (rc != -ENOTSUP)
             return rc;
         cb_unlaunch(c);
@@ -1668,7 +1675,8 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
     const struct arch_layer *ly = L->ly;
     const size_t n = c->hp->n_embd, F = c->hp->n_ff_exp;
     const uint32_t P = pr->P;
-    bool gq = false; /* c->gq holds the down product's input */
+    bool gq = false;      /* c->gq holds the down product's input */
+    bool grouped = false; /* c->mmq_work holds the pairs' grouping (the int8 gate/up) */
     int rc;
     if (!ly->gate_exps.data || L->gu_fused) {
         /* one 2F-row matrix per expert: the stacked gate_up, or gate and up
@@ -1696,13 +1704,13 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
         }
         if (rc == -ENOTSUP)
             rc = cb_experts_mm(c, "moe.gate_up", g, L->tab_gate, 2 * F, n, pr, c->xa, n,
-                               pr->x_div, c->gu, 2 * F);
+                               pr->x_div, c->gu, 2 * F, &grouped);
     } else {
         const struct arch_matrix *g = &ly->gate_exps, *u = &ly->up_exps;
         rc = cb_experts_mm(c, "moe.gate", g, L->tab_gate, F, n, pr, c->xa, n, pr->x_div, c->gu,
-                           2 * F);
+                           2 * F, NULL);
         rc = rc ? rc : cb_experts_mm(c, "moe.up", u, L->tab_up, F, n, pr, c->xa, n, pr->x_div,
-                                     c->gu + F, 2 * F);
+                                     c->gu + F, 2 * F, &grouped);
     }
     if (rc)
         return rc;
@@ -1739,9 +1747,20 @@ static int cb_local_experts(struct backend_cuda *c, const struct cb_layer *L, ui
             return rc;
         cb_unlaunch(c);
     }
+    if (pr->prefill && c->mmq_work && c->glu_on) {
+        /* the SiLU gate in the product's rounding of its input, the grouping of the gate/up
+         * product's (the tables of a layer have the same entries NULL: its resident experts) */
+        rc = CB_K(c, "moe.down", cuda_mmq_experts_glu(d->type, L->tab_down, c->hp->n_expert,
+                                                      d->row_bytes, n, F, pr->ids, P, c->gu,
+                                                      2 * F, grouped, c->Y, n, c->mmq_work,
+                                                      c->mmq_work_bytes, c->stream));
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+    }
     rc = CB_K(c, "moe.silu", cuda_silu_mul(c->gu, (uint32_t)F, P, c->act, c->stream));
     return rc ? rc : cb_experts_mm(c, "moe.down", d, L->tab_down, n, F, pr, c->act, F, 1, c->Y,
-                                   n);
+                                   n, NULL);
 }
 
 static int cb_shared_expert(struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
@@ -2800,6 +2819,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->norm_in_on = !(ni && !strcmp(ni, "0"));
     const char *mp = getenv("LAMINA_CUDA_MMQ_PARTS");
     c->parts_on = !(mp && !strcmp(mp, "0"));
+    const char *mg = getenv("LAMINA_CUDA_MMQ_GLU");
+    c->glu_on = !(mg && !strcmp(mg, "0"));
     const char *ip = getenv("LAMINA_CUDA_IDS_POLL");
     c->ids_poll = !(ip && !strcmp(ip, "0"));
     const char *tr = getenv("LAMINA_CUDA_TOPK_ROUNDS");

@@ -292,7 +292,10 @@ struct TQ5_K {
 /* ---- rounding the activations ------------------------------------------------ */
 
 /* One warp per 256 elements of a row: lane l rounds elements 8l..8l+7
- * (4 lanes per block of 32). */
+ * (4 lanes per block of 32). GLU: row r of x holds a gate (n) then an up
+ * half (n), and the rounded element is silu(gate) * up as cuda_silu_mul
+ * computes it (combine.cu), so the rounding is that of its output. */
+template <bool GLU>
 __global__ void __launch_bounds__(kQuantWarps * 32)
     quantize_kernel(const float *x, size_t ldx, uint64_t n, uint64_t rows, int8_t *xq,
                     float2 *xds)
@@ -307,7 +310,12 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     float v[8], amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        v[i] = __ldg(src + i);
+        if (GLU) {
+            const float g = __ldg(src + i), u = __ldg(src + n + i);
+            v[i] = __fmul_rn(g / (1.0f + expf(-g)), u);
+        } else {
+            v[i] = __ldg(src + i);
+        }
         amax = fmaxf(amax, fabsf(v[i]));
     }
     amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
@@ -792,7 +800,7 @@ int launch_check(const char *what)
 
 /* Rounds `rows` activation rows into xq/xds. */
 int quantize(const char *what, const float *d_X, size_t ldx, uint64_t n, uint64_t rows,
-             int8_t *xq, float2 *xds, cudaStream_t stream)
+             int8_t *xq, float2 *xds, cudaStream_t stream, bool glu = false)
 {
     const uint64_t warps = rows * (n / kStep);
     const uint64_t blocks = (warps + kQuantWarps - 1) / kQuantWarps;
@@ -801,8 +809,12 @@ int quantize(const char *what, const float *d_X, size_t ldx, uint64_t n, uint64_
                   (unsigned long long)n);
         return -EINVAL;
     }
-    quantize_kernel<<<static_cast<unsigned>(blocks), kQuantWarps * 32, 0, stream>>>(
-        d_X, ldx, n, rows, xq, xds);
+    if (glu)
+        quantize_kernel<true><<<static_cast<unsigned>(blocks), kQuantWarps * 32, 0, stream>>>(
+            d_X, ldx, n, rows, xq, xds);
+    else
+        quantize_kernel<false><<<static_cast<unsigned>(blocks), kQuantWarps * 32, 0, stream>>>(
+            d_X, ldx, n, rows, xq, xds);
     return launch_check(what);
 }
 
@@ -998,13 +1010,16 @@ extern "C" size_t cuda_mmq_experts_work_bytes(uint64_t n, uint32_t n_pairs, uint
     return group_bytes(n_pairs) + act_bytes(n, n_pairs);
 }
 
-extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32_t n_expert,
-                                size_t row_bytes, uint64_t n_rows, uint64_t n,
-                                const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
-                                size_t ldx, uint32_t x_div, float *d_Y, size_t ldy, void *d_work,
-                                size_t work_bytes, cudaStream_t stream)
+namespace {
+
+/* cuda_mmq_experts; glu: X's rows are gate | up (x_div 1), rounded as
+ * silu(gate) * up; grouped: d_work holds the grouping already. */
+int experts(const char *what, uint32_t type, const void *const *d_addr, uint32_t n_expert,
+            size_t row_bytes, uint64_t n_rows, uint64_t n, const int32_t *d_ids,
+            uint32_t n_pairs, const float *d_X, size_t ldx, uint32_t x_div, bool glu,
+            bool grouped, float *d_Y, size_t ldy, void *d_work, size_t work_bytes,
+            cudaStream_t stream)
 {
-    const char *what = "cuda mmq_experts";
     int n_sm = 0;
     int rc = check_weights(what, type, row_bytes, n, &n_sm);
     if (rc)
@@ -1041,17 +1056,19 @@ extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32
     const uint32_t mean = n_pairs / n_expert;
     const int nt = mean >= 24 ? 4 : mean >= 12 ? 2 : 1;
     const uint32_t bn = 16u * nt;
-    const size_t gsmem = 3ull * n_expert * sizeof(int);
-    rc = cuda_caps_allow_smem((const void *)group_kernel, gsmem, what);
-    if (rc)
-        return rc;
-    group_kernel<<<1, kGroupThreads, gsmem, stream>>>(d_ids, d_addr, n_pairs, n_expert,
-                                                      static_cast<int>(bn), tiles, sorted,
-                                                      n_tiles);
-    rc = launch_check(what);
-    if (rc)
-        return rc;
-    rc = quantize(what, d_X, ldx, n, x_rows, xq, xds, stream);
+    if (!grouped) {
+        const size_t gsmem = 3ull * n_expert * sizeof(int);
+        rc = cuda_caps_allow_smem((const void *)group_kernel, gsmem, what);
+        if (rc)
+            return rc;
+        group_kernel<<<1, kGroupThreads, gsmem, stream>>>(d_ids, d_addr, n_pairs, n_expert,
+                                                          static_cast<int>(bn), tiles, sorted,
+                                                          n_tiles);
+        rc = launch_check(what);
+        if (rc)
+            return rc;
+    }
+    rc = quantize(what, d_X, ldx, n, x_rows, xq, xds, stream, glu);
     if (rc)
         return rc;
     Args a = {};
@@ -1072,4 +1089,31 @@ extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32
     a.x_rows = x_rows;
     const uint64_t bound = (n_pairs + bn - 1) / bn + n_expert;
     return launch<true>(what, type, nt, a, bound < n_pairs ? bound : n_pairs, stream);
+}
+
+} /* namespace */
+
+extern "C" int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32_t n_expert,
+                                size_t row_bytes, uint64_t n_rows, uint64_t n,
+                                const int32_t *d_ids, uint32_t n_pairs, const float *d_X,
+                                size_t ldx, uint32_t x_div, float *d_Y, size_t ldy, void *d_work,
+                                size_t work_bytes, cudaStream_t stream)
+{
+    return experts("cuda mmq_experts", type, d_addr, n_expert, row_bytes, n_rows, n, d_ids,
+                   n_pairs, d_X, ldx, x_div, false, false, d_Y, ldy, d_work, work_bytes, stream);
+}
+
+extern "C" int cuda_mmq_experts_glu(uint32_t type, const void *const *d_addr, uint32_t n_expert,
+                                    size_t row_bytes, uint64_t n_rows, uint64_t n,
+                                    const int32_t *d_ids, uint32_t n_pairs, const float *d_GU,
+                                    size_t ldgu, bool grouped, float *d_Y, size_t ldy,
+                                    void *d_work, size_t work_bytes, cudaStream_t stream)
+{
+    if (ldgu < 2 * n) {
+        log_error("cuda mmq_experts_glu: rows of %zu floats hold no gate and up of %llu", ldgu,
+                  (unsigned long long)n);
+        return -EINVAL;
+    }
+    return experts("cuda mmq_experts_glu", type, d_addr, n_expert, row_bytes, n_rows, n, d_ids,
+                   n_pairs, d_GU, ldgu, 1, true, grouped, d_Y, ldy, d_work, work_bytes, stream);
 }

@@ -89,6 +89,21 @@ int cuda_mmq_experts(uint32_t type, const void *const *d_addr, uint32_t n_expert
                      uint32_t n_pairs, const float *d_X, size_t ldx, uint32_t x_div, float *d_Y,
                      size_t ldy, void *d_work, size_t work_bytes, cudaStream_t stream);
 
+/* cuda_mmq_experts (x_div 1) for the down product of gated experts: pair
+ * p's activation row is silu(g) * u of its gate/up row d_GU[p*ldgu ...] (g
+ * its first n floats, u the next n, ldgu >= 2n) as cuda_silu_mul computes
+ * it, rounded straight from d_GU (no row of it written): the bits of
+ * cuda_silu_mul then cuda_mmq_experts. grouped: d_work still holds the
+ * grouping of the cuda_mmq_experts call just before on this stream with
+ * this work buffer, over the same d_ids, n_pairs and n_expert and with the
+ * same entries of its d_addr NULL as here (the gate/up product of the same
+ * experts): it is not done again. */
+int cuda_mmq_experts_glu(uint32_t type, const void *const *d_addr, uint32_t n_expert,
+                         size_t row_bytes, uint64_t n_rows, uint64_t n, const int32_t *d_ids,
+                         uint32_t n_pairs, const float *d_GU, size_t ldgu, bool grouped,
+                         float *d_Y, size_t ldy, void *d_work, size_t work_bytes,
+                         cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -17,7 +17,9 @@
  * weights misaligned (2-byte offset and stride: the plain-load staging),
  * shapes that pick each tile width. Stacked matrices through
  * cuda_mmq_parts (1 to 4 parts, odd sizes): byte for byte the product of
- * the whole and of each part alone. Experts: 512 experts top-10 with NULL
+ * the whole and of each part alone. The down product's form with the SiLU
+ * gate in its rounding (cuda_mmq_experts_glu), grouping itself and reusing
+ * a grouping: byte for byte cuda_silu_mul then cuda_mmq_experts. Experts: 512 experts top-10 with NULL
  * and misaligned experts, x_div 10 and 1, and fewer, busier experts
  * (several tiles per expert, each tile width). All of it in each form:
  * the default (copy offsets once a block; misaligned experts take the
@@ -41,6 +43,7 @@
 
 #include "common/log.h"
 #include "kernels/cuda/matvec.h"
+#include "kernels/cuda/ops.h"
 #include "model/quant.h"
 #include "tests/check.h"
 #include "tests/gpu/gpu_check.h"
@@ -361,6 +364,46 @@ static void make_ids(int32_t *ids, const struct ex_case *c, struct rng *r)
             ids[p] = 1;
 }
 
+/* A row per pair (x_div 1): cuda_mmq_experts_glu over random gate/up rows,
+ * byte for byte cuda_silu_mul then cuda_mmq_experts (its outputs and the
+ * rows it leaves alone), grouping itself and reusing the grouping that call
+ * left in d_work. */
+static void check_glu(uint32_t type, const struct ex_case *c, size_t row_bytes,
+                      const void *const *d_addr, const int32_t *d_ids, void *d_work, size_t wb,
+                      struct rng *r)
+{
+    const uint32_t E = c->n_expert, n_pairs = c->n_tok * c->top_k;
+    const size_t ldy = c->rows + 3, ny = (size_t)n_pairs * ldy, ngu = (size_t)n_pairs * 2 * c->n;
+    float *GU = rand_floats(ngu, r), *ref = xmalloc(ny * sizeof(float));
+    float *got = xmalloc(ny * sizeof(float));
+    float *d_GU = dev_floats(GU, ngu), *d_act = dev_poison((size_t)n_pairs * c->n);
+    float *d_ref = dev_poison(ny), *d_Y = dev_poison(ny);
+    CHECK(cuda_silu_mul(d_GU, (uint32_t)c->n, n_pairs, d_act, 0) == 0, "cuda_silu_mul");
+    CHECK(cuda_mmq_experts(type, d_addr, E, row_bytes, c->rows, c->n, d_ids, n_pairs, d_act, c->n,
+                           1, d_ref, ldy, d_work, wb, 0) == 0,
+          "glu reference");
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(ref, d_ref, ny * sizeof(float), cudaMemcpyDeviceToHost));
+    for (int grouped = 1; grouped >= 0; grouped--) {
+        CU(cudaMemset(d_Y, 0xFF, ny * sizeof(float)));
+        CHECK(cuda_mmq_experts_glu(type, d_addr, E, row_bytes, c->rows, c->n, d_ids, n_pairs,
+                                   d_GU, 2 * c->n, grouped, d_Y, ldy, d_work, wb, 0) == 0,
+              "cuda_mmq_experts_glu");
+        CU(cudaDeviceSynchronize());
+        CU(cudaMemcpy(got, d_Y, ny * sizeof(float), cudaMemcpyDeviceToHost));
+        CHECK(memcmp(got, ref, ny * sizeof(float)) == 0,
+              "glu %s %u experts top %u (grouped %d): not the bits of cuda_silu_mul + "
+              "cuda_mmq_experts", quant_type_name(type), E, c->top_k, grouped);
+    }
+    CU(cudaFree(d_GU));
+    CU(cudaFree(d_act));
+    CU(cudaFree(d_ref));
+    CU(cudaFree(d_Y));
+    free(GU);
+    free(ref);
+    free(got);
+}
+
 /* Experts 0 (if more than 8), 3 and the last are NULL; expert 2 sits at a
  * 2-byte offset. Returns the relative L2 error. */
 static double run_experts(uint32_t type, const struct ex_case *c, struct errs *e, struct rng *r)
@@ -419,6 +462,8 @@ static double run_experts(uint32_t type, const struct ex_case *c, struct errs *e
     const double l2 = errs_l2(&one);
     CHECK(l2 <= TOL_X, "%s %s: relative L2 error %.3g against true activations", what,
           quant_type_name(type), l2);
+    if (c->x_div == 1)
+        check_glu(type, c, m[0].row_bytes, (const void *const *)d_addr, d_ids, d_work, wb, r);
     for (uint32_t k = 0; k < E; k++) {
         if (bases[k])
             CU(cudaFree(bases[k]));
@@ -447,6 +492,7 @@ static void test_experts(struct rng *r)
         {8, 2, 200, 2, 67, 2048, 3},    /* 50 pairs per expert, expert 1 over 64 */
         {32, 4, 128, 4, 67, 512, 0},    /* 16 pairs per expert */
         {64, 6, 200, 6, 131, 256, 5},   /* 18 per expert, expert 1 over 2 tiles */
+        {32, 4, 128, 1, 67, 512, 3},    /* down-like, expert 1 over several tiles */
     };
     for (size_t t = 0; t < N_TYPES; t++) {
         struct errs e = {0};
@@ -498,6 +544,9 @@ static void test_rejects(void)
           "a part of 0 rows accepted");
     CHECK(cuda_mmq_parts(QUANT_TYPE_Q4_0, d, 144, 256, d, 256, 2, short_ld, 2, d, 0) == -EINVAL,
           "a part's ldy < its rows accepted");
+    CHECK(cuda_mmq_experts_glu(QUANT_TYPE_Q8_0, (const void *const *)d, 4, 272, 2, 256,
+                               (int32_t *)d, 1, d, 511, false, d, 2, d, 1 << 20, 0) == -EINVAL,
+          "glu rows shorter than gate and up accepted");
     CHECK(cuda_mmq_supports(QUANT_TYPE_Q5_K) && !cuda_mmq_supports(QUANT_TYPE_Q6_K), "supports");
     log_set_level(LOG_LEVEL_INFO);
     CU(cudaDeviceSynchronize());
