@@ -106,9 +106,13 @@
  *   key-major) in shared memory:
  *     vn = U - Wm @ St;  o = Qg @ St + at @ vn  (into y);
  *     St = St * decay + Kw^T @ vn.
- *   Warps own 16 x 16 output tiles; the record's matrices are read as wmma
- *   fragments straight from global memory, each part of the next chunk's
- *   record prefetched into L1 once this chunk's step that reads it is done.
+ *   Warps own 16 x 16 output tiles; where the card has the shared memory
+ *   (161 KiB at dk 128: sm_80 and sm_90) each part of a chunk's record is
+ *   copied there by cp.async and read as wmma fragments from it, the next
+ *   chunk's part of a step copied once this chunk's step that reads it is
+ *   done (dn_state_staged_kernel; LAMINA_CUDA_DN_STAGE=0 or a smaller card:
+ *   the fragments read straight from global memory, each part of the next
+ *   record prefetched into L1 instead). The same bits either way.
  *   dn_gnorm_kernel: a warp per (token, head) row of y: the gated RMSNorm in
  *   place, y = o / sqrt(mean(o^2) + eps) * norm_w * silu(z).
  * Every 16 x 16 product runs on tensor cores (wmma m16n16k8, inputs rounded to
@@ -1284,6 +1288,161 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn
         __syncthreads();
         if (next)
             dn_prefetch_l1(Kw + next, DN_CH * DK);
+    }
+    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
+        st[e] = ss[(e % DK) * SL + e / DK];
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#endif
+}
+
+/* Floats of dynamic shared memory of dn_state_staged_kernel: the state slice,
+ * vn and o as in dn_state_kernel, and a chunk record's Wm, U slice, Qg, at
+ * and Kw with padded rows. */
+__host__ __device__ constexpr size_t dn_staged_smem_floats(uint32_t dk)
+{
+    return (size_t)dk * (DN_SLICE + 4) + 3 * (size_t)DN_CH * (DN_SLICE + 4) +
+           3 * (size_t)DN_CH * (dk + 4) + (size_t)DN_CH * (DN_CH + 4);
+}
+
+#ifdef DN_HAVE_TF32
+__device__ __forceinline__ void dn_cp16(float *dst, const float *src)
+{
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+
+__device__ __forceinline__ void dn_cp_commit()
+{
+    asm volatile("cp.async.commit_group;");
+}
+
+/* All but the two newest groups of this thread's copies have landed. */
+__device__ __forceinline__ void dn_cp_wait2()
+{
+    asm volatile("cp.async.wait_group 2;" ::: "memory");
+}
+
+/* rows x cols floats (cols a multiple of 4, both ends 16-byte aligned) from
+ * src (leading dimension sld) into shared dst (dld), by the block's threads. */
+__device__ __forceinline__ void dn_cp_rows(float *dst, unsigned dld, const float *src, size_t sld,
+                                           unsigned rows, unsigned cols)
+{
+    const unsigned q = cols / 4;
+    for (unsigned i = threadIdx.x; i < rows * q; i += DN_CK_THREADS) {
+        const unsigned r = i / q, c4 = i - r * q;
+        dn_cp16(dst + r * dld + 4 * c4, src + r * sld + 4 * c4);
+    }
+}
+#endif
+
+/* dn_state_kernel with each chunk record's parts staged in shared memory by
+ * cp.async (every wmma fragment then read from shared memory), the next
+ * chunk's part of a step copied while the steps after it run: Wm and U after
+ * the vn step, Qg and at after the o step, Kw after the state step (three
+ * copy groups in flight, each waited for before its step). The same
+ * fragments in the same order: the same bits as dn_state_kernel. grid
+ * (DV / DN_SLICE, nv), DN_CK_THREADS threads, dn_staged_smem_floats(DK)
+ * floats of dynamic shared memory. */
+template <int DK, int DV>
+__global__ void __launch_bounds__(DN_CK_THREADS, 1)
+    dn_state_staged_kernel(const struct dn_chunk_args p)
+{
+#ifdef DN_HAVE_TF32
+    constexpr unsigned SL = DN_SLICE + 4, KL = DK + 4, AL = DN_CH + 4;
+    float *ss = dn_dyn_smem();        /* DK x SL: St[i][jj], key-major state slice */
+    float *vn = ss + DK * SL;         /* DN_CH x SL: v_new of the chunk */
+    float *os = vn + DN_CH * SL;      /* DN_CH x SL: o of the chunk, before the copy out */
+    float *us = os + DN_CH * SL;      /* DN_CH x SL: U's slice */
+    float *wm = us + DN_CH * SL;      /* DN_CH x KL */
+    float *qg = wm + DN_CH * KL;      /* DN_CH x KL */
+    float *kw = qg + DN_CH * KL;      /* DN_CH x KL */
+    float *as = kw + DN_CH * KL;      /* DN_CH x AL */
+    const uint32_t h = blockIdx.y, j0 = blockIdx.x * DN_SLICE, t = threadIdx.x;
+    const uint32_t warp = t / 32, r = warp / 2, cc = warp % 2;
+    const size_t vd = (size_t)p.nv * DV, rf = dn_chunk_floats(DK, DV);
+    float *st = p.state + ((size_t)h * DV + j0) * DK;
+    const float *rec0 = p.work + (size_t)h * p.n_chunks * rf;
+    /* a record: Qg, Kw, Wm (DN_CH x DK each), U (DN_CH x DV), at (DN_CH x DN_CH) */
+    auto copy_a = [&](const float *rec) {
+        dn_cp_rows(wm, KL, rec + 2 * DN_CH * DK, DK, DN_CH, DK);
+        dn_cp_rows(us, SL, rec + 3 * DN_CH * DK + j0, DV, DN_CH, DN_SLICE);
+        dn_cp_commit();
+    };
+    auto copy_b = [&](const float *rec) {
+        dn_cp_rows(qg, KL, rec, DK, DN_CH, DK);
+        dn_cp_rows(as, AL, rec + 3 * DN_CH * DK + DN_CH * DV, DN_CH, DN_CH, DN_CH);
+        dn_cp_commit();
+    };
+    auto copy_c = [&](const float *rec) {
+        dn_cp_rows(kw, KL, rec + DN_CH * DK, DK, DN_CH, DK);
+        dn_cp_commit();
+    };
+    copy_a(rec0);
+    copy_b(rec0);
+    copy_c(rec0);
+    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
+        ss[(e % DK) * SL + e / DK] = st[e];
+    for (uint32_t c = 0; c < p.n_chunks; c++) {
+        const float *rec = rec0 + c * rf;
+        const float *next = c + 1 < p.n_chunks ? rec + rf : nullptr;
+        const uint32_t s0 = c * DN_CH;
+        /* warp (r, cc): vn tile = U - Wm @ St */
+        dn_cp_wait2();
+        __syncthreads();
+        dn_fc acc, uf;
+        wmma::fill_fragment(acc, 0.0f);
+        dn_mma<dn_fa_row, dn_fb_row>(acc, wm + 16 * r * KL, KL, 8, ss + 16 * cc, SL, 8 * SL,
+                                     DK / 8);
+        wmma::load_matrix_sync(uf, us + 16 * r * SL + 16 * cc, SL, wmma::mem_row_major);
+#pragma unroll
+        for (int i = 0; i < uf.num_elements; i++)
+            uf.x[i] -= acc.x[i];
+        wmma::store_matrix_sync(vn + 16 * r * SL + 16 * cc, uf, SL, wmma::mem_row_major);
+        __syncthreads();
+        if (next)
+            copy_a(next);
+        else
+            dn_cp_commit();
+        /* o tile = Qg @ St + at @ vn (at is lower triangular) */
+        dn_cp_wait2();
+        __syncthreads();
+        wmma::fill_fragment(acc, 0.0f);
+        dn_mma<dn_fa_row, dn_fb_row>(acc, qg + 16 * r * KL, KL, 8, ss + 16 * cc, SL, 8 * SL,
+                                     DK / 8);
+        dn_mma<dn_fa_row, dn_fb_row>(acc, as + 16 * r * AL, AL, 8, vn + 16 * cc, SL, 8 * SL,
+                                     2 * (r + 1));
+        wmma::store_matrix_sync(os + 16 * r * SL + 16 * cc, acc, SL, wmma::mem_row_major);
+        __syncthreads();
+        if (next)
+            copy_b(next);
+        else
+            dn_cp_commit();
+        for (uint32_t e = t; e < DN_CH * DN_SLICE; e += DN_CK_THREADS) {
+            const uint32_t row = e / DN_SLICE, jj = e % DN_SLICE;
+            if (s0 + row < p.S)
+                p.y[(size_t)(s0 + row) * vd + (size_t)h * DV + j0 + jj] = os[row * SL + jj];
+        }
+        /* St = St * decay + Kw^T @ vn, each warp on its own tiles */
+        const float dec = rec[3 * DN_CH * DK + DN_CH * DV + DN_CH * DN_CH];
+        dn_cp_wait2();
+        __syncthreads();
+        for (uint32_t tile = warp; tile < 2 * (DK / 16); tile += DN_CK_THREADS / 32) {
+            const uint32_t ri = tile / 2, ci = tile % 2;
+            float *sp = ss + 16 * ri * SL + 16 * ci;
+            wmma::load_matrix_sync(acc, sp, SL, wmma::mem_row_major);
+#pragma unroll
+            for (int i = 0; i < acc.num_elements; i++)
+                acc.x[i] *= dec;
+            dn_mma<dn_fa_col, dn_fb_row>(acc, kw + 16 * ri, KL, 8 * KL, vn + 16 * ci, SL,
+                                         8 * SL, DN_CH / 8);
+            wmma::store_matrix_sync(sp, acc, SL, wmma::mem_row_major);
+        }
+        __syncthreads();
+        if (next)
+            copy_c(next);
+        else
+            dn_cp_commit();
     }
     for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
         st[e] = ss[(e % DK) * SL + e / DK];
@@ -2510,6 +2669,15 @@ static int dn_chunk_device(size_t smem, bool *ok)
     return rc;
 }
 
+/* LAMINA_CUDA_DN_CHUNK_ONLY=prep, state or norm (read at each launch): only
+ * that kernel of the chunked prefill, for timing each (the results are
+ * wrong); unset, all three. */
+static bool dn_chunk_only(const char *kernel)
+{
+    const char *only = getenv("LAMINA_CUDA_DN_CHUNK_ONLY");
+    return !only || !*only || !strcmp(only, kernel);
+}
+
 template <int D>
 static int dn_chunk_launch(const struct dn_chunk_args &p, cudaStream_t stream)
 {
@@ -2518,14 +2686,36 @@ static int dn_chunk_launch(const struct dn_chunk_args &p, cudaStream_t stream)
                                   "cuda_deltanet_heads_chunked");
     if (rc)
         return rc;
-    dn_prep_kernel<D, D><<<dim3(p.n_chunks, p.nv), DN_CK_THREADS, smem, stream>>>(p);
-    rc = dn_check_launch("cuda_deltanet_heads_chunked (prep)");
-    if (rc)
-        return rc;
-    dn_state_kernel<D, D><<<dim3(D / DN_SLICE, p.nv), DN_CK_THREADS, 0, stream>>>(p);
-    rc = dn_check_launch("cuda_deltanet_heads_chunked (state)");
-    if (rc)
-        return rc;
+    if (dn_chunk_only("prep")) {
+        dn_prep_kernel<D, D><<<dim3(p.n_chunks, p.nv), DN_CK_THREADS, smem, stream>>>(p);
+        rc = dn_check_launch("cuda_deltanet_heads_chunked (prep)");
+        if (rc)
+            return rc;
+    }
+    if (dn_chunk_only("state")) {
+        /* the records staged in shared memory where the card has room for them */
+        const char *staged = getenv("LAMINA_CUDA_DN_STAGE");
+        const size_t ssm = dn_staged_smem_floats(D) * sizeof(float);
+        int cc = 0, optin = 0;
+        rc = cuda_caps_get(&cc, &optin);
+        if (rc)
+            return rc;
+        if (!(staged && !strcmp(staged, "0")) && (size_t)optin >= ssm) {
+            rc = cuda_caps_allow_smem((const void *)dn_state_staged_kernel<D, D>, ssm,
+                                      "cuda_deltanet_heads_chunked");
+            if (rc)
+                return rc;
+            dn_state_staged_kernel<D, D>
+                <<<dim3(D / DN_SLICE, p.nv), DN_CK_THREADS, ssm, stream>>>(p);
+        } else {
+            dn_state_kernel<D, D><<<dim3(D / DN_SLICE, p.nv), DN_CK_THREADS, 0, stream>>>(p);
+        }
+        rc = dn_check_launch("cuda_deltanet_heads_chunked (state)");
+        if (rc)
+            return rc;
+    }
+    if (!dn_chunk_only("norm"))
+        return 0;
     const size_t rows = (size_t)p.S * p.nv, per_block = DN_CK_THREADS / 32;
     dn_gnorm_kernel<D><<<(unsigned)((rows + per_block - 1) / per_block), DN_CK_THREADS, 0,
                          stream>>>(p);

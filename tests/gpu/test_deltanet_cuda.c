@@ -17,6 +17,9 @@
  *     S = 1); outputs and state after every call within TDC_TOL_REL relative
  *     L2 (tf32 tensor-core products), or within TDC_TOL_STEP max abs when no
  *     call took the chunked path.
+ *   - the chunked prefill's state pass staged in shared memory (the default
+ *     where the card has room) against LAMINA_CUDA_DN_STAGE=0: y and state
+ *     byte for byte from one start (128/16/32 S 512 and 65, 64/2/4 S 1000, 16).
  *   - cuda_deltanet_conv for the same channel counts, K = 4, S = 1, 3, 64, 512,
  *     1000, state carried: against deltanet_conv_channel within TDC_TOL_CONV.
  *   - cuda_deltanet_conv_heads (decode: conv and heads in one launch) against
@@ -408,6 +411,55 @@ static void tdc_chunk_run(const struct tdc_case *c, uint64_t seed)
     tdc_free(&t);
 }
 
+/* The chunked prefill's state pass with each record staged in shared memory
+ * (the default where the card has room) against LAMINA_CUDA_DN_STAGE=0 (read
+ * from global memory): y and the state byte for byte, from one start. */
+static void tdc_stage_compare(const struct tdc_case *c, uint64_t seed)
+{
+    struct tdc_bufs t = {0};
+    struct tdc_rng r = {seed};
+    const uint32_t S = c->S;
+    const size_t work_bytes = cuda_deltanet_work_bytes(c->nv, c->dk, c->dv, S);
+    const size_t ny = (size_t)S * c->nv * c->dv;
+    void *d_work = NULL;
+    float *d_st0 = NULL, *y0 = malloc(ny * sizeof(float)), *st0 = NULL;
+    bool ok = y0 && work_bytes && tdc_alloc(c, &t) &&
+              tdc_ok(cudaMalloc(&d_work, work_bytes), "cudaMalloc work") &&
+              tdc_start(c, &t, &r) && tdc_new_inputs(c, &t, &r, S) &&
+              tdc_ok(cudaMalloc((void **)&d_st0, t.st_n * sizeof(float)), "cudaMalloc") &&
+              tdc_ok(cudaMemcpy(d_st0, t.d_st, t.st_n * sizeof(float), cudaMemcpyDeviceToDevice),
+                     "copy state") &&
+              (st0 = malloc(t.st_n * sizeof(float))) != NULL;
+    for (int form = 0; form < 2 && ok; form++) {
+        if (form)
+            CHECK(setenv("LAMINA_CUDA_DN_STAGE", "0", 1) == 0, "setenv");
+        ok = tdc_ok(cudaMemcpy(t.d_st, d_st0, t.st_n * sizeof(float), cudaMemcpyDeviceToDevice),
+                    "restore state") &&
+             tdc_ok(cudaMemset(t.d_y, 0xff, ny * sizeof(float)), "poison y") &&
+             tdc_heads_chunked(c, &t, S, d_work, work_bytes) == 0 &&
+             tdc_ok(cudaDeviceSynchronize(), "chunked heads") &&
+             tdc_ok(cudaMemcpy(form ? t.y_gpu : y0, t.d_y, ny * sizeof(float),
+                               cudaMemcpyDeviceToHost), "download y") &&
+             tdc_ok(cudaMemcpy(form ? t.st_gpu : st0, t.d_st, t.st_n * sizeof(float),
+                               cudaMemcpyDeviceToHost), "download state");
+    }
+    unsetenv("LAMINA_CUDA_DN_STAGE");
+    CHECK(ok, "stage compare dk %u nv %u S %u did not run", c->dk, c->nv, S);
+    if (ok) {
+        CHECK(memcmp(y0, t.y_gpu, ny * sizeof(float)) == 0 &&
+                  memcmp(st0, t.st_gpu, t.st_n * sizeof(float)) == 0,
+              "chunked dk %u nv %u S %u: the staged state pass differs from "
+              "LAMINA_CUDA_DN_STAGE=0", c->dk, c->nv, S);
+        MEASURE("chunked heads dk=dv=%u nk/nv=%u/%u S=%u: the staged state pass and "
+                "LAMINA_CUDA_DN_STAGE=0 byte for byte equal", c->dk, c->nk, c->nv, S);
+    }
+    free(y0);
+    free(st0);
+    cudaFree(d_st0);
+    cudaFree(d_work);
+    tdc_free(&t);
+}
+
 /* Median of 20 timed launches of fn after 3 warm-ups, in milliseconds. */
 static double tdc_time(int (*fn)(void *), void *ctx)
 {
@@ -476,7 +528,23 @@ static void tdc_heads_timing(uint32_t S)
     unsetenv("LAMINA_CUDA_DN_SPLIT");
     x.d_work = d_work;
     const double ms_chunk = d_work ? tdc_time(tdc_timed_heads, &x) : ms_tok;
+    /* the chunked form's three kernels one at a time (LAMINA_CUDA_DN_CHUNK_ONLY), the
+     * state pass also unstaged (LAMINA_CUDA_DN_STAGE=0) */
+    static const char *const only[4] = {"prep", "state", "norm", "state"};
+    double ms_only[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4 && d_work; i++) {
+        CHECK(setenv("LAMINA_CUDA_DN_CHUNK_ONLY", only[i], 1) == 0, "setenv");
+        if (i == 3)
+            CHECK(setenv("LAMINA_CUDA_DN_STAGE", "0", 1) == 0, "setenv");
+        ms_only[i] = tdc_time(tdc_timed_heads, &x);
+    }
+    unsetenv("LAMINA_CUDA_DN_CHUNK_ONLY");
+    unsetenv("LAMINA_CUDA_DN_STAGE");
     CHECK(tdc_ok(cudaDeviceSynchronize(), "timed heads"), "timed heads");
+    if (d_work)
+        MEASURE("chunked heads dk=dv=128 nk/nv=16/32 S=%u, its kernels alone: prep %.1f us, "
+                "state %.1f us (LAMINA_CUDA_DN_STAGE=0 %.1f us), norm %.1f us", S,
+                ms_only[0] * 1e3, ms_only[1] * 1e3, ms_only[3] * 1e3, ms_only[2] * 1e3);
     MEASURE("heads dk=dv=128 nk/nv=16/32 S=%u: token by token %.1f us per call (%.2f us per "
             "token; one block per head %.1f us, %.2fx); chunked %.1f us per call (%.3f us per "
             "token, %.1fx; work %.1f MB)", S, ms_tok * 1e3, ms_tok * 1e3 / S, ms_one * 1e3,
@@ -932,6 +1000,10 @@ int main(void)
             c.S = prefills[l];
             tdc_chunk_run(&c, seed++);
         }
+    const struct tdc_case staged[] = {{128, 128, 16, 32, false, 512}, {128, 128, 16, 32, true, 65},
+                                      {64, 64, 2, 4, false, 1000}, {64, 64, 2, 4, true, 16}};
+    for (size_t i = 0; i < sizeof(staged) / sizeof(staged[0]); i++)
+        tdc_stage_compare(&staged[i], seed++);
     const uint32_t conv_lens[] = {1, 3, 64, 512, 1000};
     for (size_t d = 0; d < 3; d++)
         for (size_t hh = 0; hh < 2; hh++)
