@@ -1040,14 +1040,26 @@ __device__ __forceinline__ void dn_prep_qk(const struct dn_chunk_args &p, uint32
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float qscale = (float)(1.0 / sqrt((double)DK)), gl = g[n - 1];
     const size_t kd = (size_t)p.nk * DK, ud = 2 * kd + (size_t)p.nv * DV;
-    for (uint32_t t = warp; t < DN_CH; t += DN_CK_THREADS / 32) {
-        float qv[M], kv[M];
-        float sq = 0.0f, sk = 0.0f;
+    /* the warp's tokens' rows loaded first, all in flight at once */
+    constexpr int TW = DN_CH / (DN_CK_THREADS / 32);
+    float qa[TW][M], ka[TW][M];
+#pragma unroll
+    for (int i = 0; i < TW; i++) {
+        const uint32_t t = warp + i * (DN_CK_THREADS / 32);
         const float *us = p.u + (size_t)(s0 + t) * ud + (size_t)gk * DK;
 #pragma unroll
         for (int m = 0; m < M; m++) {
-            qv[m] = t < n ? us[lane + 32 * m] : 0.0f;
-            kv[m] = t < n ? us[kd + lane + 32 * m] : 0.0f;
+            qa[i][m] = t < n ? us[lane + 32 * m] : 0.0f;
+            ka[i][m] = t < n ? us[kd + lane + 32 * m] : 0.0f;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < TW; i++) {
+        const uint32_t t = warp + i * (DN_CK_THREADS / 32);
+        const float *qv = qa[i], *kv = ka[i];
+        float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+        for (int m = 0; m < M; m++) {
             sq += qv[m] * qv[m];
             sk += kv[m] * kv[m];
         }
@@ -1056,12 +1068,12 @@ __device__ __forceinline__ void dn_prep_qk(const struct dn_chunk_args &p, uint32
         const float e = expf(g[t]), w = expf(gl - g[t]);
 #pragma unroll
         for (int m = 0; m < M; m++) {
-            const uint32_t i = lane + 32 * m;
+            const uint32_t col = lane + 32 * m;
             const float q = qv[m] * sq * qscale, k = kv[m] * sk;
-            qs[t * ql + i] = q;
-            ks[t * kl + i] = k;
-            Qg[t * DK + i] = q * e;
-            Kw[t * DK + i] = k * w;
+            qs[t * ql + col] = q;
+            ks[t * kl + col] = k;
+            Qg[t * DK + col] = q * e;
+            Kw[t * DK + col] = k * w;
         }
     }
 }
@@ -1194,6 +1206,7 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_prep_kernel(const struct dn_
         ks[r * KL + i] = ks[r * KL + i] * beta[r] * eg[r];
     }
     const size_t kd = (size_t)p.nk * DK, vd = (size_t)p.nv * DV;
+#pragma unroll 8
     for (uint32_t e = t; e < DN_CH * DV; e += DN_CK_THREADS) {
         const uint32_t r = e / DV, j = e % DV;
         const float v = r < n ? p.u[(size_t)(s0 + r) * (2 * kd + vd) + 2 * kd + (size_t)h * DV + j]
