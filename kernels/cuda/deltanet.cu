@@ -1224,6 +1224,94 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_prep_kernel(const struct dn_
 #endif
 }
 
+#ifdef DN_HAVE_TF32
+/* The steps of the state pass over one chunk, shared by its two kernels. A
+ * block owns DN_SLICE value columns of a head; ss is the key-major state slice
+ * (DK x SL), vn and os DN_CH x SL, all in shared memory; the record's matrices
+ * are read as wmma fragments from wherever the kernel keeps them (leading
+ * dimensions given). Warp (r, cc) = (warp / 2, warp % 2) owns one 16 x 16 tile
+ * of vn and of o. */
+constexpr unsigned kDnSL = DN_SLICE + 4;
+
+/* vn tile = U - Wm @ St (u: U's slice, its column 0). */
+template <int DK>
+__device__ __forceinline__ void dn_state_vn(const float *wm, unsigned wl, const float *u,
+                                            unsigned ul, const float *ss, float *vn)
+{
+    const uint32_t warp = threadIdx.x / 32, r = warp / 2, cc = warp % 2;
+    dn_fc acc, uf;
+    wmma::fill_fragment(acc, 0.0f);
+    dn_mma<dn_fa_row, dn_fb_row>(acc, wm + 16 * r * wl, wl, 8, ss + 16 * cc, kDnSL, 8 * kDnSL,
+                                 DK / 8);
+    wmma::load_matrix_sync(uf, u + 16 * r * ul + 16 * cc, ul, wmma::mem_row_major);
+#pragma unroll
+    for (int i = 0; i < uf.num_elements; i++)
+        uf.x[i] -= acc.x[i];
+    wmma::store_matrix_sync(vn + 16 * r * kDnSL + 16 * cc, uf, kDnSL, wmma::mem_row_major);
+}
+
+/* o tile = Qg @ St + at @ vn (at is lower triangular). */
+template <int DK>
+__device__ __forceinline__ void dn_state_o(const float *qg, unsigned ql, const float *at,
+                                           unsigned al, const float *ss, const float *vn,
+                                           float *os)
+{
+    const uint32_t warp = threadIdx.x / 32, r = warp / 2, cc = warp % 2;
+    dn_fc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    dn_mma<dn_fa_row, dn_fb_row>(acc, qg + 16 * r * ql, ql, 8, ss + 16 * cc, kDnSL, 8 * kDnSL,
+                                 DK / 8);
+    dn_mma<dn_fa_row, dn_fb_row>(acc, at + 16 * r * al, al, 8, vn + 16 * cc, kDnSL, 8 * kDnSL,
+                                 2 * (r + 1));
+    wmma::store_matrix_sync(os + 16 * r * kDnSL + 16 * cc, acc, kDnSL, wmma::mem_row_major);
+}
+
+/* The chunk's o rows (tokens s0..) of the block's columns into y. */
+template <int DV>
+__device__ __forceinline__ void dn_state_y(const struct dn_chunk_args &p, const float *os,
+                                           uint32_t s0, uint32_t h, uint32_t j0)
+{
+    const size_t vd = (size_t)p.nv * DV;
+    for (uint32_t e = threadIdx.x; e < DN_CH * DN_SLICE; e += DN_CK_THREADS) {
+        const uint32_t row = e / DN_SLICE, jj = e % DN_SLICE;
+        if (s0 + row < p.S)
+            p.y[(size_t)(s0 + row) * vd + (size_t)h * DV + j0 + jj] = os[row * kDnSL + jj];
+    }
+}
+
+/* St = St * decay + Kw^T @ vn, each warp on its own tiles. */
+template <int DK>
+__device__ __forceinline__ void dn_state_update(const float *kw, unsigned kl, const float *vn,
+                                                float *ss, float dec)
+{
+    const uint32_t warp = threadIdx.x / 32;
+    for (uint32_t tile = warp; tile < 2 * (DK / 16); tile += DN_CK_THREADS / 32) {
+        const uint32_t ri = tile / 2, ci = tile % 2;
+        float *sp = ss + 16 * ri * kDnSL + 16 * ci;
+        dn_fc acc;
+        wmma::load_matrix_sync(acc, sp, kDnSL, wmma::mem_row_major);
+#pragma unroll
+        for (int i = 0; i < acc.num_elements; i++)
+            acc.x[i] *= dec;
+        dn_mma<dn_fa_col, dn_fb_row>(acc, kw + 16 * ri, kl, 8 * kl, vn + 16 * ci, kDnSL,
+                                     8 * kDnSL, DN_CH / 8);
+        wmma::store_matrix_sync(sp, acc, kDnSL, wmma::mem_row_major);
+    }
+}
+
+/* The block's state slice (DK x DN_SLICE at st, value-major) into or out of ss. */
+template <int DK>
+__device__ __forceinline__ void dn_state_slice(float *st, float *ss, bool load)
+{
+    for (uint32_t e = threadIdx.x; e < DK * DN_SLICE; e += DN_CK_THREADS) {
+        if (load)
+            ss[(e % DK) * kDnSL + e / DK] = st[e];
+        else
+            st[e] = ss[(e % DK) * kDnSL + e / DK];
+    }
+}
+#endif
+
 /* The state pass: a block owns DN_SLICE value columns of head h (grid
  * (DV / DN_SLICE, nv), DN_CK_THREADS threads) and walks the chunks in order;
  * raw outputs o go to y (normalised afterwards by dn_gnorm_kernel). */
@@ -1231,79 +1319,42 @@ template <int DK, int DV>
 __global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn_chunk_args p)
 {
 #ifdef DN_HAVE_TF32
-    constexpr unsigned SL = DN_SLICE + 4;
-    __shared__ __align__(128) float ss[DK * SL];     /* St[i][jj]: key-major state slice */
-    __shared__ __align__(128) float vn[DN_CH * SL];  /* v_new of the chunk */
-    __shared__ __align__(128) float os[DN_CH * SL];  /* o of the chunk, before the copy out */
-    const uint32_t h = blockIdx.y, j0 = blockIdx.x * DN_SLICE, t = threadIdx.x;
-    const uint32_t warp = t / 32, r = warp / 2, cc = warp % 2;
-    const size_t vd = (size_t)p.nv * DV;
+    __shared__ __align__(128) float ss[DK * kDnSL];     /* St[i][jj]: key-major state slice */
+    __shared__ __align__(128) float vn[DN_CH * kDnSL];  /* v_new of the chunk */
+    __shared__ __align__(128) float os[DN_CH * kDnSL];  /* o of the chunk, before the copy out */
+    const uint32_t h = blockIdx.y, j0 = blockIdx.x * DN_SLICE;
     float *st = p.state + ((size_t)h * DV + j0) * DK;
     const float *rec0 = p.work + (size_t)h * p.n_chunks * dn_chunk_floats(DK, DV);
     dn_prefetch_l1(rec0, 3 * DN_CH * DK);
     dn_prefetch_l1_rows(rec0 + 3 * DN_CH * DK + j0, DV);
     dn_prefetch_l1(rec0 + 3 * DN_CH * DK + DN_CH * DV, DN_CH * DN_CH);
-    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
-        ss[(e % DK) * SL + e / DK] = st[e];
+    dn_state_slice<DK>(st, ss, true);
     __syncthreads();
     for (uint32_t c = 0; c < p.n_chunks; c++) {
         const float *rec = p.work + ((size_t)h * p.n_chunks + c) * dn_chunk_floats(DK, DV);
         const float *Qg = rec, *Kw = Qg + DN_CH * DK, *Wm = Kw + DN_CH * DK;
         const float *U = Wm + DN_CH * DK, *at = U + DN_CH * DV, *decay = at + DN_CH * DN_CH;
-        const uint32_t s0 = c * DN_CH;
-        /* the next record's part of each step once this chunk's step is done */
+        /* the next record's part of each step once this chunk's step that reads it is done */
         const size_t next = c + 1 < p.n_chunks ? dn_chunk_floats(DK, DV) : 0;
-        /* warp (r, cc): vn tile = U - Wm @ St */
-        dn_fc acc, uf;
-        wmma::fill_fragment(acc, 0.0f);
-        dn_mma<dn_fa_row, dn_fb_row>(acc, Wm + 16 * r * DK, DK, 8, ss + 16 * cc, SL, 8 * SL,
-                                     DK / 8);
-        wmma::load_matrix_sync(uf, U + 16 * r * DV + j0 + 16 * cc, DV, wmma::mem_row_major);
-#pragma unroll
-        for (int i = 0; i < uf.num_elements; i++)
-            uf.x[i] -= acc.x[i];
-        wmma::store_matrix_sync(vn + 16 * r * SL + 16 * cc, uf, SL, wmma::mem_row_major);
+        dn_state_vn<DK>(Wm, DK, U + j0, DV, ss, vn);
         __syncthreads();
         if (next) {
             dn_prefetch_l1(Wm + next, DN_CH * DK);
             dn_prefetch_l1_rows(U + next + j0, DV);
         }
-        /* o tile = Qg @ St + at @ vn (at is lower triangular) */
-        wmma::fill_fragment(acc, 0.0f);
-        dn_mma<dn_fa_row, dn_fb_row>(acc, Qg + 16 * r * DK, DK, 8, ss + 16 * cc, SL, 8 * SL,
-                                     DK / 8);
-        dn_mma<dn_fa_row, dn_fb_row>(acc, at + 16 * r * DN_CH, DN_CH, 8, vn + 16 * cc, SL,
-                                     8 * SL, 2 * (r + 1));
-        wmma::store_matrix_sync(os + 16 * r * SL + 16 * cc, acc, SL, wmma::mem_row_major);
+        dn_state_o<DK>(Qg, DK, at, DN_CH, ss, vn, os);
         __syncthreads();
         if (next) {
             dn_prefetch_l1(Qg + next, DN_CH * DK);
             dn_prefetch_l1(at + next, DN_CH * DN_CH);
         }
-        for (uint32_t e = t; e < DN_CH * DN_SLICE; e += DN_CK_THREADS) {
-            const uint32_t row = e / DN_SLICE, jj = e % DN_SLICE;
-            if (s0 + row < p.S)
-                p.y[(size_t)(s0 + row) * vd + (size_t)h * DV + j0 + jj] = os[row * SL + jj];
-        }
-        /* St = St * decay + Kw^T @ vn, each warp on its own tiles */
-        const float dec = decay[0];
-        for (uint32_t tile = warp; tile < 2 * (DK / 16); tile += DN_CK_THREADS / 32) {
-            const uint32_t ri = tile / 2, ci = tile % 2;
-            float *sp = ss + 16 * ri * SL + 16 * ci;
-            wmma::load_matrix_sync(acc, sp, SL, wmma::mem_row_major);
-#pragma unroll
-            for (int i = 0; i < acc.num_elements; i++)
-                acc.x[i] *= dec;
-            dn_mma<dn_fa_col, dn_fb_row>(acc, Kw + 16 * ri, DK, 8 * DK, vn + 16 * ci, SL,
-                                         8 * SL, DN_CH / 8);
-            wmma::store_matrix_sync(sp, acc, SL, wmma::mem_row_major);
-        }
+        dn_state_y<DV>(p, os, c * DN_CH, h, j0);
+        dn_state_update<DK>(Kw, DK, vn, ss, decay[0]);
         __syncthreads();
         if (next)
             dn_prefetch_l1(Kw + next, DN_CH * DK);
     }
-    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
-        st[e] = ss[(e % DK) * SL + e / DK];
+    dn_state_slice<DK>(st, ss, false);
 #elif defined(__CUDA_ARCH__)
     __trap();
 #endif
@@ -1362,7 +1413,7 @@ __global__ void __launch_bounds__(DN_CK_THREADS, 1)
     dn_state_staged_kernel(const struct dn_chunk_args p)
 {
 #ifdef DN_HAVE_TF32
-    constexpr unsigned SL = DN_SLICE + 4, KL = DK + 4, AL = DN_CH + 4;
+    constexpr unsigned SL = kDnSL, KL = DK + 4, AL = DN_CH + 4;
     float *ss = dn_dyn_smem();        /* DK x SL: St[i][jj], key-major state slice */
     float *vn = ss + DK * SL;         /* DN_CH x SL: v_new of the chunk */
     float *os = vn + DN_CH * SL;      /* DN_CH x SL: o of the chunk, before the copy out */
@@ -1371,9 +1422,8 @@ __global__ void __launch_bounds__(DN_CK_THREADS, 1)
     float *qg = wm + DN_CH * KL;      /* DN_CH x KL */
     float *kw = qg + DN_CH * KL;      /* DN_CH x KL */
     float *as = kw + DN_CH * KL;      /* DN_CH x AL */
-    const uint32_t h = blockIdx.y, j0 = blockIdx.x * DN_SLICE, t = threadIdx.x;
-    const uint32_t warp = t / 32, r = warp / 2, cc = warp % 2;
-    const size_t vd = (size_t)p.nv * DV, rf = dn_chunk_floats(DK, DV);
+    const uint32_t h = blockIdx.y, j0 = blockIdx.x * DN_SLICE;
+    const size_t rf = dn_chunk_floats(DK, DV);
     float *st = p.state + ((size_t)h * DV + j0) * DK;
     const float *rec0 = p.work + (size_t)h * p.n_chunks * rf;
     /* a record: Qg, Kw, Wm (DN_CH x DK each), U (DN_CH x DV), at (DN_CH x DN_CH) */
@@ -1394,71 +1444,38 @@ __global__ void __launch_bounds__(DN_CK_THREADS, 1)
     copy_a(rec0);
     copy_b(rec0);
     copy_c(rec0);
-    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
-        ss[(e % DK) * SL + e / DK] = st[e];
+    dn_state_slice<DK>(st, ss, true);
     for (uint32_t c = 0; c < p.n_chunks; c++) {
         const float *rec = rec0 + c * rf;
         const float *next = c + 1 < p.n_chunks ? rec + rf : nullptr;
-        const uint32_t s0 = c * DN_CH;
-        /* warp (r, cc): vn tile = U - Wm @ St */
         dn_cp_wait2();
         __syncthreads();
-        dn_fc acc, uf;
-        wmma::fill_fragment(acc, 0.0f);
-        dn_mma<dn_fa_row, dn_fb_row>(acc, wm + 16 * r * KL, KL, 8, ss + 16 * cc, SL, 8 * SL,
-                                     DK / 8);
-        wmma::load_matrix_sync(uf, us + 16 * r * SL + 16 * cc, SL, wmma::mem_row_major);
-#pragma unroll
-        for (int i = 0; i < uf.num_elements; i++)
-            uf.x[i] -= acc.x[i];
-        wmma::store_matrix_sync(vn + 16 * r * SL + 16 * cc, uf, SL, wmma::mem_row_major);
+        dn_state_vn<DK>(wm, KL, us, SL, ss, vn);
         __syncthreads();
         if (next)
             copy_a(next);
         else
             dn_cp_commit();
-        /* o tile = Qg @ St + at @ vn (at is lower triangular) */
         dn_cp_wait2();
         __syncthreads();
-        wmma::fill_fragment(acc, 0.0f);
-        dn_mma<dn_fa_row, dn_fb_row>(acc, qg + 16 * r * KL, KL, 8, ss + 16 * cc, SL, 8 * SL,
-                                     DK / 8);
-        dn_mma<dn_fa_row, dn_fb_row>(acc, as + 16 * r * AL, AL, 8, vn + 16 * cc, SL, 8 * SL,
-                                     2 * (r + 1));
-        wmma::store_matrix_sync(os + 16 * r * SL + 16 * cc, acc, SL, wmma::mem_row_major);
+        dn_state_o<DK>(qg, KL, as, AL, ss, vn, os);
         __syncthreads();
         if (next)
             copy_b(next);
         else
             dn_cp_commit();
-        for (uint32_t e = t; e < DN_CH * DN_SLICE; e += DN_CK_THREADS) {
-            const uint32_t row = e / DN_SLICE, jj = e % DN_SLICE;
-            if (s0 + row < p.S)
-                p.y[(size_t)(s0 + row) * vd + (size_t)h * DV + j0 + jj] = os[row * SL + jj];
-        }
-        /* St = St * decay + Kw^T @ vn, each warp on its own tiles */
+        dn_state_y<DV>(p, os, c * DN_CH, h, j0);
         const float dec = rec[3 * DN_CH * DK + DN_CH * DV + DN_CH * DN_CH];
         dn_cp_wait2();
         __syncthreads();
-        for (uint32_t tile = warp; tile < 2 * (DK / 16); tile += DN_CK_THREADS / 32) {
-            const uint32_t ri = tile / 2, ci = tile % 2;
-            float *sp = ss + 16 * ri * SL + 16 * ci;
-            wmma::load_matrix_sync(acc, sp, SL, wmma::mem_row_major);
-#pragma unroll
-            for (int i = 0; i < acc.num_elements; i++)
-                acc.x[i] *= dec;
-            dn_mma<dn_fa_col, dn_fb_row>(acc, kw + 16 * ri, KL, 8 * KL, vn + 16 * ci, SL,
-                                         8 * SL, DN_CH / 8);
-            wmma::store_matrix_sync(sp, acc, SL, wmma::mem_row_major);
-        }
+        dn_state_update<DK>(kw, KL, vn, ss, dec);
         __syncthreads();
         if (next)
             copy_c(next);
         else
             dn_cp_commit();
     }
-    for (uint32_t e = t; e < DK * DN_SLICE; e += DN_CK_THREADS)
-        st[e] = ss[(e % DK) * SL + e / DK];
+    dn_state_slice<DK>(st, ss, false);
 #elif defined(__CUDA_ARCH__)
     __trap();
 #endif
