@@ -34,10 +34,17 @@
  * scales are staged with cp.async into one of two buffers while the other
  * is multiplied. Lanes decode their A fragments straight from the staged
  * blocks (rows g and g+8 of an m tile, k = 4t..4t+3 and 16+4t..16+4t+3:
- * for Q4_0 the low and high nibbles of the same 4 bytes). Weights not
- * 16-byte aligned (rare; decided per block for experts) are staged with
- * 2-byte loads instead. Columns past the tile's count repeat its last
- * column and are not stored.
+ * for Q4_0 the low and high nibbles of the same 4 bytes). Each thread's
+ * copy offsets are computed once a block and move by a constant a stage
+ * (LAMINA_CUDA_MMQ_PRE=0: at every copy). Weights not 16-byte aligned
+ * (rare; decided per block for experts) are staged with 2-byte loads
+ * instead. Columns past the tile's count repeat its last column and are
+ * not stored. A dense product's rows may go to up to four buffers
+ * (cuda_mmq_parts: each output row picks its part in the store).
+ *
+ * The rounding (quantize_kernel) may take gate/up rows and round
+ * silu(gate) * up (cuda_mmq_experts_glu: the down product's input), and
+ * that product may reuse the grouping its gate/up product left in d_work.
  *
  * Experts: group_kernel (one block of 1024 threads) counts the pairs per
  * expert in shared memory, scans the counts and the tiles per expert
