@@ -130,6 +130,7 @@
 #include <cooperative_groups.h>
 #include <mma.h>
 
+#include "kernels/cuda/cp_async.cuh"
 #include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/mvq.h"
 #include "kernels/cuda/pdl.cuh"
@@ -1224,6 +1225,8 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_prep_kernel(const struct dn_
 #endif
 }
 
+constexpr unsigned kDnSL = DN_SLICE + 4; /* floats a row of the state pass's slices */
+
 #ifdef DN_HAVE_TF32
 /* The steps of the state pass over one chunk, shared by its two kernels. A
  * block owns DN_SLICE value columns of a head; ss is the key-major state slice
@@ -1231,8 +1234,6 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_prep_kernel(const struct dn_
  * are read as wmma fragments from wherever the kernel keeps them (leading
  * dimensions given). Warp (r, cc) = (warp / 2, warp % 2) owns one 16 x 16 tile
  * of vn and of o. */
-constexpr unsigned kDnSL = DN_SLICE + 4;
-
 /* vn tile = U - Wm @ St (u: U's slice, its column 0). */
 template <int DK>
 __device__ __forceinline__ void dn_state_vn(const float *wm, unsigned wl, const float *u,
@@ -1365,28 +1366,11 @@ __global__ void __launch_bounds__(DN_CK_THREADS) dn_state_kernel(const struct dn
  * and Kw with padded rows. */
 __host__ __device__ constexpr size_t dn_staged_smem_floats(uint32_t dk)
 {
-    return (size_t)dk * (DN_SLICE + 4) + 3 * (size_t)DN_CH * (DN_SLICE + 4) +
+    return (size_t)dk * kDnSL + 3 * (size_t)DN_CH * kDnSL +
            3 * (size_t)DN_CH * (dk + 4) + (size_t)DN_CH * (DN_CH + 4);
 }
 
 #ifdef DN_HAVE_TF32
-__device__ __forceinline__ void dn_cp16(float *dst, const float *src)
-{
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-}
-
-__device__ __forceinline__ void dn_cp_commit()
-{
-    asm volatile("cp.async.commit_group;");
-}
-
-/* All but the two newest groups of this thread's copies have landed. */
-__device__ __forceinline__ void dn_cp_wait2()
-{
-    asm volatile("cp.async.wait_group 2;" ::: "memory");
-}
-
 /* rows x cols floats (cols a multiple of 4, both ends 16-byte aligned) from
  * src (leading dimension sld) into shared dst (dld), by the block's threads. */
 __device__ __forceinline__ void dn_cp_rows(float *dst, unsigned dld, const float *src, size_t sld,
@@ -1395,7 +1379,7 @@ __device__ __forceinline__ void dn_cp_rows(float *dst, unsigned dld, const float
     const unsigned q = cols / 4;
     for (unsigned i = threadIdx.x; i < rows * q; i += DN_CK_THREADS) {
         const unsigned r = i / q, c4 = i - r * q;
-        dn_cp16(dst + r * dld + 4 * c4, src + r * sld + 4 * c4);
+        cp16(dst + r * dld + 4 * c4, src + r * sld + 4 * c4);
     }
 }
 #endif
@@ -1430,16 +1414,16 @@ __global__ void __launch_bounds__(DN_CK_THREADS, 1)
     auto copy_a = [&](const float *rec) {
         dn_cp_rows(wm, KL, rec + 2 * DN_CH * DK, DK, DN_CH, DK);
         dn_cp_rows(us, SL, rec + 3 * DN_CH * DK + j0, DV, DN_CH, DN_SLICE);
-        dn_cp_commit();
+        cp_commit();
     };
     auto copy_b = [&](const float *rec) {
         dn_cp_rows(qg, KL, rec, DK, DN_CH, DK);
         dn_cp_rows(as, AL, rec + 3 * DN_CH * DK + DN_CH * DV, DN_CH, DN_CH, DN_CH);
-        dn_cp_commit();
+        cp_commit();
     };
     auto copy_c = [&](const float *rec) {
         dn_cp_rows(kw, KL, rec + DN_CH * DK, DK, DN_CH, DK);
-        dn_cp_commit();
+        cp_commit();
     };
     copy_a(rec0);
     copy_b(rec0);
@@ -1448,32 +1432,32 @@ __global__ void __launch_bounds__(DN_CK_THREADS, 1)
     for (uint32_t c = 0; c < p.n_chunks; c++) {
         const float *rec = rec0 + c * rf;
         const float *next = c + 1 < p.n_chunks ? rec + rf : nullptr;
-        dn_cp_wait2();
+        cp_wait<2>();
         __syncthreads();
         dn_state_vn<DK>(wm, KL, us, SL, ss, vn);
         __syncthreads();
         if (next)
             copy_a(next);
         else
-            dn_cp_commit();
-        dn_cp_wait2();
+            cp_commit();
+        cp_wait<2>();
         __syncthreads();
         dn_state_o<DK>(qg, KL, as, AL, ss, vn, os);
         __syncthreads();
         if (next)
             copy_b(next);
         else
-            dn_cp_commit();
+            cp_commit();
         dn_state_y<DV>(p, os, c * DN_CH, h, j0);
         const float dec = rec[3 * DN_CH * DK + DN_CH * DV + DN_CH * DN_CH];
-        dn_cp_wait2();
+        cp_wait<2>();
         __syncthreads();
         dn_state_update<DK>(kw, KL, vn, ss, dec);
         __syncthreads();
         if (next)
             copy_c(next);
         else
-            dn_cp_commit();
+            cp_commit();
     }
     dn_state_slice<DK>(st, ss, false);
 #elif defined(__CUDA_ARCH__)

@@ -71,6 +71,7 @@ extern "C" {
 }
 
 #include "kernels/cuda/caps.h"
+#include "kernels/cuda/cp_async.cuh"
 
 namespace {
 
@@ -118,37 +119,6 @@ __device__ __forceinline__ uint32_t sub8(uint32_t v)
 __device__ __forceinline__ float i2f(int c)
 {
     return __int_as_float(c) - kMagicF;
-}
-
-__device__ __forceinline__ void cp16(void *dst, const void *src)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-#endif
-}
-
-__device__ __forceinline__ void cp8(void *dst, const void *src)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
-#endif
-}
-
-__device__ __forceinline__ void cp_commit()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-/* Waits until at most one group of this thread's copies is in flight. */
-__device__ __forceinline__ void cp_wait_one()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group 1;\n" ::);
-#endif
 }
 
 /* d = A (16x32, rows g and g+8 in a0/a2 and a1/a3) times B (32x8), plus
@@ -711,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
             stage<T, TL::BN, PRE>(smem + ((s + 1) & 1) * TL::STAGE, a, w, wt, aligned, row0, cols,
                                   pre, s + 1, tid);
         cp_commit();
-        cp_wait_one();
+        cp_wait<1>();
         __syncthreads();
         compute<T, WM, NT>(smem + (s & 1) * TL::STAGE, wm, wn, lane, acc);
         __syncthreads();
