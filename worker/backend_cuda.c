@@ -340,6 +340,14 @@ struct backend_cuda {
     bool shpair_on;                   /* LAMINA_CUDA_SHPAIR: the shared expert as pair k */
     bool norm_in_on;                  /* LAMINA_CUDA_NORM_IN: the residual add + norm after
                                        * a decode mixer formed by its consumers (cb_norm_in) */
+    bool rt_on;                       /* LAMINA_CUDA_OUT_ROUTER=1: with nin, the mixer's output
+                                       * product and the router in one launch
+                                       * (cuda_mvq_xq_router; cb_out_router) */
+    const struct cb_layer *rt_layer;  /* the layer whose output product may take its router */
+    uint32_t rt_l;
+    bool rt_done;                     /* ... and took it: cb_moe launches no router */
+    float *rt_part;                   /* the clusters' logit sums (scratch) */
+    size_t rt_part_floats;
     bool parts_on;                    /* LAMINA_CUDA_MMQ_PARTS: a prefill's stacked input
                                        * products in one launch (cb_mm_parts) */
     bool glu_on;                      /* LAMINA_CUDA_MMQ_GLU: a prefill's SiLU gate in the
@@ -766,6 +774,8 @@ static void cb_carve_scratch(struct backend_cuda *c)
     c->yq = cb_take(c, &off, cuda_mvq_xq_bytes(yqn) / sizeof(float) + 1);
     c->gq = cb_take(c, &off, (k + 1) * cuda_mvq_xq_bytes((F + 31) / 32 * 32) / sizeof(float) + 1);
     c->gs = cb_take(c, &off, 1);
+    c->rt_part_floats = cuda_mvq_router_part_floats(n, hp->n_expert);
+    c->rt_part = cb_take(c, &off, c->rt_part_floats);
     c->attn_ws_bytes = cuda_attention_decode_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
                                                       c->n_ctx);
     const size_t afw = cuda_attention_fused_ws_bytes(hp->n_head, hp->n_head_kv, (uint32_t)hd,
@@ -1337,9 +1347,17 @@ static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb
  * (cuda_deltanet_conv_heads_yq), with tail t or none: the int8 kernels
  * copy xq whatever the row's length (cuda_mvq_xq_tail), else cb_mm_tail
  * over X. */
+static int cb_out_router(struct backend_cuda *c, const char *label, const struct cb_mat *w,
+                         const int8_t *xq, float *Y);
+
 static int cb_mm_yq(struct backend_cuda *c, const char *label, const struct cb_mat *w,
                     const int8_t *xq, const float *X, float *Y, const struct cuda_tail *t)
 {
+    if (c->rt_layer && !t && Y == c->mix) { /* the router in this launch, where it takes it */
+        const int rc = cb_out_router(c, label, w, xq, Y);
+        if (rc != -ENOTSUP)
+            return rc;
+    }
     cb_probe_next(c, CB_PQ_OUT);
     const int rc = CB_K(c, label, cuda_mvq_xq_tail(w->type, w->d, w->row_bytes, w->n_out,
                                                    w->n_in, xq, Y, t, c->stream));
@@ -1879,16 +1897,64 @@ static int cb_moe_remote(struct backend_cuda *c, const struct cb_layer *L, uint3
  * product norms), the combine as one launch with the down product where
  * CB_TAIL_ROWS asks for it and it runs, else as COMBINE_COLS tails of the
  * down product where CB_TAIL_COLS asks and it takes them. */
+/* Whether layer L's decode MoE runs the shared expert as pair k of the routed products
+ * (its output row k of Y): one token, every expert here, its matrices allow it and the
+ * combine is no tail. */
+static bool cb_shpair(const struct backend_cuda *c, const struct cb_layer *L, uint32_t S)
+{
+    return S == 1 && L->n_resident == c->hp->n_expert && L->shpair && c->shpair_on &&
+           !(c->tails & CB_TAIL_COMBINE);
+}
+
+/* The decode router's arguments of layer L (l its index) where the row is formed from h
+ * and the mixer's output (nin: cb_norm_in): that row (*ni, with the shared expert's gate
+ * where the combine reads it from gs) and the top-k tail (*tk) into ids. */
+static void cb_router_args(struct backend_cuda *c, const struct cb_layer *L, uint32_t l,
+                           bool nin, int32_t *ids, struct cuda_norm_in *ni, struct cuda_tail *tk)
+{
+    const struct arch_hparams *hp = c->hp;
+    const bool gs = nin && c->gs_on && L->sh && L->shexp_gate;
+    *ni = (struct cuda_norm_in){
+        .h = c->h, .add = c->mix, .w = L->ffn_norm, .eps = hp->eps,
+        .gate = gs ? L->shexp_gate : NULL, .gs = gs ? c->gs : NULL,
+        .probe = c->probe ? c->probe + (size_t)(l - c->l0) * CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS
+                          : NULL};
+    *tk = (struct cuda_tail){.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
+                             .k = hp->n_expert_used, .ids = ids, .w = c->w,
+                             .mark_ids = c->ids_poll, .topk_rounds = c->topk_rounds,
+                             .topk_softmax = c->topk_softmax};
+}
+
+/* Layer c->rt_layer's decode output product (xq the mixer's output rounded) with the
+ * router in the same launch (cuda_mvq_xq_router): what the product and cb_moe's router
+ * launch would write, the logits summed in another order. -ENOTSUP (nothing launched,
+ * counted back) where it does not take them. */
+static int cb_out_router(struct backend_cuda *c, const char *label, const struct cb_mat *w,
+                         const int8_t *xq, float *Y)
+{
+    const struct cb_layer *L = c->rt_layer;
+    const struct cb_mat *r = &L->router;
+    struct cuda_norm_in ni;
+    struct cuda_tail tk;
+    cb_router_args(c, L, c->rt_l, true, cb_shpair(c, L, 1) ? c->ids_dec : c->ids, &ni, &tk);
+    const int rc = CB_K(c, label, cuda_mvq_xq_router(w->type, w->d, w->row_bytes, w->n_out,
+                                                     w->n_in, xq, Y, r->d, r->row_bytes,
+                                                     (uint32_t)r->n_out, &ni, c->xa, c->xq,
+                                                     c->rl, c->rt_part, c->rt_part_floats, &tk,
+                                                     c->stream));
+    if (rc == -ENOTSUP)
+        cb_unlaunch(c);
+    c->rt_done = rc == 0;
+    return rc;
+}
+
 static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, uint32_t S,
                   const float *next_norm, bool cols, bool nin)
 {
     const struct arch_hparams *hp = c->hp;
     const size_t n = hp->n_embd, k = hp->n_expert_used;
     const bool local = L->n_resident == hp->n_expert;
-    /* decode: the shared expert as pair k of the routed products (its output
-     * row k of Y), where its matrices allow and the combine is no tail */
-    const bool shpair = S == 1 && local && L->shpair && c->shpair_on &&
-                        !(c->tails & CB_TAIL_COMBINE);
+    const bool shpair = cb_shpair(c, L, S);
     /* else the shared expert runs beside the router and routed experts on
      * the side stream (a parallel branch of the graph); not when profiling */
     const bool fork = local && L->sh && !shpair && !c->prof;
@@ -1924,16 +1990,12 @@ static int cb_moe(struct backend_cuda *c, const struct cb_layer *L, uint32_t l, 
     /* and with the shared expert's gate summed by a block of its own (the combine reads
      * it: gs); nin's combine is cuda_moe_combine_early_mix's */
     const bool gs = nin && c->gs_on && L->sh && L->shexp_gate;
-    const struct cuda_norm_in ni = {
-        .h = c->h, .add = c->mix, .w = L->ffn_norm, .eps = hp->eps,
-        .gate = gs ? L->shexp_gate : NULL, .gs = gs ? c->gs : NULL,
-        .probe = c->probe ? c->probe + (size_t)(l - c->l0) * CUDA_PROBE_BLOCKS * CUDA_PROBE_SLOTS
-                          : NULL};
-    if (topk_tail) {
-        const struct cuda_tail tk = {.kind = CUDA_TAIL_TOPK, .counter = c->tail_ctr,
-                                     .k = (uint32_t)k, .ids = pr.ids, .w = c->w,
-                                     .mark_ids = c->ids_poll, .topk_rounds = c->topk_rounds,
-                                     .topk_softmax = c->topk_softmax};
+    struct cuda_norm_in ni;
+    struct cuda_tail tk;
+    cb_router_args(c, L, l, nin, pr.ids, &ni, &tk);
+    if (topk_tail && nin && c->rt_done) {
+        /* the output product's launch ran the router (cb_out_router) */
+    } else if (topk_tail) {
         const struct cb_mat *r = &L->router;
         rc = rc ? rc
              : nin ? CB_K(c, "moe.router", cuda_matvec_tail_norm_in(r->type, r->d, r->row_bytes,
@@ -2040,11 +2102,16 @@ static int cb_enqueue_layers(struct backend_cuda *c, uint32_t S, uint32_t pos0)
                                                          hp->eps, c->stream));
         struct cuda_tail tn;
         const bool nin = cb_norm_in(c, L, S, cols);
+        /* the output product may run the router (cb_out_router; not with the probe's marks) */
+        c->rt_layer = nin && c->rt_on && !c->probe ? L : NULL;
+        c->rt_l = l;
+        c->rt_done = false;
         const struct cuda_tail *tail = nin ? NULL : cb_norm_tail(c, L, S, &tn);
         if (!rc)
             rc = L->ly->recurrent ? cb_deltanet(c, L, S, tail, raw)
                                   : cb_attention(c, L, S, pos0, tail, raw);
         c->xq_ready = false; /* the layer's input product took it, or not */
+        c->rt_layer = NULL;
         if (!tail && !nin)
             rc = rc ? rc : CB_K(c, "add_norm", cuda_add_rmsnorm(c->h, c->mix, c->xa, L->ffn_norm,
                                                                 n, S, hp->eps, c->stream));
@@ -2817,6 +2884,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->shpair_on = !(sp && !strcmp(sp, "0"));
     const char *ni = getenv("LAMINA_CUDA_NORM_IN");
     c->norm_in_on = !(ni && !strcmp(ni, "0"));
+    const char *ort = getenv("LAMINA_CUDA_OUT_ROUTER");
+    c->rt_on = ort && !strcmp(ort, "1");
     const char *mp = getenv("LAMINA_CUDA_MMQ_PARTS");
     c->parts_on = !(mp && !strcmp(mp, "0"));
     const char *mg = getenv("LAMINA_CUDA_MMQ_GLU");
@@ -2839,6 +2908,18 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     if (rc) {
         cb_fini(b);
         return rc;
+    }
+    /* LAMINA_CUDA_OUT_ROUTER: whether each layer's output product takes its router, asked
+     * now (the launcher's first answer queries the device, which a graph capture must not
+     * be the first to do) */
+    for (uint32_t l = c->l0; l < c->l1 && c->rt_on; l++) {
+        const struct cb_layer *L = &c->layers[l - c->l0];
+        const struct cb_mat *w = L->ly->recurrent ? &L->out : &L->wo;
+        const bool ok = w->n_out && L->router.n_out &&
+                        cuda_mvq_router_ok(w->type, w->n_out, w->n_in, (uint32_t)L->router.n_out,
+                                           L->router.row_bytes);
+        log_debug("cuda: layer %u's output product %s its router (LAMINA_CUDA_OUT_ROUTER)", l,
+                  ok ? "takes" : "does not take");
     }
     log_info("cuda device %d: layers %u-%u, %u experts resident, %.1f MiB of device memory",
              c->device, c->l0, c->l1 - 1, b->resident_experts, b->mem_used / 1048576.0);

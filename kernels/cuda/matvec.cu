@@ -168,19 +168,7 @@ __device__ __forceinline__ void norm_in_row(const MvArgs &a, NormIn &r, float *s
         const uint32_t i = v0 + b * width;
         dv[b] = v0 < width && i < n ? __ldcg(a.nin_add + i) : 0.0f;
     }
-    float part[1] = {0.0f};
-#pragma unroll
-    for (int b = 0; b < kXsCols; b++) {
-        const uint32_t i = v0 + b * width;
-        if (v0 < width && i < n) {
-            float v = r.hv[b];
-            v += dv[b];
-            r.hv[b] = v;
-            part[0] += v * v;
-        }
-    }
-    const float sum = tail_vsum<1>(part, width, s_red);
-    const float scale = 1.0f / sqrtf(sum / (float)n + a.nin_eps);
+    const float scale = tail_add_norm_scale(r.hv, dv, n, width, a.nin_eps, s_red);
     if (v0 < width)
 #pragma unroll
         for (int b = 0; b < kXsCols; b++) {

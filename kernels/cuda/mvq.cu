@@ -47,9 +47,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <mutex>
+
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
+#include "kernels/cuda/cp_async.cuh"
 #include "kernels/cuda/mvq.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/tail.cuh"
@@ -120,6 +123,24 @@ struct MvqArgs {
     float nin_eps;                /* the product reads rmsnorm(h) * nin_w (NULL: 1) in */
     uint32_t nin_width;           /* cuda_rmsnorm_wide's tree of this width (0: off) */
     unsigned long long *probe;    /* cuda_mvq_probe_next's marks, or NULL */
+    /* RT (cuda_mvq_xq_router; plain products of one tile a block, clusters of kRtCluster):
+     * the layer's router in the mixer's output product. Each block forms its rows of
+     * x = h + y, sums rt_w's columns of those rows times g x for every expert, the cluster
+     * adds its blocks' sums (distributed shared memory) into rt_part, and the launch's
+     * last block forms the row rmsnorm(x) * g and its rounding (rt_xa, rt_xq), the shared
+     * expert's gate (rt_gs) and the logits (the clusters' sums times the norm's scale),
+     * then the top-k (tail: its TOPK tail's ids and weights) */
+    const float *rt_w;            /* router rows (F32), rt_ld floats apart, n_rows long */
+    size_t rt_ld;
+    uint32_t rt_e;                /* experts (rows of rt_w) */
+    const float *rt_h, *rt_g;     /* the residual row, the norm's weights (NULL: 1) */
+    float rt_eps;
+    uint32_t rt_width;            /* cuda_norm_threads(n_rows) */
+    const float *rt_gate;         /* the shared expert's gate (n_rows), or NULL */
+    float *rt_gs;
+    uint32_t rt_gate_width;       /* cuda_norm_wide_threads(n_rows) */
+    float *rt_xa, *rt_logits, *rt_part;
+    int8_t *rt_xq;
 };
 
 /* Mark i of this block (cuda_mvq_probe_next), by thread 0, in a build with
@@ -331,6 +352,215 @@ __device__ __forceinline__ void gq_round(const MvqArgs &a, uint32_t job, uint32_
 #endif
 }
 
+/* ---- RT: the router in the output product ------------------------------------ */
+
+constexpr int kRtCluster = 8;       /* blocks a cluster: their sums added in shared memory */
+constexpr uint32_t kRtMaxE = 2 * kThreads; /* experts: two a thread */
+constexpr uint32_t kRtMaxN = 2048;  /* the row: matvec.cu's norm-in bound (kXsMax) */
+constexpr int kRtCols = 8;          /* a norm thread's columns (matvec.cu's kXsCols) */
+
+/* The fewest rows of an RT launch's tiles (pick_rt: 16 or 32). */
+constexpr int kRtMinRows = 16;
+
+/* Shared memory an RT block of rpt-row tiles asks for past the row's levels (x_bytes): the
+ * router's columns of its rows, rpt floats an expert, thread t's experts t and t + kThreads
+ * (float4 j of slot m of thread t at float4 (m rpt / 4 + j) kThreads + t: a warp's reads are
+ * consecutive), later the last block's row (rt_tail, 8 KiB at most). */
+__host__ __device__ constexpr size_t rt_cols_bytes(uint32_t E, int rpt)
+{
+    return static_cast<size_t>(E > kThreads ? 2 : 1) * kThreads * rpt * sizeof(float);
+}
+
+static_assert(rt_cols_bytes(1, kRtMinRows) >= kRtMaxN * sizeof(float),
+              "the last block's row fits in its router columns' place");
+
+/* What a block holds from before its wait (threads t < its rows): h and g of its row t. */
+struct RtEarly {
+    float h, g;
+};
+
+/* Every thread, before the wait: its experts' columns of the block's rows copied into
+ * s_rw (cp.async, 16 bytes at a time: the rows and the tile's first row are multiples of 4
+ * floats; columns past the rows and experts past E zero), h and g of its row. */
+template <int RPT>
+__device__ __forceinline__ void rt_early(const MvqArgs &a, uint32_t r0, float *s_rw, RtEarly &e)
+{
+    const uint32_t t = threadIdx.x;
+    for (int m = 0; m < (a.rt_e > kThreads ? 2 : 1); m++) {
+        const uint32_t x = t + m * kThreads;
+        const float *src = a.rt_w + static_cast<size_t>(x < a.rt_e ? x : 0) * a.rt_ld + r0;
+        float4 *dst = reinterpret_cast<float4 *>(s_rw) + static_cast<size_t>(m) * (RPT / 4) *
+                                                             kThreads + t;
+#pragma unroll
+        for (int j = 0; j < RPT; j += 4) {
+            if (x < a.rt_e && r0 + j < a.n_rows)
+                cp16(dst + (j / 4) * kThreads, src + j);
+            else
+                dst[(j / 4) * kThreads] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    cp_commit();
+    const bool in = t < static_cast<uint32_t>(RPT) && r0 + t < a.n_rows;
+    e.h = in ? __ldcg(a.rt_h + r0 + t) : 0.0f;
+    e.g = in && a.rt_g ? a.rt_g[r0 + t] : 1.0f;
+}
+
+/* The launch's last block (every thread; s_x: room for the row, the block's spent router
+ * columns): the row and its norm as matvec.cu's norm_in_row
+ * forms them (thread t's columns t, t + width, ... of x = h + y, the same sums, tree and
+ * expressions: the bits of cuda_matvec_tail_norm_in's xout and xq), the logits (each
+ * expert's cluster sums in cluster order, times the norm's scale) and, by warp 0, their
+ * top k (router_topk_warp); warps 1-7 meanwhile write the row and its rounding and sum the
+ * shared expert's gate as norm_in_gate does (its virtual warps' sums, then one butterfly
+ * over them: the same bits). */
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 /* rt_finish's, which runs on sm_90 */
+__device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
+{
+    __shared__ float s_red[32], s_gw[32];
+    __shared__ uint64_t s_pick[32];
+    const uint32_t n = a.n_rows, width = a.rt_width, t = threadIdx.x, E = a.rt_e;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint32_t clusters = gridDim.x / kRtCluster;
+    float acc[2] = {0.0f, 0.0f};
+    float hv[kRtCols], dv[kRtCols];
+#pragma unroll
+    for (int b = 0; b < kRtCols; b++) {
+        const uint32_t i = t + b * width;
+        const bool in = t < width && i < n;
+        hv[b] = in ? __ldcg(a.rt_h + i) : 0.0f;
+        dv[b] = in ? __ldcg(a.y + i) : 0.0f;
+    }
+    for (uint32_t c = 0; c < clusters; c++)
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const uint32_t x = t + m * kThreads;
+            if (x < E)
+                acc[m] += __ldcg(a.rt_part + static_cast<size_t>(c) * E + x);
+        }
+    const float scale = tail_add_norm_scale(hv, dv, n, width, a.rt_eps, s_red);
+    if (t < width)
+#pragma unroll
+        for (int b = 0; b < kRtCols; b++) {
+            const uint32_t i = t + b * width;
+            if (i < n) {
+                const float v = hv[b] * scale;
+                s_x[i] = a.rt_g ? v * a.rt_g[i] : v;
+            }
+        }
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        const uint32_t x = t + m * kThreads;
+        if (x < E)
+            a.rt_logits[x] = acc[m] * scale;
+    }
+    __syncthreads(); /* the row in s_x, the logits written (read through L2 below) */
+    if (warp == 0) {
+        router_topk_warp(a.rt_logits, E, a.tail.t.k, a.tail.t.ids, a.tail.t.w, s_pick,
+                         a.tail.t.topk_rounds, nullptr, a.tail.t.topk_softmax);
+        return;
+    }
+    int8_t *xl = a.rt_xq;
+    float *xd = xl ? reinterpret_cast<float *>(xl + n) : nullptr;
+    for (uint32_t bb = warp - 1; bb < n / 32; bb += kWarps - 1) {
+        const float o = s_x[bb * 32 + lane];
+        if (a.rt_xa)
+            a.rt_xa[bb * 32 + lane] = o;
+        if (xl)
+            mvq::round_block(o, bb, true, xl, xd, xd + n / 32);
+    }
+    if (!a.rt_gate)
+        return;
+    const uint32_t gw = a.rt_gate_width;
+    for (uint32_t vw = warp - 1; vw < gw / 32; vw += kWarps - 1) {
+        float d = 0.0f;
+        for (uint32_t j = vw * 32 + lane; j < n; j += gw)
+            d += a.rt_gate[j] * s_x[j];
+        d = ops_warp_sum(d);
+        if (lane == 0)
+            s_gw[vw] = d;
+    }
+    /* warps 1-7 only (warp 0 picks): a named barrier of their threads */
+    asm volatile("bar.sync 1, %0;" ::"r"((kWarps - 1) * 32) : "memory");
+    if (warp == 1) {
+        float v = static_cast<uint32_t>(lane) < gw / 32 ? s_gw[lane] : 0.0f;
+        v = ops_warp_sum(v);
+        if (lane == 0)
+            *a.rt_gs = 1.0f / (1.0f + expf(-v));
+    }
+}
+#endif
+
+/* Every thread of every block, after its rows are stored (s_out: the tile's outputs):
+ * the block's sums, the cluster's, the count; the last block runs rt_tail. */
+template <int RPT>
+__device__ __forceinline__ void rt_finish(const MvqArgs &a, const RtEarly &e, float *s_rw,
+                                          const float *s_out)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    __shared__ float s_gx[RPT];
+    __shared__ __align__(16) float s_p[kRtMaxE];
+    __shared__ unsigned int s_last;
+    const uint32_t t = threadIdx.x, E = a.rt_e;
+    const uint32_t r0 = blockIdx.x * static_cast<uint32_t>(RPT);
+    __syncthreads(); /* the tile's outputs in s_out */
+    if (t < static_cast<uint32_t>(RPT)) { /* x = h + y as norm_in_row adds them */
+        float v = e.h;
+        v += r0 + t < a.n_rows ? s_out[t] : 0.0f;
+        s_gx[t] = v * e.g;
+    }
+    cp_wait<0>(); /* this thread's columns (it copied them), before the barrier */
+    __syncthreads();
+    for (int m = 0; m < (E > kThreads ? 2 : 1); m++) {
+        const uint32_t x = t + m * kThreads;
+        const float4 *w4 = reinterpret_cast<const float4 *>(s_rw) +
+                           static_cast<size_t>(m) * (RPT / 4) * kThreads + t;
+        float p = 0.0f;
+#pragma unroll
+        for (int j = 0; j < RPT / 4; j++) {
+            const float4 w = w4[j * kThreads];
+            p = fmaf(w.x, s_gx[4 * j], p);
+            p = fmaf(w.y, s_gx[4 * j + 1], p);
+            p = fmaf(w.z, s_gx[4 * j + 2], p);
+            p = fmaf(w.w, s_gx[4 * j + 3], p);
+        }
+        if (x < E)
+            s_p[x] = p;
+    }
+    cluster_arrive(true);
+    cluster_wait(true);
+    const cg::cluster_group cl = cg::this_cluster();
+    const uint32_t rank = cl.block_rank(), per = E / kRtCluster;
+    if (t < per) { /* experts rank * per + t: the cluster's blocks in rank order */
+        const uint32_t x = rank * per + t;
+        float v = 0.0f;
+#pragma unroll
+        for (int q = 0; q < kRtCluster; q++)
+            v += cl.map_shared_rank(s_p, q)[x];
+        a.rt_part[static_cast<size_t>(blockIdx.x / kRtCluster) * E + x] = v;
+    }
+    cluster_arrive(true); /* this block's reads of the others' sums are done */
+    __threadfence();      /* its sums before its arrival */
+    __syncthreads();
+    if (t == 0) {
+        s_last = atomicAdd(a.tail.t.counter, 1u) + 1u == gridDim.x;
+        if (s_last)
+            *a.tail.t.counter = 0; /* every block has arrived: ready for the next launch */
+    }
+    __syncthreads();
+    if (s_last) {
+        __threadfence(); /* the other blocks' sums and rows, through L2 (__ldcg) */
+        rt_tail(a, s_rw); /* the columns are spent: the row in their place */
+    }
+    cluster_wait(false); /* the cluster's reads of this block's sums are done before it exits */
+#else
+    (void)a;
+    (void)e;
+    (void)s_rw;
+    (void)s_out;
+#endif
+}
+
 /* MINB: blocks per SM the registers must allow (3 for expert products: the
  * decode's pairs then fit one wave on an H200, 2 blocks per SM took two). */
 /* GQ (with ST, 32-row tiles, launched as clusters of 2 blocks): a gate/up
@@ -339,7 +569,8 @@ __device__ __forceinline__ void gq_round(const MvqArgs &a, uint32_t job, uint32_
  * distributed shared memory, which writes silu(gate) * up rounded for the
  * down product (gq; what the down product's glu rounding gives, the same
  * bits) besides y. */
-template <int TYPE, int G, int U, int R, bool TAIL, int MINB, bool ST, bool GQ = false>
+template <int TYPE, int G, int U, int R, bool TAIL, int MINB, bool ST, bool GQ = false,
+          bool RT = false>
 __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -363,6 +594,14 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     const uint32_t n_tiles = (a.n_rows + (kThreads / G) * R - 1) / ((kThreads / G) * R);
     uint32_t tile = GQ ? (blockIdx.x >> 1) + (blockIdx.x & 1) * a.gq_half : blockIdx.x;
     uint32_t row0 = (tile * (kThreads / G) + grp) * R;
+    /* RT: one tile a block (the launcher's promise), its outputs kept for the router */
+    constexpr int RPT = (kThreads / G) * R;
+    [[maybe_unused]] __shared__ float s_out[RT ? RPT : 1];
+    [[maybe_unused]] RtEarly re;
+    static_assert(!RT || (RPT % 4 == 0 && RPT >= kRtMinRows), "RT tiles of whole float4s");
+    /* RT: the router's columns past the row's levels (rt_cols_bytes) */
+    [[maybe_unused]] float *s_rw =
+        reinterpret_cast<float *>(reinterpret_cast<uint8_t *>(s_dyn) + (a.nb * 40 + 15) / 16 * 16);
     /* ST: the tile after the activations' levels, scales and sums, copied
      * from the 16-byte boundary at or before its first byte (so its bytes
      * keep their place modulo 16, and each lane's words and shifts are those
@@ -486,6 +725,13 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         if (threadIdx.x == 0)
             prefetch_rows(a, (kThreads / G) * R, n_tiles);
         issue_first();
+        if constexpr (RT) {
+            if (blockIdx.x == 0 && threadIdx.x == 0 && a.rt_gate)
+                pdl_prefetch_l2(a.rt_gate, a.n_rows * sizeof(float));
+            if (blockIdx.x == 1 && threadIdx.x == 0 && a.rt_g)
+                pdl_prefetch_l2(a.rt_g, a.n_rows * sizeof(float));
+            rt_early<RPT>(a, blockIdx.x * RPT, s_rw, re);
+        }
     } else if (a.early) {
         e = __ldcg(a.ids + job);
         w = e >= 0 && static_cast<uint32_t>(e) < a.n_table
@@ -540,7 +786,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         prep_x();
     pdl_wait();
     probe_mark(a, CUDA_PROBE_MVQ_WAITED);
-    if constexpr (TAIL) /* a quantized router's top-k tail marks its ids as matvec.cu's does */
+    if constexpr (TAIL || RT) /* a quantized router's top-k tail marks its ids as matvec.cu's
+                               * does; RT's top-k too */
         tail_mark_ids(a.tail);
     pdl_trigger();
     if (a.ids) {
@@ -648,6 +895,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         y[row0 + sub] = out;
         if constexpr (GQ)
             gq_put(out, grp * R + sub);
+        if constexpr (RT)
+            s_out[grp * R + sub] = out;
     }
     }
     if constexpr (GQ)
@@ -659,6 +908,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     probe_mark(a, CUDA_PROBE_MVQ_STORED);
     if constexpr (TAIL) /* its own instantiation: the others keep their registers */
         tail_finish<true>(a.tail, gs, a.early);
+    if constexpr (RT)
+        rt_finish<RPT>(a, re, s_rw, s_out);
     probe_mark(a, CUDA_PROBE_MVQ_END);
 }
 
@@ -752,6 +1003,123 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
         return -EIO;
     }
     return 0;
+}
+
+/* Whether a cluster of kRtCluster blocks of an RT kernel with smem bytes of dynamic shared
+ * memory (its static too) fits the current device: the driver's answer, kept a kernel, size
+ * and device (a table under a lock; past its size the driver is asked each time). */
+bool rt_cluster_fits(const void *kernel, size_t smem)
+{
+    struct Fit {
+        int dev;
+        const void *kernel;
+        size_t smem;
+        bool fits;
+    };
+    static Fit fits[32];
+    static int n_fits;
+    static std::mutex mu;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    for (int i = 0; i < n_fits; i++)
+        if (fits[i].dev == dev && fits[i].kernel == kernel && fits[i].smem == smem)
+            return fits[i].fits;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kRtCluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(kRtCluster, 1);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const bool ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess &&
+                    clusters >= 1;
+    if (!ok) {
+        (void)cudaGetLastError();
+        log_debug("cuda mvq router: no cluster of %d blocks with %zu bytes of dynamic shared "
+                  "memory fits device %d", kRtCluster, smem, dev);
+    }
+    if (n_fits < static_cast<int>(sizeof fits / sizeof fits[0]))
+        fits[n_fits++] = Fit{dev, kernel, smem, ok};
+    return ok;
+}
+
+/* RT (cuda_mvq_xq_router): one tile of (kThreads / G) * R rows a block, the grid
+ * rounded up to whole clusters (blocks past the rows add nothing). A row's bits depend on
+ * G alone (its lanes take blocks sub, sub + G, ... in order, whatever U and R), so they are
+ * those of cuda_mvq_xq_tail's launch. */
+template <int TYPE, int G, int U, int R>
+int go_rt(const MvqArgs &args, cudaStream_t stream, bool dry)
+{
+    MvqArgs a = args;
+    a.probe = nullptr;
+    constexpr uint32_t rows_per_block = (kThreads / G) * R;
+    const uint32_t tiles = (a.n_rows + rows_per_block - 1) / rows_per_block;
+    const uint32_t blocks = (tiles + kRtCluster - 1) / kRtCluster * kRtCluster;
+    a.tail.rows_per_tile = rows_per_block;
+    a.tail.n_tiles = tiles;
+    const size_t smem =
+        (static_cast<size_t>(a.nb) * 40 + 15) / 16 * 16 + rt_cols_bytes(a.rt_e, rows_per_block);
+    last_tma = false;
+    const auto kernel = mvq_kernel<TYPE, G, U, R, false, 2, false, false, true>;
+    /* a cluster of these blocks must fit the device (asked once a form, size and device,
+     * first by cuda_mvq_router_ok's dry run before any graph capture): else the caller's
+     * two launches */
+    if (!cuda_caps_fits_default(reinterpret_cast<const void *>(kernel), smem) ||
+        !rt_cluster_fits(reinterpret_cast<const void *>(kernel), smem))
+        return -ENOTSUP;
+    if (dry)
+        return 0;
+    pdl_launch_cluster(kernel, dim3(blocks, 1), kThreads, kRtCluster, smem, stream, a);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        log_error("cuda mvq router: kernel launch failed: %s", cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+/* The RT forms built: rows of at most 4 blocks a lane (mvq::lanes_per_row's lanes; 4096
+ * elements at 32 lanes), U = 2 or 4 blocks a lane a pass, tiles of 16 rows (32 at 8 lanes),
+ * two blocks an SM (so that whole clusters find room beside the launch before). -ENOTSUP
+ * for longer rows. */
+template <int TYPE>
+int pick_rt(const MvqArgs &a, cudaStream_t stream, bool dry)
+{
+    const uint32_t g = mvq::lanes_per_row(a.nb);
+    if (a.nb > 4 * g)
+        return -ENOTSUP;
+    if (g == 8)
+        return go_rt<TYPE, 8, 2, 1>(a, stream, dry);
+    if (g == 16)
+        return go_rt<TYPE, 16, 2, 1>(a, stream, dry);
+    /* Q8_0 rows in two passes (U 2): the registers of two blocks an SM without spills */
+    if constexpr (TYPE == QUANT_TYPE_Q8_0) {
+        return go_rt<TYPE, 32, 2, 2>(a, stream, dry);
+    } else {
+        if (a.nb <= 2 * 32)
+            return go_rt<TYPE, 32, 2, 2>(a, stream, dry);
+        return go_rt<TYPE, 32, 4, 2>(a, stream, dry);
+    }
+}
+
+/* RT: the form that takes these rows (a.nb, a.rt_e); dry: only whether its clusters fit
+ * the device (nothing launched). */
+int dispatch_rt(uint32_t type, const MvqArgs &a, cudaStream_t stream, bool dry)
+{
+    switch (type) {
+    case QUANT_TYPE_Q4_0: return pick_rt<QUANT_TYPE_Q4_0>(a, stream, dry);
+    case QUANT_TYPE_Q8_0: return pick_rt<QUANT_TYPE_Q8_0>(a, stream, dry);
+    default: return -ENOTSUP;
+    }
 }
 
 /* Lanes per row from the blocks per row; blocks per lane per pass U (all
@@ -949,6 +1317,92 @@ extern "C" int cuda_mvq_xq_tail(uint32_t type, const void *d_w, size_t row_bytes
     a.xq = d_xq;
     a.tail = tail_args(t, d_y, n_rows);
     return dispatch(type, a, 1, stream);
+}
+
+extern "C" size_t cuda_mvq_router_part_floats(uint64_t n_rows, uint32_t E)
+{
+    /* tiles of kRtMinRows rows or more (pick_rt), whole clusters */
+    const uint64_t tiles = (n_rows + kRtMinRows - 1) / kRtMinRows;
+    return static_cast<size_t>((tiles + kRtCluster - 1) / kRtCluster) * E;
+}
+
+extern "C" bool cuda_mvq_router_ok(uint32_t type, uint64_t n_rows, uint64_t n, uint32_t E,
+                                   size_t r_row_bytes)
+{
+    const uint32_t nb = static_cast<uint32_t>(n / 32);
+    const int rpt = mvq::lanes_per_row(nb) == 8 ? 32 : kRtMinRows; /* pick_rt's tiles */
+    MvqArgs a = MvqArgs{}; /* the dry run's: the form, its shared memory */
+    a.n_rows = static_cast<uint32_t>(n_rows);
+    a.nb = nb;
+    a.rt_e = E;
+    return device_sm90() && cuda_mvq_xq_ok(type, n_rows, n) &&
+           nb <= 4 * mvq::lanes_per_row(nb) &&
+           (static_cast<size_t>(nb) * 40 + 15) / 16 * 16 + rt_cols_bytes(E, rpt) <= 48 * 1024 &&
+           n_rows <= kRtMaxN && E >= static_cast<uint32_t>(kRtCluster) &&
+           E <= kRtMaxE && E <= ROUTER_MAX_E && E % kRtCluster == 0 &&
+           cuda_matvec_norm_in_ok(QUANT_TYPE_F32, E, n_rows, r_row_bytes) &&
+           cuda_norm_threads(static_cast<uint32_t>(n_rows)) <= kThreads &&
+           (n_rows + cuda_norm_threads(static_cast<uint32_t>(n_rows)) - 1) /
+                   cuda_norm_threads(static_cast<uint32_t>(n_rows)) <=
+               static_cast<uint64_t>(kRtCols) &&
+           cuda_norm_wide_threads(static_cast<uint32_t>(n_rows)) <= 1024 &&
+           dispatch_rt(type, a, nullptr, true) == 0;
+}
+
+extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_bytes,
+                                  uint64_t n_rows, uint64_t n, const int8_t *d_xq, float *d_y,
+                                  const void *d_rw, size_t r_row_bytes, uint32_t E,
+                                  const struct cuda_norm_in *nin, float *d_xout,
+                                  int8_t *d_xq_out, float *d_logits, float *d_part,
+                                  size_t part_floats, const struct cuda_tail *t,
+                                  cudaStream_t stream)
+{
+    const char *what = "cuda mvq_xq_router";
+    MvqArgs a;
+    if (!cuda_mvq_router_ok(type, n_rows, n, E, r_row_bytes) || !d_rw ||
+        reinterpret_cast<uintptr_t>(d_rw) % 16 || !d_xq ||
+        reinterpret_cast<uintptr_t>(d_xq) % 16 ||
+        !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
+                    false, d_y, &a))
+        return -ENOTSUP;
+    if (!t || t->kind != CUDA_TAIL_TOPK || !cuda_tail_ok(t, E) || !t->counter || !t->ids ||
+        !t->w || t->k > E) {
+        log_error("%s: the top-k tail is missing or bad", what);
+        return -EINVAL;
+    }
+    if (!nin || !nin->h || nin->add != d_y || !d_logits || !d_part ||
+        part_floats < cuda_mvq_router_part_floats(n_rows, E) || !nin->gate != !nin->gs ||
+        (reinterpret_cast<uintptr_t>(nin->h) | reinterpret_cast<uintptr_t>(d_xout) |
+         reinterpret_cast<uintptr_t>(d_logits) | reinterpret_cast<uintptr_t>(d_part) |
+         reinterpret_cast<uintptr_t>(nin->gate) | reinterpret_cast<uintptr_t>(nin->gs)) & 3 ||
+        reinterpret_cast<uintptr_t>(d_xq_out) % 16) {
+        log_error("%s: bad buffers (h %p add %p y %p out %p logits %p part %p (%zu floats) "
+                  "gate %p gs %p)",
+                  what, nin ? static_cast<const void *>(nin->h) : nullptr,
+                  nin ? static_cast<const void *>(nin->add) : nullptr, static_cast<void *>(d_y),
+                  static_cast<void *>(d_xout), static_cast<void *>(d_logits),
+                  static_cast<void *>(d_part), part_floats,
+                  nin ? static_cast<const void *>(nin->gate) : nullptr,
+                  nin ? static_cast<void *>(nin->gs) : nullptr);
+        return -EINVAL;
+    }
+    a.xq = d_xq;
+    a.tail = tail_args(t, d_logits, E);
+    a.rt_w = static_cast<const float *>(d_rw);
+    a.rt_ld = r_row_bytes / sizeof(float);
+    a.rt_e = E;
+    a.rt_h = nin->h;
+    a.rt_g = nin->w;
+    a.rt_eps = nin->eps;
+    a.rt_width = cuda_norm_threads(static_cast<uint32_t>(n_rows));
+    a.rt_gate = nin->gate;
+    a.rt_gs = nin->gs;
+    a.rt_gate_width = cuda_norm_wide_threads(static_cast<uint32_t>(n_rows));
+    a.rt_xa = d_xout;
+    a.rt_xq = d_xq_out;
+    a.rt_logits = d_logits;
+    a.rt_part = d_part;
+    return dispatch_rt(type, a, stream, false);
 }
 
 extern "C" int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,

@@ -78,6 +78,34 @@ static __device__ __forceinline__ float tail_vsum(const float (&part)[M], uint32
     return v;
 }
 
+/* A residual add + norm's scale over a row of n formed by a block as cuda_add_rmsnorm's
+ * threads form it (norm_rows_kernel<true>): thread t (< width) owns columns t, t + width,
+ * ... (at most COLS), adds dv[b] into hv[b] in place, sums the squares in that order and
+ * the block's sums by ops_block_sum's tree (tail_vsum); returns 1 / sqrt(mean + eps). Every
+ * thread of the block calls it (matvec.cu's norm-in rows, mvq.cu's router in the output
+ * product: the same bits). */
+template <int COLS>
+static __device__ __forceinline__ float tail_add_norm_scale(float (&hv)[COLS],
+                                                            const float (&dv)[COLS], uint32_t n,
+                                                            uint32_t width, float eps,
+                                                            float *s_red)
+{
+    const uint32_t v0 = threadIdx.x;
+    float part[1] = {0.0f};
+#pragma unroll
+    for (int b = 0; b < COLS; b++) {
+        const uint32_t i = v0 + b * width;
+        if (v0 < width && i < n) {
+            float v = hv[b];
+            v += dv[b];
+            hv[b] = v;
+            part[0] += v * v;
+        }
+    }
+    const float sum = tail_vsum<1>(part, width, s_red);
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
 /* Loads in flight per thread in the residual norm's column loops (more
  * spill registers in the 64-register f32-activation products). */
 constexpr int kTailBatch = 4;

@@ -156,6 +156,30 @@ int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t row_bytes, u
                              int8_t *d_xq, float *d_y, const struct cuda_tail *t,
                              cudaStream_t stream);
 
+/* The decode output product of a mixer and the layer's router in one launch (sm_90,
+ * thread block clusters): d_y = W xq (cuda_mvq_xq_tail without a tail: the same bits),
+ * then what cuda_matvec_tail_norm_in of the F32 router d_rw (E rows of n_rows) over
+ * nin (nin->add must be d_y) with the TOPK tail t would write: d_xout, d_xq_out and
+ * *nin->gs the same bits, d_logits and t's ids and weights from logits summed in another
+ * order (each block's rows of x = h + y times g, summed a cluster at a time into d_part,
+ * the clusters' sums times the norm's scale): within rounding of the router's, so the
+ * picks may differ where two logits are that close. No launch boundary between the
+ * product and the router: a decode layer's mixer output and router in one kernel.
+ * d_rw: F32 rows (a router; cuda_matvec_norm_in_ok's). nin->h, nin->w and d_rw are read
+ * before the kernel's PDL wait: h must have been written two or more launches back
+ * (kernels/cuda/pdl.cuh). d_part: scratch of at least cuda_mvq_router_part_floats(n_rows,
+ * E) floats. The counter as the tails' (0 before and after). -ENOTSUP (nothing launched) where
+ * cuda_mvq_router_ok is false or a buffer is unaligned for the products (xq, d_rw: 16
+ * bytes); -EINVAL for a missing or bad tail or buffers (logged); -EIO for a failed launch. */
+bool cuda_mvq_router_ok(uint32_t type, uint64_t n_rows, uint64_t n, uint32_t E,
+                        size_t r_row_bytes);
+size_t cuda_mvq_router_part_floats(uint64_t n_rows, uint32_t E);
+int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                       uint64_t n, const int8_t *d_xq, float *d_y, const void *d_rw,
+                       size_t r_row_bytes, uint32_t E, const struct cuda_norm_in *nin,
+                       float *d_xout, int8_t *d_xq_out, float *d_logits, float *d_part,
+                       size_t part_floats, const struct cuda_tail *t, cudaStream_t stream);
+
 /* cuda_mvq_experts_glu (mvq.h) for the k pairs of one token, then a
  * COMBINE tail over their rows (d_Y, ldy = n_rows = the tail's n), or a
  * COMBINE_COLS tail (n_pairs k, or k + 1 with so = d_Y + k n_rows); t NULL

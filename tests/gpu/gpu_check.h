@@ -12,6 +12,8 @@
 
 #include <cuda_runtime.h>
 
+#include "model/quant.h"
+
 /* A failed CUDA call ends the test: nothing after it can be trusted. */
 #define CU(expr)                                                                                   \
     do {                                                                                           \
@@ -74,6 +76,83 @@ static inline void *dev_bytes(const void *h, size_t bytes)
 static inline float *dev_floats(const float *h, size_t count)
 {
     return (float *)dev_bytes(h, count * sizeof(float));
+}
+
+/* rows random rows of n of a quantized type on the device (quant_row_size bytes a row, 16
+ * bytes of slack): element j of a row uniform in [-1, 1) times 1 + j % 7, so that a
+ * row's blocks have different scales. */
+static inline void *dev_quant_rows(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
+{
+    const size_t rb = quant_row_size(type, n);
+    uint8_t *h = (uint8_t *)xmalloc(rows * rb);
+    float *f = (float *)xmalloc(n * sizeof(float));
+    for (uint64_t i = 0; i < rows; i++) {
+        for (uint64_t j = 0; j < n; j++)
+            f[j] = rng_float(r) * (1.0f + (float)(j % 7));
+        if (quant_quantize_row(type, f, h + i * rb, n)) {
+            fprintf(stderr, "quantize failed\n");
+            exit(1);
+        }
+    }
+    void *d = dev_bytes(h, rows * rb);
+    free(h);
+    free(f);
+    return d;
+}
+
+/* Fills bytes bytes at d with 0xC3 (outputs poisoned before a run). */
+static inline void dev_poison_bytes(void *d, size_t bytes)
+{
+    CU(cudaMemset(d, 0xC3, bytes));
+}
+
+/* The value of a device counter (a tail's: 0 between launches). */
+static inline unsigned int dev_counter(const unsigned int *d)
+{
+    unsigned int v;
+    CU(cudaMemcpy(&v, d, sizeof(v), cudaMemcpyDeviceToHost));
+    return v;
+}
+
+static inline int gpu_cmp_f(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median over 20 replays of a graph of `copies` captured calls of fn, in
+ * us per call. */
+static inline float graph_median_us(void (*fn)(void *, cudaStream_t), void *arg, int copies)
+{
+    cudaStream_t s;
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < copies; i++)
+        fn(arg, s);
+    CU(cudaStreamEndCapture(s, &g));
+    CU(cudaGraphInstantiate(&ge, g, 0));
+    cudaEvent_t a, b;
+    CU(cudaEventCreate(&a));
+    CU(cudaEventCreate(&b));
+    for (int i = 0; i < 3; i++)
+        CU(cudaGraphLaunch(ge, s));
+    float t[20];
+    for (int i = 0; i < 20; i++) {
+        CU(cudaEventRecord(a, s));
+        CU(cudaGraphLaunch(ge, s));
+        CU(cudaEventRecord(b, s));
+        CU(cudaEventSynchronize(b));
+        CU(cudaEventElapsedTime(&t[i], a, b));
+    }
+    qsort(t, 20, sizeof(float), gpu_cmp_f);
+    CU(cudaGraphExecDestroy(ge));
+    CU(cudaGraphDestroy(g));
+    CU(cudaEventDestroy(a));
+    CU(cudaEventDestroy(b));
+    CU(cudaStreamDestroy(s));
+    return t[10] * 1000.0f / (float)copies;
 }
 
 #endif

@@ -56,6 +56,9 @@
  *     instead of the gate/up product's clusters (LAMINA_CUDA_GQ=0): byte-identical;
  *   - the same with the combine summing the shared expert's gate instead of the
  *     router's launch (LAMINA_CUDA_GS=0): byte-identical;
+ *   - the same with LAMINA_CUDA_OUT_ROUTER=1 (the output product and router in
+ *     one launch, which extends the int8 products and declines f32 weights):
+ *     byte-identical;
  *   - half the experts resident, the rest computed by a remote implemented
  *     here with expert_exec on the CPU: within the bound, rows really sent;
  *   - the layers split over two cuda backends: within the bound;
@@ -87,7 +90,9 @@
  *     byte-identical, and one kernel a layer fewer than when it declines
  *     (LAMINA_CUDA_EARLY=0: it ran in every layer); the gate/up product's
  *     activations rounded after its PDL wait (LAMINA_CUDA_X_EARLY=0) instead
- *     of before: byte-identical;
+ *     of before: byte-identical; the output product with the router in one
+ *     launch asked for (LAMINA_CUDA_OUT_ROUTER=1) where it declines (output
+ *     rows the int8 products do not take): byte-identical, the same kernels;
  *   - an 80b-a3b-shaped Q4_0 qwen3next of four layers: the decode input
  *     products reading the rows the combine rounded (xq) against rounding
  *     xa themselves (LAMINA_CUDA_XQ=0): byte-identical; the split conv +
@@ -106,7 +111,10 @@
  *     the f32 kernels over y (LAMINA_CUDA_YQ=0): the prompt's logits the
  *     same, the decode steps' changed (it ran), and no further from the
  *     cpu backend's (max |diff| within twice that of the f32 kernels' +
- *     1e-3 of the largest logit, over the rows whose arg-max agree);
+ *     1e-3 of the largest logit, over the rows whose arg-max agree); the
+ *     output product with the router in one launch (LAMINA_CUDA_OUT_ROUTER=1,
+ *     sm_90; the cpu's tokens fed): within twice the default's distance to
+ *     the cpu + 1e-3 of the largest logit, a kernel fewer in every layer;
  *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
@@ -791,6 +799,13 @@ static void tbc_arch_run(struct tbc_arch *a)
         CHECK(!memcmp(gpu, tmp, sz), "%s: cuda %s differs (max %.3g)", a->name,
               offs[k].what, tbc_maxdiff(gpu, tmp, a->rows * a->V));
     }
+    /* the output product with the router in one launch (opt-in): the f32 products here
+     * are not the int8 kernels it extends, so it declines: the default's bits */
+    setenv("LAMINA_CUDA_OUT_ROUTER", "1", 1);
+    tbc_run(a, "cuda", tbc_config(a, 0, L, TBC_BATCH), tmp, NULL);
+    unsetenv("LAMINA_CUDA_OUT_ROUTER");
+    CHECK(!memcmp(gpu, tmp, sz), "%s: cuda with LAMINA_CUDA_OUT_ROUTER=1 (declined over f32 "
+          "weights) differs (max %.3g)", a->name, tbc_maxdiff(gpu, tmp, a->rows * a->V));
     char line[2048];
     int at = snprintf(line, sizeof(line), "%s decode ms/token (layers only, mean of %d): cpu %.3f, "
                       "cuda graph %.3f", a->name, TBC_TIMED, ms_cpu, ms_graph);
@@ -1092,6 +1107,17 @@ static void tbc_shpair(void)
                     "byte-identical to the default; %llu kernels a decode step against %llu "
                     "when it declines", quant_type_name(types[t]), m->hp.n_layer,
                     (unsigned long long)k_rows, (unsigned long long)k_norows);
+            /* the output product with the router in one launch (LAMINA_CUDA_OUT_ROUTER=1):
+             * the tiny shape's heads of 16 leave the output rows unrounded (f32 products),
+             * which it does not extend: it declines in every layer, the default's bits and
+             * kernels (the 80b shape's tbc_xq runs it) */
+            setenv("LAMINA_CUDA_OUT_ROUTER", "1", 1);
+            CHECK(a && b && tbc_greedy16(m, b) == 0, "cuda run, out + router asked");
+            unsetenv("LAMINA_CUDA_OUT_ROUTER");
+            CHECK(a && b && !memcmp(a, b, sz) && tbc_step_kernels == k_default,
+                  "%s: out + router asked where it declines: other logits or %llu kernels a "
+                  "step against %llu", quant_type_name(types[t]),
+                  (unsigned long long)tbc_step_kernels, (unsigned long long)k_default);
             /* the gate/up product rounding its activations after its PDL wait instead
              * of before (LAMINA_CUDA_X_EARLY=0): the same bits */
             tbc_same_bits(m, types[t], a, b, "LAMINA_CUDA_X_EARLY", "0",
@@ -1231,6 +1257,15 @@ static void tbc_xq(void)
             toks[d] = cpu ? (int32_t)tbc_argmax(cpu + (size_t)(5 + d) * V, V) : 0;
         tbc_forced = toks;
         CHECK(f && tbc_greedy16(m, f) == 0, "cuda run fed the cpu's tokens");
+        const uint64_t k_f = tbc_step_kernels;
+        /* the output product with the router in one launch (LAMINA_CUDA_OUT_ROUTER=1), fed
+         * the same tokens: its logits summed in another order */
+        float *rt = malloc(sz);
+        setenv("LAMINA_CUDA_OUT_ROUTER", "1", 1);
+        const int rc_rt = rt ? tbc_greedy16(m, rt) : -1;
+        const uint64_t k_rt = tbc_step_kernels;
+        unsetenv("LAMINA_CUDA_OUT_ROUTER");
+        CHECK(rc_rt == 0, "cuda run fed the cpu's tokens, out + router in one launch");
         setenv("LAMINA_CUDA_YQ", "0", 1);
         CHECK(c && tbc_greedy16(m, c) == 0, "cuda run fed the cpu's tokens, without yq");
         unsetenv("LAMINA_CUDA_YQ");
@@ -1251,8 +1286,25 @@ static void tbc_xq(void)
             MEASURE("yq (Q4_0 80b-a3b shape, 4 layers, 16 rows, the cpu's tokens fed): max "
                     "|cuda - cpu| %.3g, %.3g with LAMINA_CUDA_YQ=0 (max |logit| %.3g); run "
                     "freely the cuda tokens kept the cpu's for %d rows", d_yq, d_off, mag, rows);
+            /* out + router (sm_90): as close to the cpu as the default, the prompt's rows
+             * too, and a kernel fewer in every layer (it ran in each) */
+            if (rc_rt == 0 && cuda_caps_cc() >= 90) {
+                const double d_rt = tbc_maxdiff(rt, cpu, 16 * (size_t)V);
+                CHECK(d_rt <= 2.0 * d_yq + 1e-3 * mag, "out + router: max |cuda - cpu| %.3g "
+                      "against the default's %.3g (max |logit| %.3g)", d_rt, d_yq, mag);
+                CHECK(k_rt + m->hp.n_layer == k_f, "out + router: %llu kernels a decode step, "
+                      "the default %llu, %u layers: it did not run in every one",
+                      (unsigned long long)k_rt, (unsigned long long)k_f, m->hp.n_layer);
+                MEASURE("out + router in one launch (Q4_0 80b-a3b shape, 4 layers, the cpu's "
+                        "tokens fed): max |cuda - cpu| %.3g against the default's %.3g, max "
+                        "|logit - default| %.3g (max |logit| %.3g); %llu kernels a decode step "
+                        "against %llu", d_rt, d_yq, tbc_maxdiff(rt, f, 16 * (size_t)V), mag,
+                        (unsigned long long)k_rt, (unsigned long long)k_f);
+            } else if (rc_rt == 0) { /* declined below sm_90: the default's bits */
+                CHECK(!memcmp(rt, f, sz), "out + router below sm_90 (declined) differs");
+            }
         }
-        free(c), free(cpu), free(f);
+        free(c), free(cpu), free(f), free(rt);
         free(a), free(b);
     }
     arch_free(m);

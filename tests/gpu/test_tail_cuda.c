@@ -78,36 +78,9 @@ static int failures;
         }                                                                                          \
     } while (0)
 
-/* Random rows x n of a quantized type (rows of quant_row_size bytes) on the device. */
-static void *dev_quant(uint32_t type, uint64_t rows, uint64_t n, struct rng *r)
-{
-    const size_t rb = quant_row_size(type, n);
-    uint8_t *h = xmalloc(rows * rb);
-    float *f = xmalloc(n * sizeof(float));
-    for (uint64_t i = 0; i < rows; i++) {
-        for (uint64_t j = 0; j < n; j++)
-            f[j] = rng_float(r) * (1.0f + (float)(j % 7));
-        if (quant_quantize_row(type, f, h + i * rb, n)) {
-            fprintf(stderr, "quantize failed\n");
-            exit(1);
-        }
-    }
-    void *d;
-    CU(cudaMalloc(&d, rows * rb + 16));
-    CU(cudaMemcpy(d, h, rows * rb, cudaMemcpyHostToDevice));
-    free(h);
-    free(f);
-    return d;
-}
-
 static void *dev_q4_0(uint64_t rows, uint64_t n, struct rng *r)
 {
-    return dev_quant(QUANT_TYPE_Q4_0, rows, n, r);
-}
-
-static void poison(void *d, size_t bytes)
-{
-    CU(cudaMemset(d, 0xC3, bytes));
+    return dev_quant_rows(QUANT_TYPE_Q4_0, rows, n, r);
 }
 
 /* Byte comparison of count floats of two device buffers. */
@@ -126,13 +99,6 @@ static bool same(const void *a, const void *b, size_t bytes, const char *what)
     return first == bytes;
 }
 
-static unsigned int counter_value(const unsigned int *d)
-{
-    unsigned int v;
-    CU(cudaMemcpy(&v, d, sizeof(v), cudaMemcpyDeviceToHost));
-    return v;
-}
-
 /* ---- ADD_NORM -------------------------------------------------------------- */
 
 /* The reference's [0] and the fused launch's [1] residual row h, product
@@ -148,8 +114,8 @@ static void norm_pair_make(struct norm_pair *p, const float *hh, uint32_t n)
         p->h[i] = dev_floats(hh, n);
         p->y[i] = dev_floats(hh, n);
         p->out[i] = dev_floats(hh, n);
-        poison(p->y[i], n * sizeof(float));
-        poison(p->out[i], n * sizeof(float));
+        dev_poison_bytes(p->y[i], n * sizeof(float));
+        dev_poison_bytes(p->out[i], n * sizeof(float));
     }
 }
 
@@ -199,8 +165,8 @@ static void test_add_norm(uint32_t n, uint32_t n_in, unsigned int *ctr, struct r
     ok &= same(h[0], h[1], n * sizeof(float), what);
     snprintf(what, sizeof(what), "add_norm n %u n_in %u: norm after 3 launches", n, n_in);
     ok &= same(out[0], out[1], n * sizeof(float), what);
-    CHECK(counter_value(ctr) == 0, "add_norm n %u: counter %u after the launches", n,
-          counter_value(ctr));
+    CHECK(dev_counter(ctr) == 0, "add_norm n %u: counter %u after the launches", n,
+          dev_counter(ctr));
     printf("add_norm n %u n_in %u (%s): %s\n", n, n_in, n_in <= 2048 ? "int8 kernel" : "f32 kernel",
            ok ? "identical" : "DIFFERENT");
     norm_pair_free(&p);
@@ -221,7 +187,7 @@ static void test_xq_tail(uint32_t type, uint32_t n, uint32_t n_in, bool tail, un
                          struct rng *r)
 {
     char what[112];
-    void *W = dev_quant(type, n, n_in, r);
+    void *W = dev_quant_rows(type, n, n_in, r);
     const size_t rb = quant_row_size(type, n_in), xb = cuda_mvq_xq_bytes(n_in);
     float *hx = rand_floats(n_in, r), *hh = rand_floats(n, r), *hw = rand_floats(n, r);
     for (uint32_t j = 0; j < n_in; j += 97)
@@ -256,7 +222,7 @@ static void test_xq_tail(uint32_t type, uint32_t n, uint32_t n_in, bool tail, un
         snprintf(what, sizeof(what), "xq_tail %s %u x %u: norm", quant_type_name(type), n, n_in);
         ok &= same(out[0], out[1], n * sizeof(float), what);
     }
-    CHECK(counter_value(ctr) == 0, "xq_tail: counter %u after the launches", counter_value(ctr));
+    CHECK(dev_counter(ctr) == 0, "xq_tail: counter %u after the launches", dev_counter(ctr));
     printf("xq_tail %s %u x %u%s: %s\n", quant_type_name(type), n, n_in,
            tail ? " + add_norm" : "", ok && rc0 == 0 && rc1 == 0 ? "identical" : "DIFFERENT");
     /* refused: an unaligned row (-ENOTSUP), a combine tail (-EINVAL) */
@@ -291,9 +257,9 @@ static void test_topk(uint32_t E, uint32_t k, uint32_t n, unsigned int *ctr, str
         CU(cudaMalloc((void **)&lg[i], E * sizeof(float)));
         CU(cudaMalloc((void **)&w[i], k * sizeof(float)));
         CU(cudaMalloc((void **)&ids[i], k * sizeof(int32_t)));
-        poison(lg[i], E * sizeof(float));
-        poison(w[i], k * sizeof(float));
-        poison(ids[i], k * sizeof(int32_t));
+        dev_poison_bytes(lg[i], E * sizeof(float));
+        dev_poison_bytes(w[i], k * sizeof(float));
+        dev_poison_bytes(ids[i], k * sizeof(int32_t));
     }
     int rc = cuda_matvec(QUANT_TYPE_F32, W, n * sizeof(float), E, n, x, lg[0], 0);
     rc = rc ? rc : cuda_router_topk(lg[0], E, k, 1, ids[0], w[0], 0);
@@ -319,7 +285,7 @@ static void test_topk(uint32_t E, uint32_t k, uint32_t n, unsigned int *ctr, str
     ok &= same(ids[0], ids[2], k * sizeof(int32_t), what);
     snprintf(what, sizeof(what), "topk E %u k %u: weights by rounds", E, k);
     ok &= same(w[0], w[2], k * sizeof(float), what);
-    CHECK(counter_value(ctr) == 0, "topk: counter %u after the launches", counter_value(ctr));
+    CHECK(dev_counter(ctr) == 0, "topk: counter %u after the launches", dev_counter(ctr));
     printf("topk E %u k %u n %u: %s\n", E, k, n, ok ? "identical" : "DIFFERENT");
     for (int i = 0; i < 3; i++) {
         cudaFree(lg[i]);
@@ -347,7 +313,7 @@ static struct experts make_experts_of(uint32_t type, uint32_t E, uint32_t n, uin
     struct experts x = {E, n, F, quant_row_size(type, F), NULL, NULL};
     x.d_w = xmalloc(E * sizeof(void *));
     for (uint32_t e = 0; e < E; e++)
-        x.d_w[e] = dev_quant(type, n, F, r);
+        x.d_w[e] = dev_quant_rows(type, n, F, r);
     CU(cudaMalloc((void **)&x.d_tab, E * sizeof(void *)));
     CU(cudaMemcpy(x.d_tab, x.d_w, E * sizeof(void *), cudaMemcpyHostToDevice));
     return x;
@@ -402,7 +368,7 @@ static void test_combine(uint32_t n, uint32_t F, uint32_t k, bool shared, bool g
         h[i] = dev_floats(hh, n);
         xa[i] = dev_floats(hf, n); /* the gate's input, overwritten by the norm */
         CU(cudaMalloc((void **)&Y[i], (size_t)k * n * sizeof(float)));
-        poison(Y[i], (size_t)k * n * sizeof(float));
+        dev_poison_bytes(Y[i], (size_t)k * n * sizeof(float));
     }
     const float eps = 1e-6f;
     int rc = cuda_mvq_experts_glu(QUANT_TYPE_Q4_0, X.d_tab, X.rb, n, F, ids, k, gu, 2 * F, 1,
@@ -429,7 +395,7 @@ static void test_combine(uint32_t n, uint32_t F, uint32_t k, bool shared, bool g
     ok &= same(h[0], h[1], n * sizeof(float), what);
     snprintf(what, sizeof(what), "combine n %u k %u %s%s: xa", n, k, shape, norm ? " norm" : "");
     ok &= same(xa[0], xa[1], n * sizeof(float), what);
-    CHECK(counter_value(ctr) == 0, "combine: counter %u after the launch", counter_value(ctr));
+    CHECK(dev_counter(ctr) == 0, "combine: counter %u after the launch", dev_counter(ctr));
     printf("combine n %u F %u k %u, %s%s (%u threads stand-alone): %s\n", n, F, k, shape,
            norm ? ", next norm" : "", cuda_norm_wide_threads(n), ok ? "identical" : "DIFFERENT");
     for (int i = 0; i < 2; i++) {
@@ -472,7 +438,7 @@ static void test_combine_cols(uint32_t n, uint32_t F, uint32_t k, int shared, bo
     for (int i = 0; i < 2; i++) {
         h[i] = dev_floats(hh, n);
         CU(cudaMalloc((void **)&Y[i], (size_t)P * n * sizeof(float)));
-        poison(Y[i], (size_t)P * n * sizeof(float));
+        dev_poison_bytes(Y[i], (size_t)P * n * sizeof(float));
     }
     int rc = 0;
     for (int rep = 0; rep < 2 && !rc; rep++) {
@@ -546,7 +512,7 @@ static void test_down_combine(uint32_t type, uint32_t n, uint32_t F, uint32_t k,
     for (int i = 0; i < 2; i++) {
         h[i] = dev_floats(hh, n);
         CU(cudaMalloc((void **)&Y[i], (size_t)P * n * sizeof(float)));
-        poison(Y[i], (size_t)P * n * sizeof(float));
+        dev_poison_bytes(Y[i], (size_t)P * n * sizeof(float));
     }
     int rc = 0;
     for (int rep = 0; rep < 2 && !rc; rep++) {
@@ -621,7 +587,7 @@ static void test_matvec_norm(uint32_t type, uint32_t rows, uint32_t n, bool weig
     CU(cudaMalloc((void **)&xa, n * sizeof(float)));
     for (int i = 0; i < 2; i++) {
         CU(cudaMalloc((void **)&y[i], rows * sizeof(float)));
-        poison(y[i], rows * sizeof(float));
+        dev_poison_bytes(y[i], rows * sizeof(float));
     }
     const float eps = 1e-6f;
     CHECK(cuda_matvec_norm_ok(type, rows, n), "matvec_norm %ux%u: not taken", rows, n);
@@ -676,7 +642,7 @@ static void test_experts_table(uint32_t type, uint32_t E, uint32_t n, uint32_t F
     const size_t bytes = (size_t)k * 2 * F * sizeof(float);
     for (int i = 0; i < 2; i++) {
         CU(cudaMalloc((void **)&Y[i], bytes));
-        poison(Y[i], bytes);
+        dev_poison_bytes(Y[i], bytes);
     }
     int rc = cuda_mvq_experts(type, (const void *const *)x.d_tab, x.rb, 2 * F, n, ids, k, X, n,
                               k, Y[0], 2 * F, 0);
@@ -732,12 +698,12 @@ static void test_gate_up_gq(uint32_t type, uint32_t dtype, uint32_t E, uint32_t 
     const size_t qrow = cuda_mvq_xq_bytes(F), qbytes = k * qrow;
     int8_t *q;
     CU(cudaMalloc((void **)&q, qbytes));
-    poison(q, qbytes);
+    dev_poison_bytes(q, qbytes);
     for (int i = 0; i < 2; i++) {
         CU(cudaMalloc((void **)&gu[i], gbytes));
         CU(cudaMalloc((void **)&Y[i], ybytes));
-        poison(gu[i], gbytes);
-        poison(Y[i], ybytes);
+        dev_poison_bytes(gu[i], gbytes);
+        dev_poison_bytes(Y[i], ybytes);
     }
     const void *const *gt = (const void *const *)X.d_tab, *const *dt = (const void *const *)D.d_tab;
     const size_t dbytes = (size_t)n * D.rb;
@@ -810,7 +776,7 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
     float *W = dev_floats(hW, (size_t)E * n), *h = dev_floats(hh, n);
     /* a quantized router (rtype not F32): the int8 product's tail marks, over the rows
      * of add as they are (no norm in), the gate/up product rounding them itself */
-    void *rW = rtype == QUANT_TYPE_F32 ? NULL : dev_quant(rtype, E, n, r);
+    void *rW = rtype == QUANT_TYPE_F32 ? NULL : dev_quant_rows(rtype, E, n, r);
     float *nw = dev_floats(hh + n, n), *add = dev_floats(hh + 2 * n, REPS * n);
     struct experts X = make_experts_of(type, E, 2 * F, n, r);
     float *lg, *xa, *w[2], *Y[2];
@@ -849,8 +815,8 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
         for (int i = 0; i < 2 && rc == 0; i++) { /* 0: plain, 1: marked and polled */
             const struct cuda_norm_in ni = {.h = h, .add = add + (size_t)rep * n, .w = nw,
                                             .eps = 1e-6f, .probe = i == 1 ? probe : NULL};
-            poison(w[i], k * sizeof(float));
-            poison(Y[i], ybytes);
+            dev_poison_bytes(w[i], k * sizeof(float));
+            dev_poison_bytes(Y[i], ybytes);
             const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k,
                                         .ids = ids[i], .w = w[i], .mark_ids = i == 1};
             const float *x = rW ? add + (size_t)rep * n : xa;
@@ -905,7 +871,7 @@ static void test_ids_poll(uint32_t type, uint32_t rtype, uint32_t E, uint32_t k,
                  quant_type_name(type), E, k, rep);
         ok &= same(Y[0], Y[1], ybytes, what);
     }
-    CHECK(counter_value(ctr) == 0, "ids_poll: counter %u after the launches", counter_value(ctr));
+    CHECK(dev_counter(ctr) == 0, "ids_poll: counter %u after the launches", dev_counter(ctr));
     /* a build without LAMINA_MVQ_PROBE leaves both buffers as they were */
     if (cuda_mvq_probe_built())
         CHECK(rW || probed > 0, "ids_poll E %u: the router left no marks", E);
@@ -978,12 +944,12 @@ static void test_gate_sum(uint32_t E, uint32_t k, uint32_t n, bool cluster, unsi
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     int rc = 0;
     for (int i = 0; i < 2 && rc == 0; i++) { /* 0: the combine sums it, 1: the router */
-        poison(lg[i], E * sizeof(float));
-        poison(xa[i], n * sizeof(float));
-        poison(xq[i], xb);
-        poison(y[i], n * sizeof(float));
-        poison(yq[i], xb);
-        poison(gs, sizeof(float));
+        dev_poison_bytes(lg[i], E * sizeof(float));
+        dev_poison_bytes(xa[i], n * sizeof(float));
+        dev_poison_bytes(xq[i], xb);
+        dev_poison_bytes(y[i], n * sizeof(float));
+        dev_poison_bytes(yq[i], xb);
+        dev_poison_bytes(gs, sizeof(float));
         const struct cuda_norm_in ni = {.h = h0, .add = add, .w = nw, .eps = 1e-6f,
                                         .gate = i ? gate : NULL, .gs = i ? gs : NULL};
         const struct cuda_tail t = {.kind = CUDA_TAIL_TOPK, .counter = ctr, .k = k,
@@ -1105,53 +1071,12 @@ static void test_refusals(unsigned int *ctr)
     rc = cuda_matvec_norm(QUANT_TYPE_F32, d, 32 * sizeof(float), 64, 32, d, NULL, 1e-6f, d, 0);
     CHECK(rc == -ENOTSUP, "matvec_norm of F32: rc %d, want -ENOTSUP", rc);
     CU(cudaDeviceSynchronize());
-    CHECK(counter_value(ctr) == 0, "refusals touched the counter (%u)", counter_value(ctr));
+    CHECK(dev_counter(ctr) == 0, "refusals touched the counter (%u)", dev_counter(ctr));
     cudaFree(d);
     printf("bad tails refused\n");
 }
 
 /* ---- timing ---------------------------------------------------------------- */
-
-static int cmp_f(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
-/* Median over 20 replays of a graph of `copies` captured calls of fn, in
- * us per call. */
-static float time_graph(void (*fn)(void *, cudaStream_t), void *arg, int copies)
-{
-    cudaStream_t s;
-    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < copies; i++)
-        fn(arg, s);
-    CU(cudaStreamEndCapture(s, &g));
-    CU(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t a, b;
-    CU(cudaEventCreate(&a));
-    CU(cudaEventCreate(&b));
-    for (int i = 0; i < 3; i++)
-        CU(cudaGraphLaunch(ge, s));
-    float t[20];
-    for (int i = 0; i < 20; i++) {
-        CU(cudaEventRecord(a, s));
-        CU(cudaGraphLaunch(ge, s));
-        CU(cudaEventRecord(b, s));
-        CU(cudaEventSynchronize(b));
-        CU(cudaEventElapsedTime(&t[i], a, b));
-    }
-    qsort(t, 20, sizeof(float), cmp_f);
-    CU(cudaGraphExecDestroy(ge));
-    CU(cudaGraphDestroy(g));
-    CU(cudaEventDestroy(a));
-    CU(cudaEventDestroy(b));
-    CU(cudaStreamDestroy(s));
-    return t[10] * 1000.0f / (float)copies;
-}
 
 /* The three boundaries of one 80b-a3b decode layer (n 2048, DeltaNet output
  * 4096 -> 2048 Q4_0, F32 router 512 x 2048 top-10, 10 experts of 512 -> 2048
@@ -1258,7 +1183,7 @@ static void bench_down_combine(struct rng *r)
     for (int f = 0; f < 2; f++) {
         b.fused = f == 1;
         b.h = dev_floats(hx + 3 * n, n);
-        us[f] = time_graph(bench_dc_layer, &b, 48);
+        us[f] = graph_median_us(bench_dc_layer, &b, 48);
         cudaFree(b.h);
     }
     printf("[measure] 80b-a3b MoE after the router (gate/up of 11 pairs, down, combine), graph "
@@ -1305,13 +1230,13 @@ static void bench_boundaries(unsigned int *ctr, struct rng *r)
         b.fused = f == 1;
         /* keep h bounded: start each timing from the same row */
         CU(cudaMemcpy(b.h, hx + 4096, n * sizeof(float), cudaMemcpyHostToDevice));
-        us[f] = time_graph(bench_layer, &b, 48);
+        us[f] = graph_median_us(bench_layer, &b, 48);
     }
     printf("[measure] 80b-a3b layer boundaries (out+add_norm, router+top-k, down+combine+norm), "
            "graph of 48 layers, median of 20: unfused %.2f us/layer (6 kernels), fused %.2f "
            "us/layer (3 kernels)\n",
            us[0], us[1]);
-    CHECK(counter_value(ctr) == 0, "bench: counter %u after the runs", counter_value(ctr));
+    CHECK(dev_counter(ctr) == 0, "bench: counter %u after the runs", dev_counter(ctr));
     free_experts(&b.X);
     free(hWr);
     free(hx);
