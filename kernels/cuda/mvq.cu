@@ -371,8 +371,11 @@ __host__ __device__ constexpr size_t rt_cols_bytes(uint32_t E, int rpt)
     return static_cast<size_t>(E > kThreads ? 2 : 1) * kThreads * rpt * sizeof(float);
 }
 
-static_assert(rt_cols_bytes(1, kRtMinRows) >= kRtMaxN * sizeof(float),
-              "the last block's row fits in its router columns' place");
+/* Clusters of a launch at most: n_rows <= kRtMaxN in tiles of kRtMinRows rows or more. */
+constexpr int kRtMaxClusters = kRtMaxN / kRtMinRows / kRtCluster;
+
+static_assert(rt_cols_bytes(1, kRtMinRows) >= 2 * kRtMaxN * sizeof(float),
+              "the last block's row and gate fit in its router columns' place");
 
 /* What a block holds from before its wait (threads t < its rows): h and g of its row t. */
 struct RtEarly {
@@ -405,8 +408,10 @@ __device__ __forceinline__ void rt_early(const MvqArgs &a, uint32_t r0, float *s
     e.g = in && a.rt_g ? a.rt_g[r0 + t] : 1.0f;
 }
 
-/* The launch's last block (every thread; s_x: room for the row, the block's spent router
- * columns): the row and its norm as matvec.cu's norm_in_row
+/* The launch's last block (every thread; s_x: room for the row and the gate, 2 kRtMaxN
+ * floats, the block's spent router columns), its loads first (the clusters' sums, the row's
+ * two halves, the gate into shared memory), all in flight together: the row and its norm as
+ * matvec.cu's norm_in_row
  * forms them (thread t's columns t, t + width, ... of x = h + y, the same sums, tree and
  * expressions: the bits of cuda_matvec_tail_norm_in's xout and xq), the logits (each
  * expert's cluster sums in cluster order, times the norm's scale) and, by warp 0, their
@@ -421,7 +426,17 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
     const uint32_t n = a.n_rows, width = a.rt_width, t = threadIdx.x, E = a.rt_e;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint32_t clusters = gridDim.x / kRtCluster;
-    float acc[2] = {0.0f, 0.0f};
+    float *s_g = s_x + kRtMaxN;
+    float pv[2][kRtMaxClusters];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int c = 0; c < kRtMaxClusters; c++) {
+            const uint32_t x = t + m * kThreads;
+            pv[m][c] = x < E && static_cast<uint32_t>(c) < clusters
+                           ? __ldcg(a.rt_part + static_cast<size_t>(c) * E + x)
+                           : 0.0f;
+        }
     float hv[kRtCols], dv[kRtCols];
 #pragma unroll
     for (int b = 0; b < kRtCols; b++) {
@@ -430,13 +445,20 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
         hv[b] = in ? __ldcg(a.rt_h + i) : 0.0f;
         dv[b] = in ? __ldcg(a.y + i) : 0.0f;
     }
-    for (uint32_t c = 0; c < clusters; c++)
+    if (a.rt_gate) /* read from shared memory below (tail_vsum's barriers come first) */
 #pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const uint32_t x = t + m * kThreads;
-            if (x < E)
-                acc[m] += __ldcg(a.rt_part + static_cast<size_t>(c) * E + x);
+        for (int b = 0; b < kRtMaxN / kThreads; b++) {
+            const uint32_t j = t + b * kThreads;
+            if (j < n)
+                s_g[j] = a.rt_gate[j];
         }
+    float acc[2] = {0.0f, 0.0f}; /* the clusters' sums in cluster order */
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int c = 0; c < kRtMaxClusters; c++)
+            if (static_cast<uint32_t>(c) < clusters)
+                acc[m] += pv[m][c];
     const float scale = tail_add_norm_scale(hv, dv, n, width, a.rt_eps, s_red);
     if (t < width)
 #pragma unroll
@@ -474,7 +496,7 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
     for (uint32_t vw = warp - 1; vw < gw / 32; vw += kWarps - 1) {
         float d = 0.0f;
         for (uint32_t j = vw * 32 + lane; j < n; j += gw)
-            d += a.rt_gate[j] * s_x[j];
+            d += s_g[j] * s_x[j];
         d = ops_warp_sum(d);
         if (lane == 0)
             s_gw[vw] = d;
