@@ -141,6 +141,8 @@ struct MvqArgs {
     uint32_t rt_gate_width;       /* cuda_norm_wide_threads(n_rows) */
     float *rt_xa, *rt_logits, *rt_part;
     int8_t *rt_xq;
+    uint32_t rt_skip;             /* LAMINA_CUDA_RT_SKIP (timing only, wrong outputs): 1 the
+                                   * columns' copies, 2 the cluster's adds, 4 the last block */
 };
 
 /* Mark i of this block (cuda_mvq_probe_next), by thread 0, in a build with
@@ -396,6 +398,8 @@ __device__ __forceinline__ void rt_early(const MvqArgs &a, uint32_t r0, float *s
                                                              kThreads + t;
 #pragma unroll
         for (int j = 0; j < RPT; j += 4) {
+            if (a.rt_skip & 1)
+                continue;
             if (x < a.rt_e && r0 + j < a.n_rows)
                 cp16(dst + (j / 4) * kThreads, src + j);
             else
@@ -549,11 +553,14 @@ __device__ __forceinline__ void rt_finish(const MvqArgs &a, const RtEarly &e, fl
         if (x < E)
             s_p[x] = p;
     }
-    cluster_arrive(true);
-    cluster_wait(true);
+    const bool cl_on = !(a.rt_skip & 2);
+    if (cl_on) {
+        cluster_arrive(true);
+        cluster_wait(true);
+    }
     const cg::cluster_group cl = cg::this_cluster();
     const uint32_t rank = cl.block_rank(), per = E / kRtCluster;
-    if (t < per) { /* experts rank * per + t: the cluster's blocks in rank order */
+    if (t < per && cl_on) { /* experts rank * per + t: the cluster's blocks in rank order */
         const uint32_t x = rank * per + t;
         float v = 0.0f;
 #pragma unroll
@@ -561,7 +568,8 @@ __device__ __forceinline__ void rt_finish(const MvqArgs &a, const RtEarly &e, fl
             v += cl.map_shared_rank(s_p, q)[x];
         a.rt_part[static_cast<size_t>(blockIdx.x / kRtCluster) * E + x] = v;
     }
-    cluster_arrive(true); /* this block's reads of the others' sums are done */
+    if (cl_on)
+        cluster_arrive(true); /* this block's reads of the others' sums are done */
     __threadfence();      /* its sums before its arrival */
     __syncthreads();
     if (t == 0) {
@@ -570,11 +578,12 @@ __device__ __forceinline__ void rt_finish(const MvqArgs &a, const RtEarly &e, fl
             *a.tail.t.counter = 0; /* every block has arrived: ready for the next launch */
     }
     __syncthreads();
-    if (s_last) {
+    if (s_last && !(a.rt_skip & 4)) {
         __threadfence(); /* the other blocks' sums and rows, through L2 (__ldcg) */
         rt_tail(a, s_rw); /* the columns are spent: the row in their place */
     }
-    cluster_wait(false); /* the cluster's reads of this block's sums are done before it exits */
+    if (cl_on)
+        cluster_wait(false); /* the cluster's reads of this block's sums are done first */
 #else
     (void)a;
     (void)e;
@@ -1424,6 +1433,8 @@ extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_byt
     a.rt_xq = d_xq_out;
     a.rt_logits = d_logits;
     a.rt_part = d_part;
+    const char *skip = getenv("LAMINA_CUDA_RT_SKIP"); /* timing experiments only */
+    a.rt_skip = skip ? static_cast<uint32_t>(strtoul(skip, nullptr, 0)) & 7u : 0u;
     return dispatch_rt(type, a, stream, false);
 }
 

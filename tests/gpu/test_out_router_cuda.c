@@ -407,6 +407,18 @@ static void bench(unsigned int *ctr, struct rng *r)
     printf("graph chains of 48 fused launches: outputs %s the eager launch's\n",
            ok ? "byte-identical to" : "DIFFERENT from");
     outs_free(&ref);
+    /* where the one launch's time goes (LAMINA_CUDA_RT_SKIP: timing only, the outputs
+     * wrong): without the columns' copies (1), the cluster's adds (2), the last block (4) */
+    static const char *const skips[] = {"1", "2", "4", "6", "7"};
+    char line[512];
+    int at = snprintf(line, sizeof(line), "[measure] one launch with parts left out (us a layer):");
+    for (size_t i = 0; i < sizeof(skips) / sizeof(skips[0]); i++) {
+        setenv("LAMINA_CUDA_RT_SKIP", skips[i], 1);
+        const float ts = graph_median_us(bench_call, &one, 48);
+        at += snprintf(line + at, sizeof(line) - (size_t)at, " skip %s %.2f", skips[i], ts);
+    }
+    unsetenv("LAMINA_CUDA_RT_SKIP");
+    printf("%s\n", line);
     printf("[measure] out product + router, 80b shape, graph of 48: two launches %.2f, %.2f us; "
            "one launch %.2f, %.2f us a layer\n",
            t2, t2b, t1, t1b);
