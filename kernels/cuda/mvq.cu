@@ -373,9 +373,6 @@ __host__ __device__ constexpr size_t rt_cols_bytes(uint32_t E, int rpt)
     return static_cast<size_t>(E > kThreads ? 2 : 1) * kThreads * rpt * sizeof(float);
 }
 
-/* Clusters of a launch at most: n_rows <= kRtMaxN in tiles of kRtMinRows rows or more. */
-constexpr int kRtMaxClusters = kRtMaxN / kRtMinRows / kRtCluster;
-
 static_assert(rt_cols_bytes(1, kRtMinRows) >= 2 * kRtMaxN * sizeof(float),
               "the last block's row and gate fit in its router columns' place");
 
@@ -430,6 +427,8 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
     const uint32_t n = a.n_rows, width = a.rt_width, t = threadIdx.x, E = a.rt_e;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint32_t clusters = gridDim.x / kRtCluster;
+    /* clusters of a launch at most: n_rows <= kRtMaxN in tiles of kRtMinRows rows or more */
+    constexpr int kRtMaxClusters = kRtMaxN / kRtMinRows / kRtCluster;
     float *s_g = s_x + kRtMaxN;
     float pv[2][kRtMaxClusters];
 #pragma unroll
