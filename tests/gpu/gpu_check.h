@@ -100,6 +100,22 @@ static inline void *dev_quant_rows(uint32_t type, uint64_t rows, uint64_t n, str
     return d;
 }
 
+/* The first byte at which two device buffers of bytes bytes differ, or bytes where they
+ * are equal. */
+static inline size_t dev_first_diff(const void *a, const void *b, size_t bytes)
+{
+    uint8_t *ha = (uint8_t *)xmalloc(bytes), *hb = (uint8_t *)xmalloc(bytes);
+    CU(cudaMemcpy(ha, a, bytes, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(hb, b, bytes, cudaMemcpyDeviceToHost));
+    size_t first = bytes;
+    for (size_t i = 0; i < bytes && first == bytes; i++)
+        if (ha[i] != hb[i])
+            first = i;
+    free(ha);
+    free(hb);
+    return first;
+}
+
 /* Fills bytes bytes at d with 0xC3 (outputs poisoned before a run). */
 static inline void dev_poison_bytes(void *d, size_t bytes)
 {

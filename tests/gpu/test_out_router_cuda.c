@@ -66,17 +66,11 @@ static void *host_copy(const void *d, size_t bytes)
     return h;
 }
 
-/* Byte comparison of two device buffers; true when equal. */
+/* Byte comparison of two device buffers (CHECKed); true when equal. */
 static bool same(const void *a, const void *b, size_t bytes, const char *what)
 {
-    uint8_t *ha = host_copy(a, bytes), *hb = host_copy(b, bytes);
-    size_t first = bytes;
-    for (size_t i = 0; i < bytes && first == bytes; i++)
-        if (ha[i] != hb[i])
-            first = i;
+    const size_t first = dev_first_diff(a, b, bytes);
     CHECK(first == bytes, "%s: differs from byte %zu of %zu", what, first, bytes);
-    free(ha);
-    free(hb);
     return first == bytes;
 }
 

@@ -83,19 +83,11 @@ static void *dev_q4_0(uint64_t rows, uint64_t n, struct rng *r)
     return dev_quant_rows(QUANT_TYPE_Q4_0, rows, n, r);
 }
 
-/* Byte comparison of count floats of two device buffers. */
+/* Byte comparison of two device buffers (CHECKed); true when equal. */
 static bool same(const void *a, const void *b, size_t bytes, const char *what)
 {
-    uint8_t *ha = xmalloc(bytes), *hb = xmalloc(bytes);
-    CU(cudaMemcpy(ha, a, bytes, cudaMemcpyDeviceToHost));
-    CU(cudaMemcpy(hb, b, bytes, cudaMemcpyDeviceToHost));
-    size_t first = bytes;
-    for (size_t i = 0; i < bytes && first == bytes; i++)
-        if (ha[i] != hb[i])
-            first = i;
+    const size_t first = dev_first_diff(a, b, bytes);
     CHECK(first == bytes, "%s: differs from byte %zu of %zu", what, first, bytes);
-    free(ha);
-    free(hb);
     return first == bytes;
 }
 
