@@ -225,6 +225,8 @@ struct cb_layer {
     float *conv_st, *ssm_st;          /* conv_dim x (K-1); nv x dv x dk */
     /* experts */
     struct cb_mat router;
+    const float *router_t;            /* the F32 router transposed (n_embd rows of n_expert),
+                                       * where the output product takes it (rt_t_on) */
     bool sh, sh_fused;                /* shared expert present; gate|up stored as one */
     bool gu_fused;                    /* routed gate and up of an expert are one 2F-row matrix */
     struct cb_mat sh_gu, sh_up, sh_down; /* sh_gu is gate (2*Fs rows when fused) */
@@ -343,6 +345,8 @@ struct backend_cuda {
     bool rt_on;                       /* LAMINA_CUDA_OUT_ROUTER=1: with nin, the mixer's output
                                        * product and the router in one launch
                                        * (cuda_mvq_xq_router; cb_out_router) */
+    bool rt_t_on;                     /* ... reading its columns from a transposed copy of
+                                       * each router (LAMINA_CUDA_RT_T, default on) */
     const struct cb_layer *rt_layer;  /* the layer whose output product may take its router */
     uint32_t rt_l;
     bool rt_done;                     /* ... and took it: cb_moe launches no router */
@@ -611,10 +615,38 @@ static void cb_put_ssm(struct backend_cuda *c, struct cb_layer *L, int *rc)
     L->ssm_norm = cb_put_vec(c, ly->ssm_norm, hp->ssm_dv, rc);
 }
 
+/* An F32 matrix transposed (n_in rows of n_out floats): the router's columns for the output
+ * product's launch (cuda_mvq_xq_router's d_rwt). */
+static const float *cb_put_transposed(struct backend_cuda *c, const struct arch_matrix *m,
+                                      int *rc)
+{
+    const size_t bytes = (size_t)m->n_in * m->n_out * sizeof(float);
+    if (!c->trunk || *rc)
+        return cb_put(c, NULL, bytes, rc);
+    float *tmp = malloc(bytes);
+    if (!tmp) {
+        log_error("out of memory transposing %s", m->name);
+        *rc = -ENOMEM;
+        return NULL;
+    }
+    for (uint64_t r = 0; r < m->n_out; r++) {
+        const float *row = (const float *)(m->data + (size_t)r * m->row_bytes);
+        for (uint64_t j = 0; j < m->n_in; j++)
+            tmp[j * m->n_out + r] = row[j];
+    }
+    const float *d = cb_put(c, tmp, bytes, rc);
+    free(tmp);
+    return d;
+}
+
 static void cb_put_ffn(struct backend_cuda *c, struct cb_layer *L, int *rc)
 {
     const struct arch_layer *ly = L->ly;
     L->router = cb_put_mat(c, &ly->router, rc);
+    L->router_t = NULL;
+    if (c->rt_on && c->rt_t_on && ly->router.data && ly->router.type == QUANT_TYPE_F32 &&
+        ly->router.row_bytes == ly->router.n_in * sizeof(float))
+        L->router_t = cb_put_transposed(c, &ly->router, rc);
     L->sh = ly->gate_sh.data != NULL;
     if (!L->sh)
         return;
@@ -1939,7 +1971,8 @@ static int cb_out_router(struct backend_cuda *c, const char *label, const struct
     cb_router_args(c, L, c->rt_l, true, cb_shpair(c, L, 1) ? c->ids_dec : c->ids, &ni, &tk);
     const int rc = CB_K(c, label, cuda_mvq_xq_router(w->type, w->d, w->row_bytes, w->n_out,
                                                      w->n_in, xq, Y, r->d, r->row_bytes,
-                                                     (uint32_t)r->n_out, &ni, c->xa, c->xq,
+                                                     L->router_t, (uint32_t)r->n_out, &ni,
+                                                     c->xa, c->xq,
                                                      c->rl, c->rt_part, c->rt_part_floats, &tk,
                                                      c->stream));
     if (rc == -ENOTSUP)
@@ -2886,6 +2919,8 @@ static int cb_init(struct backend *b, const struct backend_config *cfg)
     c->norm_in_on = !(ni && !strcmp(ni, "0"));
     const char *ort = getenv("LAMINA_CUDA_OUT_ROUTER");
     c->rt_on = ort && !strcmp(ort, "1");
+    const char *rtt = getenv("LAMINA_CUDA_RT_T");
+    c->rt_t_on = !(rtt && !strcmp(rtt, "0"));
     const char *mp = getenv("LAMINA_CUDA_MMQ_PARTS");
     c->parts_on = !(mp && !strcmp(mp, "0"));
     const char *mg = getenv("LAMINA_CUDA_MMQ_GLU");

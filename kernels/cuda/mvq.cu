@@ -142,7 +142,12 @@ struct MvqArgs {
     float *rt_xa, *rt_logits, *rt_part;
     int8_t *rt_xq;
     uint32_t rt_skip;             /* LAMINA_CUDA_RT_SKIP (timing only, wrong outputs): 1 the
-                                   * columns' copies, 2 the cluster's adds, 4 the last block */
+                                   * columns' copies, 2 the cluster's adds, 4 the last block,
+                                   * 8 no clusters (go_rt); in the last block 16 the
+                                   * pick, 32 the row and gate, 64 the partial sums' loads */
+    const float *rt_wt;           /* rt_w transposed (n_rows rows of rt_e floats, a row one
+                                   * column of rt_w), or NULL: each block's columns then one
+                                   * contiguous read */
 };
 
 /* Mark i of this block (cuda_mvq_probe_next), by thread 0, in a build with
@@ -388,6 +393,17 @@ template <int RPT>
 __device__ __forceinline__ void rt_early(const MvqArgs &a, uint32_t r0, float *s_rw, RtEarly &e)
 {
     const uint32_t t = threadIdx.x;
+    if (a.rt_wt) { /* rows r0 .. r0 + RPT - 1 of the transposed router, row j at s_rw + j es */
+        const uint32_t es = a.rt_e > kThreads ? 2 * kThreads : kThreads, q4 = es / 4;
+        for (uint32_t q = t; q < RPT * q4 && !(a.rt_skip & 1); q += kThreads) {
+            const uint32_t j = q / q4, c = (q % q4) * 4;
+            float4 *dst = reinterpret_cast<float4 *>(s_rw + static_cast<size_t>(j) * es + c);
+            if (r0 + j < a.n_rows && c < a.rt_e)
+                cp16(dst, a.rt_wt + static_cast<size_t>(r0 + j) * a.rt_e + c);
+            else
+                *dst = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    } else
     for (int m = 0; m < (a.rt_e > kThreads ? 2 : 1); m++) {
         const uint32_t x = t + m * kThreads;
         const float *src = a.rt_w + static_cast<size_t>(x < a.rt_e ? x : 0) * a.rt_ld + r0;
@@ -436,7 +452,7 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
 #pragma unroll
         for (int c = 0; c < kRtMaxClusters; c++) {
             const uint32_t x = t + m * kThreads;
-            pv[m][c] = x < E && static_cast<uint32_t>(c) < clusters
+            pv[m][c] = x < E && static_cast<uint32_t>(c) < clusters && !(a.rt_skip & 64)
                            ? __ldcg(a.rt_part + static_cast<size_t>(c) * E + x)
                            : 0.0f;
         }
@@ -480,10 +496,13 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
     }
     __syncthreads(); /* the row in s_x, the logits written (read through L2 below) */
     if (warp == 0) {
-        router_topk_warp(a.rt_logits, E, a.tail.t.k, a.tail.t.ids, a.tail.t.w, s_pick,
-                         a.tail.t.topk_rounds, nullptr, a.tail.t.topk_softmax);
+        if (!(a.rt_skip & 16))
+            router_topk_warp(a.rt_logits, E, a.tail.t.k, a.tail.t.ids, a.tail.t.w, s_pick,
+                             a.tail.t.topk_rounds, nullptr, a.tail.t.topk_softmax);
         return;
     }
+    if (a.rt_skip & 32)
+        return;
     int8_t *xl = a.rt_xq;
     float *xd = xl ? reinterpret_cast<float *>(xl + n) : nullptr;
     for (uint32_t bb = warp - 1; bb < n / 32; bb += kWarps - 1) {
@@ -538,16 +557,23 @@ __device__ __forceinline__ void rt_finish(const MvqArgs &a, const RtEarly &e, fl
     __syncthreads();
     for (int m = 0; m < (E > kThreads ? 2 : 1); m++) {
         const uint32_t x = t + m * kThreads;
-        const float4 *w4 = reinterpret_cast<const float4 *>(s_rw) +
-                           static_cast<size_t>(m) * (RPT / 4) * kThreads + t;
-        float p = 0.0f;
+        float p = 0.0f; /* the rows in order either way: the same sums */
+        if (a.rt_wt) {
+            const uint32_t es = E > kThreads ? 2 * kThreads : kThreads;
 #pragma unroll
-        for (int j = 0; j < RPT / 4; j++) {
-            const float4 w = w4[j * kThreads];
-            p = fmaf(w.x, s_gx[4 * j], p);
-            p = fmaf(w.y, s_gx[4 * j + 1], p);
-            p = fmaf(w.z, s_gx[4 * j + 2], p);
-            p = fmaf(w.w, s_gx[4 * j + 3], p);
+            for (int j = 0; j < RPT; j++)
+                p = fmaf(s_rw[static_cast<size_t>(j) * es + x], s_gx[j], p);
+        } else {
+            const float4 *w4 = reinterpret_cast<const float4 *>(s_rw) +
+                               static_cast<size_t>(m) * (RPT / 4) * kThreads + t;
+#pragma unroll
+            for (int j = 0; j < RPT / 4; j++) {
+                const float4 w = w4[j * kThreads];
+                p = fmaf(w.x, s_gx[4 * j], p);
+                p = fmaf(w.y, s_gx[4 * j + 1], p);
+                p = fmaf(w.z, s_gx[4 * j + 2], p);
+                p = fmaf(w.w, s_gx[4 * j + 3], p);
+            }
         }
         if (x < E)
             s_p[x] = p;
@@ -1108,7 +1134,12 @@ int go_rt(const MvqArgs &args, cudaStream_t stream, bool dry)
         return -ENOTSUP;
     if (dry)
         return 0;
-    pdl_launch_cluster(kernel, dim3(blocks, 1), kThreads, kRtCluster, smem, stream, a);
+    /* LAMINA_CUDA_RT_SKIP bit 8 (timing only): the same blocks launched without clusters
+     * (their adds left out, as bit 2) */
+    if (a.rt_skip & 8)
+        a.rt_skip |= 2;
+    pdl_launch_cluster(kernel, dim3(blocks, 1), kThreads, (a.rt_skip & 8) ? 1u : kRtCluster,
+                       smem, stream, a);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda mvq router: kernel launch failed: %s", cudaGetErrorString(e));
@@ -1381,8 +1412,8 @@ extern "C" bool cuda_mvq_router_ok(uint32_t type, uint64_t n_rows, uint64_t n, u
 
 extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_bytes,
                                   uint64_t n_rows, uint64_t n, const int8_t *d_xq, float *d_y,
-                                  const void *d_rw, size_t r_row_bytes, uint32_t E,
-                                  const struct cuda_norm_in *nin, float *d_xout,
+                                  const void *d_rw, size_t r_row_bytes, const float *d_rwt,
+                                  uint32_t E, const struct cuda_norm_in *nin, float *d_xout,
                                   int8_t *d_xq_out, float *d_logits, float *d_part,
                                   size_t part_floats, const struct cuda_tail *t,
                                   cudaStream_t stream)
@@ -1390,7 +1421,8 @@ extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_byt
     const char *what = "cuda mvq_xq_router";
     MvqArgs a;
     if (!cuda_mvq_router_ok(type, n_rows, n, E, r_row_bytes) || !d_rw ||
-        reinterpret_cast<uintptr_t>(d_rw) % 16 || !d_xq ||
+        reinterpret_cast<uintptr_t>(d_rw) % 16 || reinterpret_cast<uintptr_t>(d_rwt) % 16 ||
+        !d_xq ||
         reinterpret_cast<uintptr_t>(d_xq) % 16 ||
         !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
                     false, d_y, &a))
@@ -1420,6 +1452,7 @@ extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_byt
     a.tail = tail_args(t, d_logits, E);
     a.rt_w = static_cast<const float *>(d_rw);
     a.rt_ld = r_row_bytes / sizeof(float);
+    a.rt_wt = d_rwt;
     a.rt_e = E;
     a.rt_h = nin->h;
     a.rt_g = nin->w;
@@ -1433,7 +1466,7 @@ extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_byt
     a.rt_logits = d_logits;
     a.rt_part = d_part;
     const char *skip = getenv("LAMINA_CUDA_RT_SKIP"); /* timing experiments only */
-    a.rt_skip = skip ? static_cast<uint32_t>(strtoul(skip, nullptr, 0)) & 7u : 0u;
+    a.rt_skip = skip ? static_cast<uint32_t>(strtoul(skip, nullptr, 0)) & 127u : 0u;
     return dispatch_rt(type, a, stream, false);
 }
 

@@ -165,7 +165,9 @@ int cuda_matvec_tail_norm_in(uint32_t type, const void *d_w, size_t row_bytes, u
  * the clusters' sums times the norm's scale): within rounding of the router's, so the
  * picks may differ where two logits are that close. No launch boundary between the
  * product and the router: a decode layer's mixer output and router in one kernel.
- * d_rw: F32 rows (a router; cuda_matvec_norm_in_ok's). nin->h, nin->w and d_rw are read
+ * d_rw: F32 rows (a router; cuda_matvec_norm_in_ok's); d_rwt: NULL or d_rw transposed
+ * (n_rows rows of E floats, 16-byte aligned), which the blocks then copy their columns from
+ * in one contiguous read (the same bits). nin->h, nin->w and d_rw (d_rwt) are read
  * before the kernel's PDL wait: h must have been written two or more launches back
  * (kernels/cuda/pdl.cuh). d_part: scratch of at least cuda_mvq_router_part_floats(n_rows,
  * E) floats. The counter as the tails' (0 before and after). -ENOTSUP (nothing launched) where
@@ -176,7 +178,8 @@ bool cuda_mvq_router_ok(uint32_t type, uint64_t n_rows, uint64_t n, uint32_t E,
 size_t cuda_mvq_router_part_floats(uint64_t n_rows, uint32_t E);
 int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
                        uint64_t n, const int8_t *d_xq, float *d_y, const void *d_rw,
-                       size_t r_row_bytes, uint32_t E, const struct cuda_norm_in *nin,
+                       size_t r_row_bytes, const float *d_rwt, uint32_t E,
+                       const struct cuda_norm_in *nin,
                        float *d_xout, int8_t *d_xq_out, float *d_logits, float *d_part,
                        size_t part_floats, const struct cuda_tail *t, cudaStream_t stream);
 

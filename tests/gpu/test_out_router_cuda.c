@@ -120,16 +120,19 @@ static void outs_free(struct outs *o)
 struct inputs {
     uint32_t type, n, n_in, E, k;
     void *W;
-    float *Wr, *h, *g, *gate, *part;
+    float *Wr, *Wrt, *h, *g, *gate, *part; /* Wrt: Wr transposed (n rows of E) */
     int8_t *xq;
     size_t part_floats;
     unsigned int *ctr;
     float *hWr;
 };
 
-static int launch(const struct inputs *in, const struct outs *o, bool fused, bool mark,
+/* form 0: the two launches; 1: the fused launch; 2: the fused launch reading the router's
+ * columns from its transposed copy */
+static int launch(const struct inputs *in, const struct outs *o, int form, bool mark,
                   cudaStream_t st)
 {
+    const bool fused = form > 0;
     const size_t rb = quant_row_size(in->type, in->n_in);
     const struct cuda_norm_in ni = {.h = in->h, .add = o->y, .w = in->g, .eps = 1e-6f,
                                     .gate = in->gate, .gs = in->gate ? o->gs : NULL};
@@ -137,7 +140,8 @@ static int launch(const struct inputs *in, const struct outs *o, bool fused, boo
                                 .ids = o->ids, .w = o->w, .mark_ids = mark};
     if (fused)
         return cuda_mvq_xq_router(in->type, in->W, rb, in->n, in->n_in, in->xq, o->y, in->Wr,
-                                  in->n * sizeof(float), in->E, &ni, o->xa, o->xq, o->lg,
+                                  in->n * sizeof(float), form == 2 ? in->Wrt : NULL, in->E,
+                                  &ni, o->xa, o->xq, o->lg,
                                   in->part, in->part_floats, &t, st);
     int rc = cuda_mvq_xq_tail(in->type, in->W, rb, in->n, in->n_in, in->xq, o->y, NULL, st);
     return rc ? rc
@@ -156,6 +160,12 @@ static void inputs_make(struct inputs *in, uint32_t type, uint32_t n, uint32_t n
     in->xq = dev_bytes(row, cuda_mvq_xq_bytes(n_in));
     in->hWr = rand_floats((size_t)E * n, r);
     in->Wr = dev_floats(in->hWr, (size_t)E * n);
+    float *ht = xmalloc((size_t)E * n * sizeof(float));
+    for (uint32_t e = 0; e < E; e++)
+        for (uint32_t j = 0; j < n; j++)
+            ht[(size_t)j * E + e] = in->hWr[(size_t)e * n + j];
+    in->Wrt = dev_floats(ht, (size_t)E * n);
+    free(ht);
     in->h = dev_floats(hv, n);
     for (uint32_t j = 0; j < n; j++) /* norm weights around 1, as trained ones are */
         hv[n + j] = 1.0f + 0.25f * hv[n + j];
@@ -173,6 +183,7 @@ static void inputs_free(struct inputs *in)
     cudaFree(in->W);
     cudaFree(in->xq);
     cudaFree(in->Wr);
+    cudaFree(in->Wrt);
     cudaFree(in->h);
     cudaFree(in->g);
     cudaFree(in->gate);
@@ -197,7 +208,7 @@ static void test_case(uint32_t type, uint32_t n, uint32_t n_in, uint32_t E, uint
     int rc = 0;
     for (int i = 0; i < 4 && rc == 0; i++) {
         outs_poison(&o[i], n, E, k);
-        rc = launch(&in, &o[i], i > 0, mark, st);
+        rc = launch(&in, &o[i], i > 1 ? 2 : i, mark, st); /* two, fused, transposed twice */
         CU(cudaStreamSynchronize(st));
     }
     CU(cudaGetLastError());
@@ -217,7 +228,8 @@ static void test_case(uint32_t type, uint32_t n, uint32_t n_in, uint32_t E, uint
         snprintf(w2, sizeof(w2), "%s: shared expert gate", what);
         ok &= same(o[0].gs, o[1].gs, sizeof(float), w2);
     }
-    /* the fused launches among themselves: every output byte for byte */
+    /* the fused launches among themselves (the columns from the router or its transposed
+     * copy): every output byte for byte */
     for (int i = 2; i < 4; i++) {
         snprintf(w2, sizeof(w2), "%s: fused run %d logits", what, i);
         ok &= same(o[1].lg, o[i].lg, E * sizeof(float), w2);
@@ -300,46 +312,50 @@ static void test_refusals(unsigned int *ctr, struct rng *r)
     cudaStream_t st = 0;
     /* 500 experts: not whole eighths */
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, rb, 2048, 4096, in.xq, o.y, in.Wr,
-                             2048 * sizeof(float), 500, &ni, o.xa, o.xq, o.lg, in.part,
+                             2048 * sizeof(float), NULL, 500, &ni, o.xa, o.xq, o.lg, in.part,
                              in.part_floats, &t, st) == -ENOTSUP,
           "refusals: 500 experts taken");
     /* rows of 8192 (past the built forms); rows of 512 (8 lanes a row: 32-row tiles) with
      * 512 experts (their columns past the shared memory asked for) */
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, quant_row_size(QUANT_TYPE_Q4_0, 512), 2048,
-                             512, in.xq, o.y, in.Wr, 2048 * sizeof(float), 512, &ni, o.xa, o.xq,
+                             512, in.xq, o.y, in.Wr, 2048 * sizeof(float), NULL, 512, &ni, o.xa, o.xq,
                              o.lg, in.part, in.part_floats, &t, st) == -ENOTSUP,
           "refusals: rows of 512 with 512 experts taken");
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, quant_row_size(QUANT_TYPE_Q4_0, 8192), 1024,
-                             8192, in.xq, o.y, in.Wr, 2048 * sizeof(float), 512, &ni, o.xa,
+                             8192, in.xq, o.y, in.Wr, 2048 * sizeof(float), NULL, 512, &ni, o.xa,
                              o.xq, o.lg, in.part, in.part_floats, &t, st) == -ENOTSUP,
           "refusals: rows of 8192 taken");
     /* an F16 output product, an unaligned router */
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_F16, in.W, 8192, 2048, 4096, in.xq, o.y, in.Wr,
-                             2048 * sizeof(float), 512, &ni, o.xa, o.xq, o.lg, in.part,
+                             2048 * sizeof(float), NULL, 512, &ni, o.xa, o.xq, o.lg, in.part,
                              in.part_floats, &t, st) == -ENOTSUP,
           "refusals: an F16 product taken");
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, rb, 2048, 4096, in.xq, o.y, in.Wr + 1,
-                             2048 * sizeof(float), 512, &ni, o.xa, o.xq, o.lg, in.part,
+                             2048 * sizeof(float), NULL, 512, &ni, o.xa, o.xq, o.lg, in.part,
                              in.part_floats, &t, st) == -ENOTSUP,
           "refusals: an unaligned router taken");
+    CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, rb, 2048, 4096, in.xq, o.y, in.Wr,
+                             2048 * sizeof(float), in.Wrt + 1, 512, &ni, o.xa, o.xq, o.lg,
+                             in.part, in.part_floats, &t, st) == -ENOTSUP,
+          "refusals: an unaligned transposed router taken");
     /* the mixer's output not the product's, no tail, scratch too short, a gate without gs */
     const struct cuda_norm_in other = {.h = in.h, .add = o.xa, .w = in.g, .eps = 1e-6f};
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, rb, 2048, 4096, in.xq, o.y, in.Wr,
-                             2048 * sizeof(float), 512, &other, o.xa, o.xq, o.lg, in.part,
+                             2048 * sizeof(float), NULL, 512, &other, o.xa, o.xq, o.lg, in.part,
                              in.part_floats, &t, st) == -EINVAL,
           "refusals: another added row taken");
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, rb, 2048, 4096, in.xq, o.y, in.Wr,
-                             2048 * sizeof(float), 512, &ni, o.xa, o.xq, o.lg, in.part,
+                             2048 * sizeof(float), NULL, 512, &ni, o.xa, o.xq, o.lg, in.part,
                              in.part_floats, NULL, st) == -EINVAL,
           "refusals: no tail taken");
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, rb, 2048, 4096, in.xq, o.y, in.Wr,
-                             2048 * sizeof(float), 512, &ni, o.xa, o.xq, o.lg, in.part,
+                             2048 * sizeof(float), NULL, 512, &ni, o.xa, o.xq, o.lg, in.part,
                              in.part_floats - 1, &t, st) == -EINVAL,
           "refusals: short scratch taken");
     const struct cuda_norm_in nogs = {.h = in.h, .add = o.y, .w = in.g, .eps = 1e-6f,
                                       .gate = in.gate};
     CHECK(cuda_mvq_xq_router(QUANT_TYPE_Q4_0, in.W, rb, 2048, 4096, in.xq, o.y, in.Wr,
-                             2048 * sizeof(float), 512, &nogs, o.xa, o.xq, o.lg, in.part,
+                             2048 * sizeof(float), NULL, 512, &nogs, o.xa, o.xq, o.lg, in.part,
                              in.part_floats, &t, st) == -EINVAL,
           "refusals: a gate without gs taken");
     CU(cudaDeviceSynchronize());
@@ -358,13 +374,13 @@ static void test_refusals(unsigned int *ctr, struct rng *r)
 struct bench {
     const struct inputs *in;
     const struct outs *o;
-    bool fused;
+    int form; /* launch()'s */
 };
 
 static void bench_call(void *arg, cudaStream_t s)
 {
     const struct bench *b = arg;
-    if (launch(b->in, b->o, b->fused, true, s))
+    if (launch(b->in, b->o, b->form, true, s))
         failures++;
 }
 
@@ -376,20 +392,21 @@ static void bench(unsigned int *ctr, struct rng *r)
     inputs_make(&in, QUANT_TYPE_Q4_0, 2048, 4096, 512, 10, true, true, ctr, r);
     struct outs o;
     outs_alloc(&o, 2048, 512, 10);
-    struct bench two = {.in = &in, .o = &o, .fused = false}, one = {.in = &in, .o = &o,
-                                                                    .fused = true};
+    struct bench two = {.in = &in, .o = &o, .form = 0}, one = {.in = &in, .o = &o, .form = 1},
+                 one_t = {.in = &in, .o = &o, .form = 2};
     /* an eager fused launch's outputs, then the graphs': 48 launches in a PDL chain, each
      * reading h, the router and its columns before its wait while the one before runs,
      * must leave the same bytes */
     struct outs ref;
     outs_alloc(&ref, 2048, 512, 10);
     outs_poison(&ref, 2048, 512, 10);
-    CHECK(launch(&in, &ref, true, true, 0) == 0, "bench: the eager fused launch");
+    CHECK(launch(&in, &ref, 1, true, 0) == 0, "bench: the eager fused launch");
     CU(cudaDeviceSynchronize());
     const float t2 = graph_median_us(bench_call, &two, 48),
                 t1 = graph_median_us(bench_call, &one, 48),
                 t2b = graph_median_us(bench_call, &two, 48),
-                t1b = graph_median_us(bench_call, &one, 48);
+                t1b = graph_median_us(bench_call, &one, 48),
+                tt = graph_median_us(bench_call, &one_t, 48);
     bool ok = same(ref.y, o.y, 2048 * sizeof(float), "bench: graph chain rows");
     ok &= same(ref.lg, o.lg, 512 * sizeof(float), "bench: graph chain logits");
     ok &= same(ref.ids, o.ids, 10 * sizeof(int32_t), "bench: graph chain ids");
@@ -402,20 +419,27 @@ static void bench(unsigned int *ctr, struct rng *r)
            ok ? "byte-identical to" : "DIFFERENT from");
     outs_free(&ref);
     /* where the one launch's time goes (LAMINA_CUDA_RT_SKIP: timing only, the outputs
-     * wrong): without the columns' copies (1), the cluster's adds (2), the last block (4) */
-    static const char *const skips[] = {"1", "2", "4", "6", "7"};
-    char line[512];
-    int at = snprintf(line, sizeof(line), "[measure] one launch with parts left out (us a layer):");
+     * wrong): without the columns' copies (1), the cluster's adds (2), the last block (4),
+     * launched without clusters (8, with 2); of the last block's: the pick (16), the row,
+     * its rounding and the gate (32), the partial sums' loads (64) */
+    static const char *const skips[] = {"1", "2", "4", "6", "7", "16", "32", "48", "64", "112"};
+    char line[768];
+    int at = snprintf(line, sizeof(line),
+                      "[measure] one launch with parts left out (us a layer; transposed columns "
+                      "in brackets):");
     for (size_t i = 0; i < sizeof(skips) / sizeof(skips[0]); i++) {
         setenv("LAMINA_CUDA_RT_SKIP", skips[i], 1);
-        const float ts = graph_median_us(bench_call, &one, 48);
-        at += snprintf(line + at, sizeof(line) - (size_t)at, " skip %s %.2f", skips[i], ts);
+        const float ts = graph_median_us(bench_call, &one, 48),
+                    tst = graph_median_us(bench_call, &one_t, 48);
+        at += snprintf(line + at, sizeof(line) - (size_t)at, " skip %s %.2f (%.2f)", skips[i],
+                       ts, tst);
     }
     unsetenv("LAMINA_CUDA_RT_SKIP");
     printf("%s\n", line);
     printf("[measure] out product + router, 80b shape, graph of 48: two launches %.2f, %.2f us; "
-           "one launch %.2f, %.2f us a layer\n",
-           t2, t2b, t1, t1b);
+           "one launch %.2f, %.2f us a layer; one launch, the columns from the transposed "
+           "router %.2f us\n",
+           t2, t2b, t1, t1b, tt);
     outs_free(&o);
     inputs_free(&in);
 }
