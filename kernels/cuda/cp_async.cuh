@@ -31,6 +31,15 @@ __device__ __forceinline__ void cp8(void *dst, const void *src)
 #endif
 }
 
+/* 4 bytes, both ends 4-byte aligned. */
+__device__ __forceinline__ void cp4(void *dst, const void *src)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+#endif
+}
+
 __device__ __forceinline__ void cp_commit()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800

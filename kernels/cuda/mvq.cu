@@ -427,18 +427,17 @@ __device__ __forceinline__ void rt_early(const MvqArgs &a, uint32_t r0, float *s
 
 /* The launch's last block (every thread; s_x: room for the row and the gate, 2 kRtMaxN
  * floats, the block's spent router columns), its loads first (the clusters' sums, the row's
- * two halves, the gate into shared memory), all in flight together: the row and its norm as
- * matvec.cu's norm_in_row
- * forms them (thread t's columns t, t + width, ... of x = h + y, the same sums, tree and
+ * two halves and norm weights, the gate into shared memory), all in flight together: the row
+ * and its norm as matvec.cu's norm_in_row forms them (thread t's columns t, t + width, ... of x = h + y, the same sums, tree and
  * expressions: the bits of cuda_matvec_tail_norm_in's xout and xq), the logits (each
  * expert's cluster sums in cluster order, times the norm's scale) and, by warp 0, their
- * top k (router_topk_warp); warps 1-7 meanwhile write the row and its rounding and sum the
+ * top k (router_topk_warp, from a copy in shared memory); warps 1-7 meanwhile write the row and its rounding and sum the
  * shared expert's gate as norm_in_gate does (its virtual warps' sums, then one butterfly
  * over them: the same bits). */
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 /* rt_finish's, which runs on sm_90 */
 __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
 {
-    __shared__ float s_red[32], s_gw[32];
+    __shared__ float s_red[32], s_gw[32], s_lg[kRtMaxE];
     __shared__ uint64_t s_pick[32];
     const uint32_t n = a.n_rows, width = a.rt_width, t = threadIdx.x, E = a.rt_e;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -456,21 +455,22 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
                            ? __ldcg(a.rt_part + static_cast<size_t>(c) * E + x)
                            : 0.0f;
         }
-    float hv[kRtCols], dv[kRtCols];
+    float hv[kRtCols], dv[kRtCols], gv[kRtCols];
 #pragma unroll
     for (int b = 0; b < kRtCols; b++) {
         const uint32_t i = t + b * width;
         const bool in = t < width && i < n;
         hv[b] = in ? __ldcg(a.rt_h + i) : 0.0f;
         dv[b] = in ? __ldcg(a.y + i) : 0.0f;
+        gv[b] = in && a.rt_g ? __ldg(a.rt_g + i) : 1.0f; /* with the others, not one by one
+                                                           * after the norm */
     }
-    if (a.rt_gate) /* read from shared memory below (tail_vsum's barriers come first) */
-#pragma unroll
-        for (int b = 0; b < kRtMaxN / kThreads; b++) {
-            const uint32_t j = t + b * kThreads;
-            if (j < n)
-                s_g[j] = a.rt_gate[j];
-        }
+    if (a.rt_gate) { /* copied beside the norm (loads and stores in registers went one by
+                      * one); waited for before the barrier ahead of its reads */
+        for (uint32_t j = t; j < n; j += kThreads)
+            cp4(s_g + j, a.rt_gate + j);
+        cp_commit();
+    }
     float acc[2] = {0.0f, 0.0f}; /* the clusters' sums in cluster order */
 #pragma unroll
     for (int m = 0; m < 2; m++)
@@ -485,20 +485,25 @@ __device__ __forceinline__ void rt_tail(const MvqArgs &a, float *s_x)
             const uint32_t i = t + b * width;
             if (i < n) {
                 const float v = hv[b] * scale;
-                s_x[i] = a.rt_g ? v * a.rt_g[i] : v;
+                s_x[i] = a.rt_g ? v * gv[b] : v;
             }
         }
 #pragma unroll
     for (int m = 0; m < 2; m++) {
         const uint32_t x = t + m * kThreads;
-        if (x < E)
-            a.rt_logits[x] = acc[m] * scale;
+        if (x < E) {
+            const float l = acc[m] * scale;
+            a.rt_logits[x] = l;
+            s_lg[x] = l;
+        }
     }
-    __syncthreads(); /* the row in s_x, the logits written (read through L2 below) */
+    cp_wait<0>();    /* the gate in s_g */
+    __syncthreads(); /* the row in s_x, the logits in s_lg */
     if (warp == 0) {
         if (!(a.rt_skip & 16))
-            router_topk_warp(a.rt_logits, E, a.tail.t.k, a.tail.t.ids, a.tail.t.w, s_pick,
-                             a.tail.t.topk_rounds, nullptr, a.tail.t.topk_softmax);
+            router_topk_warp<false, true>(s_lg, E, a.tail.t.k, a.tail.t.ids, a.tail.t.w, s_pick,
+                                          a.tail.t.topk_rounds, nullptr,
+                                          a.tail.t.topk_softmax);
         return;
     }
     if (a.rt_skip & 32)

@@ -197,8 +197,8 @@ static __device__ __forceinline__ float router_unkey(uint32_t key)
  * first, as before 2026-12-04: the same ids where no two logits round to
  * one probability, weights within an ulp or two. CLK (timing only): lane 0
  * stores clock64() into clk[0..3] after the loads, the keys, the picks and
- * the stores. */
-template <bool CLK = false>
+ * the stores. SHARED: x in the block's shared memory (plain loads). */
+template <bool CLK = false, bool SHARED = false>
 static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t E, uint32_t k,
                                                         int32_t *ids, float *w, uint64_t *s,
                                                         bool rounds, long long *clk = nullptr,
@@ -209,7 +209,7 @@ static __device__ __forceinline__ void router_topk_warp(const float *x, uint32_t
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; i++) {
         const uint32_t e = lane + 32 * i;
-        p[i] = e < E ? __ldcg(x + e) : -INFINITY;
+        p[i] = e < E ? (SHARED ? x[e] : __ldcg(x + e)) : -INFINITY;
     }
     if constexpr (CLK)
         if (lane == 0)
