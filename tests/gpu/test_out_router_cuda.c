@@ -23,7 +23,8 @@
  * -ENOTSUP or -EINVAL with nothing launched.
  * Then, timed: the 80b-a3b shape's product and router as two launches and
  * as one, each as a CUDA graph of 48 copies replayed (median of 20 replays
- * after warm-up): [measure] lines in us per layer; the fused graph's last
+ * after warm-up), then over eight layers' weights in turn (from memory, as in
+ * the decode): [measure] lines in us per layer; the fused graph's last
  * outputs (48 launches chained by programmatic dependent launch) byte-identical
  * to an eager launch's.
  * Needs compute capability 9.0 (thread block clusters); elsewhere the
@@ -372,16 +373,44 @@ static void test_refusals(unsigned int *ctr, struct rng *r)
 }
 
 struct bench {
-    const struct inputs *in;
+    const struct inputs *in; /* n_in sets, the launches taking them in turn */
+    int n_in, next;
     const struct outs *o;
     int form; /* launch()'s */
 };
 
 static void bench_call(void *arg, cudaStream_t s)
 {
-    const struct bench *b = arg;
-    if (launch(b->in, b->o, b->form, true, s))
+    struct bench *b = arg;
+    const struct inputs *in = &b->in[b->n_in > 1 ? b->next++ % b->n_in : 0];
+    if (launch(in, b->o, b->form, true, s))
         failures++;
+}
+
+/* The same chains with the weights, routers and rows of kColdSets layers in turn (about 100
+ * MB, twice the L2), so that each launch reads them from memory as the decode does: two
+ * launches against one. */
+enum { kColdSets = 8 };
+
+static void bench_cold(unsigned int *ctr, const struct outs *o, struct rng *r)
+{
+    struct inputs in[kColdSets];
+    for (int i = 0; i < kColdSets; i++)
+        inputs_make(&in[i], QUANT_TYPE_Q4_0, 2048, 4096, 512, 10, true, true, ctr, r);
+    struct bench two = {.in = in, .n_in = kColdSets, .o = o, .form = 0},
+                 one = {.in = in, .n_in = kColdSets, .o = o, .form = 1},
+                 one_t = {.in = in, .n_in = kColdSets, .o = o, .form = 2};
+    const float t2 = graph_median_us(bench_call, &two, 48),
+                t1 = graph_median_us(bench_call, &one, 48),
+                tt = graph_median_us(bench_call, &one_t, 48);
+    CHECK(dev_counter(ctr) == 0, "bench: the counter is %u after the cold graphs",
+          dev_counter(ctr));
+    printf("[measure] out product + router, 80b shape, graph of 48 over %d layers' weights "
+           "(from memory): two launches %.2f us; one launch %.2f, the columns from the "
+           "transposed router %.2f us a layer\n",
+           kColdSets, t2, t1, tt);
+    for (int i = 0; i < kColdSets; i++)
+        inputs_free(&in[i]);
 }
 
 /* The 80b-a3b decode layer's DeltaNet output product (4096 -> 2048, Q4_0) and router
@@ -392,8 +421,9 @@ static void bench(unsigned int *ctr, struct rng *r)
     inputs_make(&in, QUANT_TYPE_Q4_0, 2048, 4096, 512, 10, true, true, ctr, r);
     struct outs o;
     outs_alloc(&o, 2048, 512, 10);
-    struct bench two = {.in = &in, .o = &o, .form = 0}, one = {.in = &in, .o = &o, .form = 1},
-                 one_t = {.in = &in, .o = &o, .form = 2};
+    struct bench two = {.in = &in, .n_in = 1, .o = &o, .form = 0},
+                 one = {.in = &in, .n_in = 1, .o = &o, .form = 1},
+                 one_t = {.in = &in, .n_in = 1, .o = &o, .form = 2};
     /* an eager fused launch's outputs, then the graphs': 48 launches in a PDL chain, each
      * reading h, the router and its columns before its wait while the one before runs,
      * must leave the same bytes */
@@ -440,6 +470,7 @@ static void bench(unsigned int *ctr, struct rng *r)
            "one launch %.2f, %.2f us a layer; one launch, the columns from the transposed "
            "router %.2f us\n",
            t2, t2b, t1, t1b, tt);
+    bench_cold(ctr, &o, r);
     outs_free(&o);
     inputs_free(&in);
 }
