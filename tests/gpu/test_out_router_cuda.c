@@ -14,7 +14,9 @@
  *   - the ids equal to the router's (where no two logits at the k-th place
  *     are within the tolerance: then the picks are checked to be logits that
  *     close), the weights within 1e-5;
- *   - three fused launches in a row byte-identical (the counter back at 0);
+ *   - three fused launches in a row byte-identical (the counter back at 0),
+ *     the first with the router's columns read from the router, the others
+ *     from its transposed copy (d_rwt);
  * at Q4_0 and Q8_0, product rows of 64 to 4096 (32, 16 and 8 lanes a row;
  * one pass and two a lane), 512 down to 16 experts, with and without the
  * gate and the norm weights, hidden sizes whose tiles leave blocks of the
