@@ -29,7 +29,8 @@
 # There (the device call runs it from the repository root; logs go to $OUT):
 #   tools/device-check.sh run [tests] [bench] [profile] [llama]
 #     tests    run every GPU test (what `make test-gpu` runs) from .devbin/
-#     bench    write an 80b-a3b-shaped q4_0 model (lamina gen-model) and run
+#     bench    write an 80b-a3b-shaped q4_0 model (lamina gen-model; BENCH_TYPE=q4_k
+#              or another gen-model --type for that type) and run
 #              `lamina bench` on it, fully resident on the GPU (BENCH_DEPTH=N:
 #              also tg128 with N tokens already in the context, here and in llama;
 #              BENCH_DEPTH_P=512: pp512 at that depth too)
@@ -222,15 +223,29 @@ tests() {
     echo "gpu tests: $pass passed, $fail failed, $skip skipped (fewer than 2 GPUs, or no binaries)"
 }
 
+# The 80b-a3b-shaped model of bench, profile, trace, ncu, cards and llama, written once
+# into $m (the caller's local): BENCH_TYPE (default q4_0, or any type of gen-model's
+# --type, e.g. q4_k) picks its weight type. The disk holds one such file (42-45 GB), so
+# a model of another type is removed first.
+bench_model() {
+    local t=${BENCH_TYPE:-q4_0} f
+    m=.models/q3n-80b-$t.gguf
+    mkdir -p .models
+    [ -f "$m" ] && return 0
+    for f in .models/q3n-80b-*.gguf; do
+        [ -f "$f" ] && [ "$f" != "$m" ] && rm -f "$f"
+    done
+    .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type "$t" \
+        --seed 1 --threads "$(nproc)" -o "$m" 2>&1 | tail -2
+}
+
 # BENCH_VARIANTS: environment settings separated by ';' (e.g. "LAMINA_CUDA_PDL=0;
 # LAMINA_CUDA_FUSE=0"), each one more bench run after the default one. A variant's
 # LAMINA_BIN=PATH runs that binary instead of .devbin/lamina (a baseline staged with
 # BASE_BIN, as .devbin/lamina-base: the same call's A/B).
 bench() {
-    local m=.models/q3n-80b-q4_0.gguf v bin
-    mkdir -p .models
-    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
-        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    local m v bin
+    bench_model
     { echo; [ -z "${BENCH_VARIANTS:-}" ] || echo "$BENCH_VARIANTS" | tr ';' '\n'; } |
         while read -r v; do
             echo "== lamina bench ${v:-(default)}"
@@ -280,10 +295,8 @@ place() {
 # CARDS_RUNS (default: all of bench-cards.sh's runs); the table, the per-worker summaries and the
 # timing dumps (dumps.tar.gz) come back in $OUT.
 cards() {
-    local m=.models/q3n-80b-q4_0.gguf
-    mkdir -p .models
-    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
-        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    local m
+    bench_model
     OUT=/tmp/cards RUNS="${CARDS_RUNS:-}" tools/bench-cards.sh $m .devbin
     cp /tmp/cards/cards.md /tmp/cards/summaries.md /tmp/cards/dumps.tar.gz "$OUT"/
 }
@@ -293,10 +306,8 @@ cards() {
 # TRACE_N decode steps (default 16); TRACE_VARIANTS: environment settings separated by ';',
 # each one more trace (trace-N.txt).
 trace() {
-    local m=.models/q3n-80b-q4_0.gguf v i=0
-    mkdir -p .models
-    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
-        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    local m v i=0
+    bench_model
     [ -x .devbin/tools/graph_trace ] || { echo "trace: no .devbin/tools/graph_trace"; return 1; }
     { echo; [ -z "${TRACE_VARIANTS:-}" ] || echo "$TRACE_VARIANTS" | tr ';' '\n'; } |
         while read -r v; do
@@ -315,10 +326,8 @@ trace() {
 }
 
 profile() {
-    local m=.models/q3n-80b-q4_0.gguf
-    mkdir -p .models
-    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
-        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    local m
+    bench_model
     LAMINA_CUDA_PROFILE=1 LAMINA_LOG=info .devbin/lamina bench -m $m -p 512 -n 16 -r 3 \
         --inproc --backend cuda:0 --no-membw >"$OUT/profile.txt" 2>&1
     grep -A40 "cuda profile" "$OUT/profile.txt" | sed 's/^.*info: //' | head -60
@@ -328,12 +337,10 @@ profile() {
 # per-kernel time, DRAM bytes, grid and registers in $OUT/ncu.csv; NCU_COUNT launches
 # (default 1400: three decode steps of the 80b model), NCU_N generated tokens.
 ncu_step() {
-    local m=.models/q3n-80b-q4_0.gguf ncu
+    local m ncu
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$ncu" ] || { echo "ncu: not found"; return 1; }
-    mkdir -p .models
-    [ -f $m ] || .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type q4_0 \
-        --seed 1 --threads "$(nproc)" -o $m 2>&1 | tail -2
+    bench_model
     if [ -n "${NCU_SECTIONS:-}" ]; then
         # NCU_SECTIONS="WarpStateStats SchedulerStats ...": those sections' pages as text
         # for the kernels NCU_KERNELS names (a regex; default every kernel)
@@ -355,7 +362,8 @@ ncu_step() {
 }
 
 llama_bench() {
-    local m=.models/q3n-80b-q4_0.gguf
+    local m
+    bench_model
     [ -x .peerbuild/bin/llama-bench ] || { echo "llama: no .peerbuild/bin/llama-bench"; return 1; }
     # one card, as lamina's bench: llama.cpp splits over every visible GPU by default
     CUDA_VISIBLE_DEVICES=0 .peerbuild/bin/llama-bench -m $m -ngl 99 -p 512 -n 128 -r 3 2>&1 |

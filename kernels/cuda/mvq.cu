@@ -1,6 +1,6 @@
 /*
- * mvq: the decode product (one activation row) for Q4_0 and Q8_0 weights
- * with int8 activations and dp4a, the scheme of the CPU twin's integer path
+ * mvq: the decode product (one activation row) for Q4_0, Q8_0 and Q4_K
+ * weights with int8 activations and dp4a, the scheme of the CPU twin's integer path
  * (kernels/cpu/matvec.c: activations rounded per block of 32 to
  * q = round-half-even(x * 127/amax) with the f32 scale d = amax/127). Used by
  * cuda_matvec and cuda_matvec_experts (matvec.cu) for one activation row.
@@ -9,6 +9,15 @@
  * b (scale dx, levels q, their sum sq):
  *   Q8_0: dw * dx * sum_j w_j q_j
  *   Q4_0: dw * (dx * sum_j n_j q_j - 8 * dx * sq)   (w_j = n_j - 8)
+ *   Q4_K: a lane's unit is 64 elements, sub-blocks j0, j1 of a super-block
+ *         (w = d sc_j n - dmin mn_j, n in 0..15) with activation blocks
+ *         2b, 2b + 1: d (sc0 dx0 isum0 + sc1 dx1 isum1) - dmin (mn0 sx0 + mn1 sx1)
+ *         (sx = dx sq)
+ *   Q6_K: a unit is two blocks of 32 (mvq.cuh's unit_block), each two
+ *         halves of 16 with an int8 scale (w = d sc (n - 32), n in 0..63):
+ *         d (dxA (scA0 isumA0 + scA1 isumA1) + dxB (scB0 isumB0 + scB1 isumB1))
+ *         the levels centred before the dot (signed bytes)
+ *   (mvq.cuh's unit_dot; where the text below says block, read unit)
  * the integer sums exact in int32, the rest in f32, blocks added in a fixed
  * order per lane and lanes reduced in a fixed tree: results do not depend on
  * timing.
@@ -691,16 +700,18 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                  &s_bar);
     };
 
-    /* a pass: blocks b0 + u*G (u < U) of the group's R rows, all loads
+    /* a pass: units b0 + u*G (u < U) of the group's R rows (a unit: mvq::Blk,
+     * a block of 32 for Q4_0 and Q8_0, 64 elements for Q4_K), all loads
      * issued before any is used; the first pass before the activations */
-    uint32_t v[U][R][9], sh[U][R];
+    const uint32_t nu = a.nb / Blk<TYPE>::XB; /* units a row */
+    uint32_t v[U][R][Blk<TYPE>::WORDS], sh[U][R];
     auto issue = [&](uint32_t b0) {
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const uint32_t b = b0 + u * G;
-                if (b < a.nb && row0 + r < a.n_rows)
+                if (b < nu && row0 + r < a.n_rows)
                     load_block<TYPE>(w + static_cast<size_t>(row0 + r) * a.row_bytes, b, v[u][r],
                                      &sh[u][r]);
             }
@@ -907,32 +918,30 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
 #pragma unroll
     for (int r = 0; r < R; r++)
         acc[r] = 0.0f;
-    for (uint32_t b0 = sub; b0 < a.nb; b0 += U * G) {
+    for (uint32_t b0 = sub; b0 < nu; b0 += U * G) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const uint32_t b = b0 + u * G;
-            if (b >= a.nb)
+            if (b >= nu)
                 break;
-            const int4 *xq = reinterpret_cast<const int4 *>(s_q + b * 32);
-            const int4 xa = xq[0], xb = xq[1];
-            const float dx = s_d[b], sx = s_s[b];
+            const mvq::UnitX<TYPE> xu = mvq::unit_x<TYPE>(s_q, s_d, s_s, b);
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (row0 + r >= a.n_rows)
                     continue;
                 if constexpr (ST) { /* the words read from the tile as they are used */
-                    uint32_t vs[9], shs;
+                    uint32_t vs[Blk<TYPE>::WORDS], shs;
                     mvq::load_block<TYPE, true>(s_rows + static_cast<size_t>(r) * a.row_bytes,
                                                 b, vs, &shs);
-                    acc[r] += block_dot<TYPE>(vs, shs, xa, xb, dx, sx);
+                    acc[r] += mvq::unit_dot<TYPE>(vs, shs, xu);
                 } else {
-                    acc[r] += block_dot<TYPE>(v[u][r], sh[u][r], xa, xb, dx, sx);
+                    acc[r] += mvq::unit_dot<TYPE>(v[u][r], sh[u][r], xu);
                 }
             }
         }
         if constexpr (ST) /* one pass, one tile a block */
             continue;
-        if (b0 + U * G < a.nb)
+        if (b0 + U * G < nu)
             issue(b0 + U * G);
         else if (tile + gridDim.x < n_tiles) { /* the next tile's first pass */
             row0 += gridDim.x * (kThreads / G) * R;
@@ -1005,9 +1014,15 @@ thread_local bool last_tma = false;
 /* cuda_mvq_probe_next's marks for this thread's next launch. */
 thread_local unsigned long long *next_probe = nullptr;
 
-template <int TYPE, int G, int U, int R>
+/* The launch of a form. WHO: the products it is built for (kPlain, kExperts;
+ * pick's choices), the others' kernels not instantiated (-ENOTSUP). */
+constexpr int kPlain = 1, kExperts = 2;
+
+template <int TYPE, int G, int U, int R, int WHO = kPlain | kExperts>
 int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
 {
+    if (!(WHO & (jobs > 1 ? kExperts : kPlain)))
+        return -ENOTSUP;
     MvqArgs a = args;
     a.probe = next_probe;
     next_probe = nullptr;
@@ -1027,37 +1042,45 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
      * default 48 KiB */
     const size_t x_bytes = (static_cast<size_t>(a.nb) * 40 + 15) / 16 * 16;
     const size_t tile_bytes = static_cast<size_t>(rows_per_block) * a.row_bytes + 48;
-    const bool st = jobs > 1 && tma_wanted(a) && a.nb <= static_cast<uint32_t>(U * G) &&
-                    x_bytes + tile_bytes <= 48 * 1024 &&
-                    cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true>,
-                                           x_bytes + tile_bytes);
-    if (st)
-        smem = x_bytes + tile_bytes;
-    last_tma = st;
     const bool tail = a.tail.t.kind != CUDA_TAIL_NONE;
-    if (a.gq) { /* GQ: tma, a tile of 32 rows, a gate tile and its up tile a cluster */
-        last_tma = false;
-        if constexpr ((kThreads / G) * R == 32) {
-            if (!st || tail || tiles != 2 * a.gq_half || grid.x != tiles ||
-                !cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true, true>,
-                                        smem))
+    last_tma = false;
+    if constexpr ((WHO & kExperts) != 0) {
+        const bool st =
+            jobs > 1 && tma_wanted(a) && a.nb / Blk<TYPE>::XB <= static_cast<uint32_t>(U * G) &&
+            x_bytes + tile_bytes <= 48 * 1024 &&
+            cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true>,
+                                   x_bytes + tile_bytes);
+        if (st)
+            smem = x_bytes + tile_bytes;
+        last_tma = st;
+        if (a.gq) { /* GQ: tma, a tile of 32 rows, a gate tile and its up tile a cluster */
+            last_tma = false;
+            if constexpr ((kThreads / G) * R == 32) {
+                if (!st || tail || tiles != 2 * a.gq_half || grid.x != tiles ||
+                    !cuda_caps_fits_default(
+                        (const void *)mvq_kernel<TYPE, G, U, R, false, 3, true, true>, smem))
+                    return -ENOTSUP;
+                last_tma = true;
+                pdl_launch_cluster(mvq_kernel<TYPE, G, U, R, false, 3, true, true>, grid, kThreads,
+                                   2, smem, stream, a);
+            } else {
                 return -ENOTSUP;
-            last_tma = true;
-            pdl_launch_cluster(mvq_kernel<TYPE, G, U, R, false, 3, true, true>, grid, kThreads, 2,
-                               smem, stream, a);
-        } else {
-            return -ENOTSUP;
-        }
-    } else if (st)
-        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, true>, grid, kThreads, smem, stream, a);
-    else if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
-        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3, false>, grid, kThreads, smem, stream, a);
-    else if (jobs > 1)
-        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, false>, grid, kThreads, smem, stream, a);
-    else if (tail)
-        pdl_launch(mvq_kernel<TYPE, G, U, R, true, 1, false>, grid, kThreads, smem, stream, a);
-    else
-        pdl_launch(mvq_kernel<TYPE, G, U, R, false, 1, false>, grid, kThreads, smem, stream, a);
+            }
+        } else if (st)
+            pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, true>, grid, kThreads, smem, stream, a);
+        else if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
+            pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3, false>, grid, kThreads, smem, stream, a);
+        else if (jobs > 1)
+            pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, false>, grid, kThreads, smem, stream,
+                       a);
+    }
+    if constexpr ((WHO & kPlain) != 0) {
+        if (jobs == 1 && tail)
+            pdl_launch(mvq_kernel<TYPE, G, U, R, true, 1, false>, grid, kThreads, smem, stream, a);
+        else if (jobs == 1)
+            pdl_launch(mvq_kernel<TYPE, G, U, R, false, 1, false>, grid, kThreads, smem, stream,
+                       a);
+    }
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         log_error("cuda mvq: kernel launch failed: %s", cudaGetErrorString(e));
@@ -1195,13 +1218,36 @@ int dispatch_rt(uint32_t type, const MvqArgs &a, cudaStream_t stream, bool dry)
 template <int TYPE>
 int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
 {
-    const uint32_t g = mvq::lanes_per_row(a.nb);
-    const uint32_t per_lane = (a.nb + g - 1) / g;
-    const int u = per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 8;
+    /* K types: units of 12 (Q4_K) or 24 (Q6_K) words a lane, two of Q4_K
+     * or one of Q6_K in flight where the lanes hold them in registers (two
+     * blocks an SM for a plain product, three for experts: the registers of
+     * eight Q4_0 blocks, without spills), four where tma reads them from
+     * the block's tile; a row of at most one unit a lane keeps U = 1, so
+     * that an expert product's rows per block, and its blocks, are Q4_0's */
+    constexpr bool kK = Blk<TYPE>::WORDS > 9;
+    const uint32_t nu = a.nb / Blk<TYPE>::XB;
+    const uint32_t g = mvq::lanes_per_row(nu);
+    const uint32_t per_lane = (nu + g - 1) / g;
+    /* tma for a K type where a tile of up to 2 x 256 / g rows (the most
+     * its forms take) fits go's 48 KiB */
+    const bool st = jobs > 1 && tma_wanted(a) &&
+                    (static_cast<size_t>(a.nb) * 40 + 15) / 16 * 16 +
+                            static_cast<size_t>(2 * (kThreads / g)) * a.row_bytes + 48 <=
+                        48 * 1024;
+    const int in_flight = !kK                     ? 8
+                          : st                    ? 4
+                          : Blk<TYPE>::WORDS > 16 ? 1
+                                                  : 2;
+    const int u = kK && (in_flight == 1 || (jobs > 1 && per_lane <= 1)) ? 1
+                  : per_lane <= 2 || in_flight == 2                      ? 2
+                  : per_lane <= 4 || in_flight == 4                      ? 4
+                                                                         : 8;
     const uint64_t groups = static_cast<uint64_t>(a.n_rows) * jobs;
     const auto blocks = [&](int r) { return groups / ((kThreads / g) * r); };
     const uint64_t want = want_blocks();
-    int r = 8 / u;
+    int r = in_flight / u;
+    if (kK && u == 1 && r > 2) /* the U = 1 forms built: R 2 and 1 */
+        r = 2;
     if (jobs > 1) {
         while (r > 1 && blocks(r) < want)
             r /= 2;
@@ -1229,11 +1275,28 @@ int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     case 4 * 8 + 1: return go<TYPE, G, 4, 1>(a, jobs, stream);                                     \
     default: return go<TYPE, G, 8, 1>(a, jobs, stream);                                            \
     }
-    if (g == 32)
-        MVQ_GO(32);
-    if (g == 16)
-        MVQ_GO(16);
-    MVQ_GO(8);
+#define MVQ_GO4(G)                                                                                 \
+    switch (u * 8 + r) {                                                                           \
+    case 1 * 8 + 2: return go<TYPE, G, 1, 2, kExperts>(a, jobs, stream);                           \
+    case 1 * 8 + 1: return go<TYPE, G, 1, 1>(a, jobs, stream);                                     \
+    case 2 * 8 + 2: return go<TYPE, G, 2, 2, kExperts>(a, jobs, stream);                           \
+    case 2 * 8 + 1: return go<TYPE, G, 2, 1>(a, jobs, stream);                                     \
+    default: return go<TYPE, G, 4, 1, kExperts>(a, jobs, stream);                                  \
+    }
+    if constexpr (kK) { /* only the forms these units take */
+        if (g == 32)
+            MVQ_GO4(32);
+        if (g == 16)
+            MVQ_GO4(16);
+        MVQ_GO4(8);
+    } else {
+        if (g == 32)
+            MVQ_GO(32);
+        if (g == 16)
+            MVQ_GO(16);
+        MVQ_GO(8);
+    }
+#undef MVQ_GO4
 #undef MVQ_GO
 }
 
@@ -1242,15 +1305,31 @@ int dispatch(uint32_t type, const MvqArgs &a, uint32_t jobs, cudaStream_t stream
     switch (type) {
     case QUANT_TYPE_Q4_0: return pick<QUANT_TYPE_Q4_0>(a, jobs, stream);
     case QUANT_TYPE_Q8_0: return pick<QUANT_TYPE_Q8_0>(a, jobs, stream);
+    case QUANT_TYPE_Q4_K: return pick<QUANT_TYPE_Q4_K>(a, jobs, stream);
+    case QUANT_TYPE_Q6_K: return pick<QUANT_TYPE_Q6_K>(a, jobs, stream);
     default: return -ENOTSUP;
     }
+}
+
+/* Whether the K-type forms (Q4_K, Q6_K) run: LAMINA_CUDA_MVQ_K=1 takes them,
+ * =0 leaves those types to the f32 kernels, unset kKqDefault (read at each
+ * call: tests compare both in one process). Off by default until they have
+ * run on a GPU (written 2026-12-06 without one: tests/test_mvq_units.cpp
+ * checks their maths on the host; docs/perf.md, forty-second session). */
+constexpr bool kKqDefault = false;
+
+bool kq_on()
+{
+    const char *env = getenv("LAMINA_CUDA_MVQ_K");
+    return env && env[0] ? env[0] == '1' : kKqDefault;
 }
 
 bool usable(uint32_t type, uint64_t n_rows, uint64_t n, const float *x, size_t ldx, size_t ldy,
             bool glu)
 {
-    return (type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0) && n % 32 == 0 &&
-           n > 0 && n <= kMaxN && n_rows > 0 && n_rows < (1u << 31) &&
+    return (type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0 ||
+            ((type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q6_K) && n % 256 == 0 && kq_on())) &&
+           n % 32 == 0 && n > 0 && n <= kMaxN && n_rows > 0 && n_rows < (1u << 31) &&
            (reinterpret_cast<uintptr_t>(x) & 3) == 0 && ldx >= (glu ? 2 : 1) * n && ldy >= n_rows;
 }
 
@@ -1629,4 +1708,9 @@ extern "C" int cuda_mvq_experts_xq_tail(uint32_t type, const void *const *d_addr
     a.early = n_early > 0;
     a.n_table = n_early;
     return dispatch(type, a, n_pairs, stream);
+}
+
+extern "C" bool cuda_mvq_k_on(void)
+{
+    return kq_on();
 }

@@ -117,6 +117,12 @@
  *     the cpu + 1e-3 of the largest logit, a kernel fewer in every layer;
  *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
+ *   - 80b-a3b-shaped Q4_K and Q6_K qwen3next models of four layers, the cpu's tokens fed:
+ *     the int8 decode products' K-type forms (LAMINA_CUDA_MVQ_K=1) against the f32 products
+ *     (LAMINA_CUDA_MVQ_K=0):
+ *     the prompt's logits the same, the decode steps' changed, within twice that run's
+ *     distance to the cpu + 1e-3 of the largest logit, the cpu's arg-max in 14 of 16 rows
+ *     at least, two runs byte-identical (tbc_kq);
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
  *     holding every expert of the second half serves grouped rows of those layers (decode
  *     sized and prefill sized groups) within TBC_TOL_SERVE of expert_exec on the CPU, counts
@@ -1312,6 +1318,67 @@ static void tbc_xq(void)
     unlink(path);
 }
 
+/* The int8 decode products on K-type weights (mvq.cu's units of 64; LAMINA_CUDA_MVQ_K=1,
+ * opt-in for now): for Q4_K and Q6_K an 80b-a3b-shaped qwen3next of four layers (three
+ * DeltaNet, one attention) of matrices of that type (every row of whole super-blocks
+ * here), fed the cpu backend's greedy tokens, against the same run with the type left to
+ * the f32-activation products (LAMINA_CUDA_MVQ_K=0): the prompt's logits the same (the
+ * prefill does not use them), the decode steps' changed (they ran), no further from the
+ * cpu's than that run's (within twice its max |diff| + 1e-3 of the largest logit), the
+ * cpu's arg-max in at least 14 of the 16 rows, and two runs byte-identical. */
+static void tbc_kq(uint32_t type)
+{
+    const char *tn = quant_type_name(type);
+    char path[128];
+    snprintf(path, sizeof(path), "/tmp/test_backend_cuda_kq_%d.gguf", (int)getpid());
+    struct gguf *g = NULL;
+    struct arch_model *m = tbc_synth("80b-a3b", 4, type, 13, path, &g);
+    if (m) {
+        const uint32_t V = m->hp.n_vocab;
+        const size_t sz = 16 * (size_t)V * sizeof(float);
+        float *cpu = malloc(sz), *a = malloc(sz), *b = malloc(sz), *f = malloc(sz);
+        int32_t toks[10];
+        CHECK(cpu && a && b && f && tbc_greedy16_on("cpu", m, cpu) == 0, "%s: cpu run", tn);
+        for (int d = 0; d < 10; d++)
+            toks[d] = cpu ? (int32_t)tbc_argmax(cpu + (size_t)(5 + d) * V, V) : 0;
+        tbc_forced = toks;
+        setenv("LAMINA_CUDA_MVQ_K", "1", 1); /* opt-in for now (mvq.h) */
+        const int rc_a = a ? tbc_greedy16(m, a) : -1, rc_b = b ? tbc_greedy16(m, b) : -1;
+        const uint64_t k_a = tbc_step_kernels;
+        setenv("LAMINA_CUDA_MVQ_K", "0", 1);
+        const int rc_f = f ? tbc_greedy16(m, f) : -1;
+        unsetenv("LAMINA_CUDA_MVQ_K");
+        tbc_forced = NULL;
+        CHECK(rc_a == 0 && rc_b == 0 && rc_f == 0, "%s: cuda runs fed the cpu's tokens", tn);
+        if (rc_a == 0 && rc_b == 0 && rc_f == 0 && cpu) {
+            CHECK(!memcmp(a, b, sz), "%s: two cuda runs differ", tn);
+            CHECK(!memcmp(a, f, 6 * (size_t)V * sizeof(float)) &&
+                  memcmp(a + 6 * (size_t)V, f + 6 * (size_t)V, 10 * (size_t)V * sizeof(float)),
+                  "%s: LAMINA_CUDA_MVQ_K=0 should change the decode steps only, and it must "
+                  "change them", tn);
+            double mag = 0.0;
+            for (size_t i = 0; i < 16 * (size_t)V; i++)
+                mag = fmax(mag, fabs(cpu[i]));
+            const double d_k = tbc_maxdiff(a, cpu, 16 * (size_t)V);
+            const double d_f = tbc_maxdiff(f, cpu, 16 * (size_t)V);
+            int same = 0;
+            for (int r = 0; r < 16; r++)
+                same += tbc_argmax(a + (size_t)r * V, V) == tbc_argmax(cpu + (size_t)r * V, V);
+            CHECK(mag > 0 && d_k <= 2.0 * d_f + 1e-3 * mag && same >= 14,
+                  "%s: max |cuda - cpu| %.3g against %.3g with LAMINA_CUDA_MVQ_K=0 (max "
+                  "|logit| %.3g), the cpu's arg-max in %d of 16 rows", tn, d_k, d_f, mag, same);
+            MEASURE("%s (80b-a3b shape, 4 layers, 16 rows, the cpu's tokens fed): max |cuda - "
+                    "cpu| %.3g, %.3g on the f32 products (max |logit| %.3g), the cpu's arg-max "
+                    "in %d of 16 rows, two runs byte-identical; %llu kernels a decode step", tn,
+                    d_k, d_f, mag, same, (unsigned long long)k_a);
+        }
+        free(cpu), free(a), free(b), free(f);
+    }
+    arch_free(m);
+    gguf_close(g);
+    unlink(path);
+}
+
 /* backend_host_alloc on a cuda backend: page-locked (the head's logits are copied straight
  * into it), plain memory with LAMINA_PINNED=0, both usable and freed by their allocator; with
  * LAMINA_PINNED=1 a buffer of half a MiB page-locked and one of 3 MiB plain, device copies
@@ -1405,6 +1472,8 @@ int main(void)
     tbc_shpair();
     tbc_more_types();
     tbc_xq();
+    tbc_kq(QUANT_TYPE_Q4_K);
+    tbc_kq(QUANT_TYPE_Q6_K);
     tbc_host_buffers();
     MEASURE("backend_argmax (greedy ids on the device): %d rows, %d differ from the first "
             "maximum of the logits", argmax_rows, argmax_bad);

@@ -10,7 +10,9 @@
  * pinned host memory). Every output buffer is poisoned with NaN bits first;
  * each result must be within 1e-5 of sum |w_i x_i| of the exact dot
  * product of the dequantized row (matvec_dot_ref: the kernels keep f32
- * activations) and within 1e-2 of the CPU twin's result (matvec_rows,
+ * activations; where one activation row meets Q4_0, Q8_0, Q4_K or Q6_K weights
+ * on the int8 products, mvq.cu, the exact dot of the activations rounded
+ * as they round them, per block of 32) and within 1e-2 of the CPU twin's result (matvec_rows,
  * matvec_rows_batch, which may round the activations to int8 as llama.cpp
  * does; the largest difference is printed), and every element the kernel
  * must not write (stride padding, rows of pairs whose expert is NULL) must
@@ -31,7 +33,11 @@
  * F32 router, top-k, Q4_0 experts picked by it, combine) run as a graph with
  * LAMINA_CUDA_PDL=0, as a graph with PDL and launched one by one with PDL:
  * the three final rows must be equal bit for bit (a kernel that read before
- * its wait would show); both graphs are timed.
+ * its wait would show); both graphs are timed. The SiLU-gated down
+ * products (Q4_0, Q8_0, Q4_K, Q6_K) are byte for byte silu_mul then the
+ * product; the expert products' tiles by one bulk copy (tma) byte for byte
+ * the lanes' own loads (Q4_0, Q8_0, Q4_K, Q6_K; experts 2-byte misaligned
+ * too).
  */
 #include "kernels/cuda/caps.h"
 #include "kernels/cuda/matvec.h"
@@ -155,14 +161,39 @@ struct twin_stats {
  * twin's twin[r] (within TWIN_TOL); returns the largest error relative to
  * sum |w x| against the exact dot. */
 /* True when the GPU computes S activation rows of this type and length
- * with int8 activations (kernels/cuda/mvq.cu: one row of Q4_0 or Q8_0):
- * then the exact dot is that of the rounded activations
- * (matvec_dot_ref_xq), held to the same TOL. */
+ * with int8 activations (kernels/cuda/mvq.cu: one row of Q4_0, Q8_0, or
+ * Q4_K or Q6_K of whole super-blocks): then the exact dot is that of the
+ * rounded activations (matvec_dot_ref_xq; dot_ref_xq32 for the K types),
+ * held to the same TOL. */
 static bool gpu_rounds_x(uint32_t type, uint64_t n, uint64_t rows, uint32_t S)
 {
     const char *env = getenv("LAMINA_CUDA_MVQ");
-    return S == 1 && (type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0) && n % 32 == 0 &&
-           n <= 16384 && (n <= 2048 || rows >= 8 * n) && !(env && env[0] == '0');
+    const bool t = type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0 ||
+                   ((type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q6_K) && n % 256 == 0 &&
+                    cuda_mvq_k_on());
+    return S == 1 && t && n % 32 == 0 && n <= 16384 && (n <= 2048 || rows >= 8 * n) &&
+           !(env && env[0] == '0');
+}
+
+/* The exact dot of a row with x rounded as the GPU's int8 products round it,
+ * whatever the weights' block: per block of 32, q = round-half-even(x *
+ * (127 / amax)) in f32 and the scale amax / 127 (mvq.cuh's round_levels;
+ * the CPU rounds a K-type's activations per 256, matvec_dot_ref_xq). */
+static double dot_ref_xq32(uint32_t type, const uint8_t *row, const float *x, uint64_t n)
+{
+    float *w = xmalloc(n * sizeof(float));
+    CHECK(quant_dequantize_row(type, row, w, n) == 0, "dequantize %s", quant_type_name(type));
+    double sum = 0.0;
+    for (uint64_t b = 0; b + 32 <= n; b += 32) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++)
+            amax = fmaxf(amax, fabsf(x[b + j]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+        for (int j = 0; j < 32; j++)
+            sum += (double)w[b + j] * ((double)rintf(x[b + j] * id) * (double)d);
+    }
+    free(w);
+    return sum;
 }
 
 static double compare_rows(const char *what, const struct mat *m, const float *x, const float *got,
@@ -174,8 +205,9 @@ static double compare_rows(const char *what, const struct mat *m, const float *x
     for (uint64_t r = 0; r < m->rows; r++) {
         const uint8_t *row = m->w + r * m->row_bytes;
         double scale = abs_dot(m, r, x) + 1e-30;
-        double exact = xq ? matvec_dot_ref_xq(m->type, row, x, m->n)
-                          : matvec_dot_ref(m->type, row, x, m->n);
+        double exact = !xq ? matvec_dot_ref(m->type, row, x, m->n)
+                       : quant_block_elems(m->type) == 256 ? dot_ref_xq32(m->type, row, x, m->n)
+                                                           : matvec_dot_ref_xq(m->type, row, x, m->n);
         double err = fabs((double)got[r] - exact) / scale;
         double terr = fabs((double)got[r] - (double)twin[r]) / scale;
         if (!(err <= TOL && terr <= TWIN_TOL) && bad++ < 3)
@@ -811,8 +843,10 @@ static void test_glu(struct rng *r)
 {
     const uint64_t rows = 2048, F = 512;
     const uint32_t E = 16, P = 10;
-    for (int t = 0; t < 2; t++) {
-        const uint32_t type = t ? QUANT_TYPE_Q8_0 : QUANT_TYPE_Q4_0;
+    static const uint32_t glu_types[] = {QUANT_TYPE_Q4_0, QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_K,
+                                         QUANT_TYPE_Q6_K};
+    for (int t = 0; t < 4; t++) {
+        const uint32_t type = glu_types[t];
         const size_t rb = quant_row_size(type, F), bytes = rows * rb;
         uint8_t *h = xmalloc(bytes * E), *d_w;
         fill_random_blocks(type, h, bytes * E, r);
@@ -902,6 +936,13 @@ static void test_tma(struct rng *r)
         {QUANT_TYPE_Q4_0, 96, 8192, 0, true},   /* a row in one pass of 8 blocks a lane */
         {QUANT_TYPE_Q8_0, 1024, 2048, 0, false}, /* a tile over 48 KiB: lane loads */
         {QUANT_TYPE_Q4_0, 64, 16384, 0, false}, /* two passes a row: lane loads */
+        {QUANT_TYPE_Q4_K, 1024, 2048, 0, true}, /* 80b-a3b gate|up of a Q4_K file */
+        {QUANT_TYPE_Q4_K, 2048, 512, 0, true},
+        {QUANT_TYPE_Q4_K, 700, 2048, 4, true},  /* rows of 1156 bytes, a partial tile */
+        {QUANT_TYPE_Q4_K, 64, 16384, 0, false}, /* two passes a row: lane loads */
+        {QUANT_TYPE_Q6_K, 1024, 2048, 0, false}, /* rows of 1680 bytes: lane loads */
+        {QUANT_TYPE_Q6_K, 2048, 512, 0, true},  /* rows of 420: super-blocks 2-byte aligned */
+        {QUANT_TYPE_Q6_K, 700, 512, 2, true},   /* rows of 422 bytes, a partial tile */
     };
     const uint32_t E = 12, P = 11;
     const int major = cuda_caps_cc() / 10; /* LAMINA_CUDA_AS_SM may lower it (caps.h) */
@@ -1098,6 +1139,8 @@ int main(void)
     printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
     struct rng r = {0x9E3779B97F4A7C15ull};
     struct twin_stats ts = {0.0};
+    /* the int8 products' Q4_K and Q6_K forms, opt-in for now (mvq.h) */
+    setenv("LAMINA_CUDA_MVQ_K", "1", 1);
     test_rejects();
     test_matvec(&r, &ts);
     test_matmul(&r, &ts);
@@ -1124,6 +1167,18 @@ int main(void)
     }
     bench_experts(QUANT_TYPE_Q4_0, 1024, 2048, 8, &r); /* 80b-a3b gate|up, down */
     bench_experts(QUANT_TYPE_Q4_0, 2048, 512, 1, &r);
+    /* the K types there (Q4_K_M files: gate|up Q4_K, down Q4_K or Q6_K), on the int8
+     * products and on the f32 ones (LAMINA_CUDA_MVQ_K=0) */
+    for (int k = 0; k < 2; k++) {
+        setenv("LAMINA_CUDA_MVQ_K", k ? "0" : "1", 1);
+        printf("K types on the %s products:\n", k ? "f32" : "int8");
+        bench_experts(QUANT_TYPE_Q4_K, 1024, 2048, 8, &r);
+        bench_experts(QUANT_TYPE_Q4_K, 2048, 512, 1, &r);
+        bench_experts(QUANT_TYPE_Q6_K, 2048, 512, 1, &r);
+        bench_one(QUANT_TYPE_Q4_K, 8192, 2048, &r);
+        bench_one(QUANT_TYPE_Q6_K, 151936, 2048, &r);
+    }
+    setenv("LAMINA_CUDA_MVQ_K", "1", 1);
     bench_matmul(&r);
     bench_sgemm(&r);
     return test_main_result("test_matvec_cuda");
