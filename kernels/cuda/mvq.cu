@@ -1014,14 +1014,18 @@ thread_local bool last_tma = false;
 /* cuda_mvq_probe_next's marks for this thread's next launch. */
 thread_local unsigned long long *next_probe = nullptr;
 
-/* The launch of a form. WHO: the products it is built for (kPlain, kExperts;
- * pick's choices), the others' kernels not instantiated (-ENOTSUP). */
-constexpr int kPlain = 1, kExperts = 2;
+/* The launch of a form. WHO: the launches it is built for (pick's choices),
+ * the others' kernels not instantiated (-ENOTSUP): kPlain a plain product,
+ * kExperts an expert product whose lanes load their weights, kTma one whose
+ * tiles come by tma (and its GQ clusters). K types (Blk WORDS > 9) build no
+ * expert product with a tail (COMBINE_COLS, opt-in: the callers fall back). */
+constexpr int kPlain = 1, kExperts = 2, kTma = 4, kAll = 7;
 
-template <int TYPE, int G, int U, int R, int WHO = kPlain | kExperts>
+template <int TYPE, int G, int U, int R, int WHO = kAll>
 int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
 {
-    if (!(WHO & (jobs > 1 ? kExperts : kPlain)))
+    constexpr bool kK = Blk<TYPE>::WORDS > 9;
+    if (!(WHO & (jobs > 1 ? kExperts | kTma : kPlain)))
         return -ENOTSUP;
     MvqArgs a = args;
     a.probe = next_probe;
@@ -1044,12 +1048,12 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
     const size_t tile_bytes = static_cast<size_t>(rows_per_block) * a.row_bytes + 48;
     const bool tail = a.tail.t.kind != CUDA_TAIL_NONE;
     last_tma = false;
-    if constexpr ((WHO & kExperts) != 0) {
-        const bool st =
-            jobs > 1 && tma_wanted(a) && a.nb / Blk<TYPE>::XB <= static_cast<uint32_t>(U * G) &&
-            x_bytes + tile_bytes <= 48 * 1024 &&
-            cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true>,
-                                   x_bytes + tile_bytes);
+    bool st = false;
+    if constexpr ((WHO & kTma) != 0) {
+        st = jobs > 1 && tma_wanted(a) && a.nb / Blk<TYPE>::XB <= static_cast<uint32_t>(U * G) &&
+             x_bytes + tile_bytes <= 48 * 1024 &&
+             cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true>,
+                                    x_bytes + tile_bytes);
         if (st)
             smem = x_bytes + tile_bytes;
         last_tma = st;
@@ -1066,13 +1070,27 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
             } else {
                 return -ENOTSUP;
             }
-        } else if (st)
+        } else if (st) {
             pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, true>, grid, kThreads, smem, stream, a);
-        else if (jobs > 1 && tail) /* experts: registers for three blocks per SM */
-            pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3, false>, grid, kThreads, smem, stream, a);
-        else if (jobs > 1)
-            pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, false>, grid, kThreads, smem, stream,
-                       a);
+        }
+    } else if (a.gq) {
+        return -ENOTSUP;
+    }
+    if (jobs > 1 && !st && !a.gq) {
+        if constexpr ((WHO & kExperts) != 0) {
+            if (tail) { /* experts: registers for three blocks per SM */
+                if constexpr (!kK)
+                    pdl_launch(mvq_kernel<TYPE, G, U, R, true, 3, false>, grid, kThreads, smem,
+                               stream, a);
+                else
+                    return -ENOTSUP;
+            } else {
+                pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, false>, grid, kThreads, smem,
+                           stream, a);
+            }
+        } else {
+            return -ENOTSUP;
+        }
     }
     if constexpr ((WHO & kPlain) != 0) {
         if (jobs == 1 && tail)
@@ -1275,13 +1293,18 @@ int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     case 4 * 8 + 1: return go<TYPE, G, 4, 1>(a, jobs, stream);                                     \
     default: return go<TYPE, G, 8, 1>(a, jobs, stream);                                            \
     }
+/* K types: Q4_K's lanes hold units at U 1 (R 2, 1) and U 2 (R 1), Q6_K's at
+ * U 1 R 1; the other forms only by tma */
 #define MVQ_GO4(G)                                                                                 \
     switch (u * 8 + r) {                                                                           \
-    case 1 * 8 + 2: return go<TYPE, G, 1, 2, kExperts>(a, jobs, stream);                           \
+    case 1 * 8 + 2:                                                                                \
+        return go<TYPE, G, 1, 2, TYPE == QUANT_TYPE_Q4_K ? kExperts | kTma : kTma>(a, jobs,       \
+                                                                                 stream);          \
     case 1 * 8 + 1: return go<TYPE, G, 1, 1>(a, jobs, stream);                                     \
-    case 2 * 8 + 2: return go<TYPE, G, 2, 2, kExperts>(a, jobs, stream);                           \
-    case 2 * 8 + 1: return go<TYPE, G, 2, 1>(a, jobs, stream);                                     \
-    default: return go<TYPE, G, 4, 1, kExperts>(a, jobs, stream);                                  \
+    case 2 * 8 + 2: return go<TYPE, G, 2, 2, kTma>(a, jobs, stream);                               \
+    case 2 * 8 + 1:                                                                                \
+        return go<TYPE, G, 2, 1, TYPE == QUANT_TYPE_Q4_K ? kAll : kTma>(a, jobs, stream);         \
+    default: return go<TYPE, G, 4, 1, kTma>(a, jobs, stream);                                      \
     }
     if constexpr (kK) { /* only the forms these units take */
         if (g == 32)
