@@ -1,11 +1,11 @@
 /*
  * test_mvq_units: the int8 decode products' weight units (kernels/cuda/mvq.cuh: load_block,
- * unit_x, unit_dot) run on the host, type by type, without a GPU. For Q4_0, Q8_0, Q4_K and
- * Q6_K: rows of random floats quantized by quant.c, activations rounded per block of 32 as
+ * unit_x, unit_dot) run on the host, type by type, without a GPU. For Q4_0, Q8_0, Q4_K, Q5_K
+ * and Q6_K: rows of random floats quantized by quant.c, activations rounded per block of 32 as
  * the kernels round them (tests/gpu/xq_check.h's xq_round: round_levels' expressions), and
  * each row's units walked as a kernel's lanes walk them (every unit once, the words read from
- * the row as stored, at a 4-byte aligned base and at a 2-byte offset, where a Q4_K unit is
- * read byte by byte; every other Q6_K super-block is 2-byte aligned either way). Checked:
+ * the row as stored, at a 4-byte aligned base and at a 2-byte offset, where a Q4_K or Q5_K
+ * unit is read byte by byte; every other Q6_K super-block is 2-byte aligned either way). Checked:
  * the row's sum of unit dots (n / (32 XB) of them) is within 1e-5 of sum |w_i x_i| of the
  * exact dot of the dequantized row with the rounded activations. A wrong nibble order,
  * high-bit shift, scale or min decode, or sub-block pairing is off by far more.
@@ -99,9 +99,10 @@ int main(void)
         const double e0 = check_type<QUANT_TYPE_Q4_0>(n, 8, &seed);
         const double e8 = check_type<QUANT_TYPE_Q8_0>(n, 8, &seed);
         const double ek = check_type<QUANT_TYPE_Q4_K>(n, 8, &seed);
+        const double e5 = check_type<QUANT_TYPE_Q5_K>(n, 8, &seed);
         const double e6 = check_type<QUANT_TYPE_Q6_K>(n, 8, &seed);
-        MEASURE("units of rows of %u: max rel error Q4_0 %.3g, Q8_0 %.3g, Q4_K %.3g, Q6_K %.3g "
-                "(aligned and 2-byte offset rows)", n, e0, e8, ek, e6);
+        MEASURE("units of rows of %u: max rel error Q4_0 %.3g, Q8_0 %.3g, Q4_K %.3g, Q5_K %.3g, "
+                "Q6_K %.3g (aligned and 2-byte offset rows)", n, e0, e8, ek, e5, e6);
     }
     return test_main_result("test_mvq_units");
 }

@@ -1,6 +1,6 @@
 /*
- * mvq: the decode product (one activation row) for Q4_0, Q8_0 and Q4_K
- * weights with int8 activations and dp4a, the scheme of the CPU twin's integer path
+ * mvq: the decode product (one activation row) for Q4_0, Q8_0, Q4_K, Q5_K
+ * and Q6_K weights with int8 activations and dp4a, the scheme of the CPU twin's integer path
  * (kernels/cpu/matvec.c: activations rounded per block of 32 to
  * q = round-half-even(x * 127/amax) with the f32 scale d = amax/127). Used by
  * cuda_matvec and cuda_matvec_experts (matvec.cu) for one activation row.
@@ -12,7 +12,7 @@
  *   Q4_K: a lane's unit is 64 elements, sub-blocks j0, j1 of a super-block
  *         (w = d sc_j n - dmin mn_j, n in 0..15) with activation blocks
  *         2b, 2b + 1: d (sc0 dx0 isum0 + sc1 dx1 isum1) - dmin (mn0 sx0 + mn1 sx1)
- *         (sx = dx sq)
+ *         (sx = dx sq); Q5_K the same with levels n in 0..31 (a high bit a level)
  *   Q6_K: a unit is two blocks of 32 (mvq.cuh's unit_block), each two
  *         halves of 16 with an int8 scale (w = d sc (n - 32), n in 0..63):
  *         d (dxA (scA0 isumA0 + scA1 isumA1) + dxB (scB0 isumB0 + scB1 isumB1))
@@ -1236,8 +1236,8 @@ int dispatch_rt(uint32_t type, const MvqArgs &a, cudaStream_t stream, bool dry)
 template <int TYPE>
 int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
 {
-    /* K types: units of 12 (Q4_K) or 24 (Q6_K) words a lane, two of Q4_K
-     * or one of Q6_K in flight where the lanes hold them in registers (two
+    /* K types: units of 12 (Q4_K), 20 (Q5_K) or 24 (Q6_K) words a lane, two
+     * of Q4_K or one of the others in flight where the lanes hold them in registers (two
      * blocks an SM for a plain product, three for experts: the registers of
      * eight Q4_0 blocks, without spills), four where tma reads them from
      * the block's tile; a row of at most one unit a lane keeps U = 1, so
@@ -1293,8 +1293,8 @@ int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     case 4 * 8 + 1: return go<TYPE, G, 4, 1>(a, jobs, stream);                                     \
     default: return go<TYPE, G, 8, 1>(a, jobs, stream);                                            \
     }
-/* K types: Q4_K's lanes hold units at U 1 (R 2, 1) and U 2 (R 1), Q6_K's at
- * U 1 R 1; the other forms only by tma */
+/* K types: Q4_K's lanes hold units at U 1 (R 2, 1) and U 2 (R 1), Q5_K's and
+ * Q6_K's at U 1 R 1; the other forms only by tma */
 #define MVQ_GO4(G)                                                                                 \
     switch (u * 8 + r) {                                                                           \
     case 1 * 8 + 2:                                                                                \
@@ -1329,12 +1329,13 @@ int dispatch(uint32_t type, const MvqArgs &a, uint32_t jobs, cudaStream_t stream
     case QUANT_TYPE_Q4_0: return pick<QUANT_TYPE_Q4_0>(a, jobs, stream);
     case QUANT_TYPE_Q8_0: return pick<QUANT_TYPE_Q8_0>(a, jobs, stream);
     case QUANT_TYPE_Q4_K: return pick<QUANT_TYPE_Q4_K>(a, jobs, stream);
+    case QUANT_TYPE_Q5_K: return pick<QUANT_TYPE_Q5_K>(a, jobs, stream);
     case QUANT_TYPE_Q6_K: return pick<QUANT_TYPE_Q6_K>(a, jobs, stream);
     default: return -ENOTSUP;
     }
 }
 
-/* Whether the K-type forms (Q4_K, Q6_K) run: LAMINA_CUDA_MVQ_K=1 takes them,
+/* Whether the K-type forms (Q4_K, Q5_K, Q6_K) run: LAMINA_CUDA_MVQ_K=1 takes them,
  * =0 leaves those types to the f32 kernels, unset kKqDefault (read at each
  * call: tests compare both in one process). Off by default until they have
  * run on a GPU (written 2026-12-06 without one: tests/test_mvq_units.cpp
@@ -1351,7 +1352,8 @@ bool usable(uint32_t type, uint64_t n_rows, uint64_t n, const float *x, size_t l
             bool glu)
 {
     return (type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0 ||
-            ((type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q6_K) && n % 256 == 0 && kq_on())) &&
+            ((type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q5_K || type == QUANT_TYPE_Q6_K) &&
+             n % 256 == 0 && kq_on())) &&
            n % 32 == 0 && n > 0 && n <= kMaxN && n_rows > 0 && n_rows < (1u << 31) &&
            (reinterpret_cast<uintptr_t>(x) & 3) == 0 && ldx >= (glu ? 2 : 1) * n && ldy >= n_rows;
 }

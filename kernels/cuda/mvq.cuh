@@ -96,7 +96,10 @@ struct Blk;
  * scales and mins, 128 bytes of nibbles) that share 32 bytes of nibbles:
  * unit b is super-block b / 4, its sub-blocks 2 (b % 4) (the low nibbles)
  * and 2 (b % 4) + 1 (the high ones), held as the 4 header words and those 8
- * nibble words. Q6_K (BYTES 210: ql[128], qh[64], 16 int8 scales of 16
+ * nibble words. Q5_K (BYTES 176: d, dmin, scales, qh[32], qs[128]): as Q4_K,
+ * its 8 words of high bits (bit 2 (b % 4) of qh[l] is 16 in the low
+ * nibbles' level l, the next bit in the high ones') after the nibbles'.
+ * Q6_K (BYTES 210: ql[128], qh[64], 16 int8 scales of 16
  * elements, d): unit b is super-block b / 4, half n = (b / 2) % 2, h = b %
  * 2: its blocks 128n + 32h + [0, 32) (the low nibbles of ql[64n + 32h +
  * l] and bits 2h of qh[32n + l]) and that + 64 (the high nibbles, bits 4 +
@@ -120,6 +123,11 @@ struct Blk<QUANT_TYPE_Q4_K> {
 };
 
 template <>
+struct Blk<QUANT_TYPE_Q5_K> {
+    static constexpr int BYTES = 176, WORDS = 20, XB = 2;
+};
+
+template <>
 struct Blk<QUANT_TYPE_Q6_K> {
     static constexpr int BYTES = 210, WORDS = 24, XB = 2;
 };
@@ -134,7 +142,7 @@ MVQ_HD constexpr uint32_t unit_block(uint32_t b, uint32_t i)
 
 /* The words of weight unit b of a row (Blk). Q4_0, Q8_0: the words around
  * the block, base aligned down to 4 bytes, *shift its byte offset in bits.
- * Q4_K: the header and nibble words in place (shift, which the dot does not
+ * Q4_K, Q5_K: the header, nibble (and high-bit) words in place (shift, which the dot does not
  * need, is the unit's quarter b % 4); a super-block not 4-byte aligned (a
  * row of a file whose alignment is 2: never in the buffers lamina fills)
  * is read byte by byte into the same words. Q6_K: the words around its ql
@@ -169,23 +177,33 @@ MVQ_FN void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[N],
         v[21] = SHARED ? sc[5] : ldg(sc + 5);
         v[22] = SHARED ? sb[208] : ldg(sb + 208);
         v[23] = SHARED ? sb[209] : ldg(sb + 209);
-    } else if constexpr (TYPE == QUANT_TYPE_Q4_K) {
+    } else if constexpr (TYPE == QUANT_TYPE_Q4_K || TYPE == QUANT_TYPE_Q5_K) {
+        /* Q5_K: the nibbles at 48 (after 32 bytes of high bits at 16), those
+         * 8 words of high bits after the nibbles' */
+        constexpr bool k5 = TYPE == QUANT_TYPE_Q5_K;
+        constexpr uint32_t qs0 = k5 ? 48 : 16;
         const uint8_t *sb = row + static_cast<size_t>(b >> 2) * Blk<TYPE>::BYTES;
         const uint32_t g = b & 3u;
         *shift = g;
         if ((reinterpret_cast<uintptr_t>(sb) & 3) == 0) {
             const uint32_t *h = reinterpret_cast<const uint32_t *>(sb);
-            const uint32_t *q = h + 4 + 8 * g;
+            const uint32_t *q = h + qs0 / 4 + 8 * g;
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 v[i] = SHARED ? h[i] : ldg(h + i);
 #pragma unroll
             for (int i = 0; i < 8; i++)
                 v[4 + i] = SHARED ? q[i] : ldg(q + i);
+            if constexpr (k5)
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    v[12 + i] = SHARED ? h[4 + i] : ldg(h + 4 + i);
         } else {
 #pragma unroll
             for (int i = 0; i < Blk<TYPE>::WORDS; i++) {
-                const uint8_t *p = sb + (i < 4 ? 4 * i : 16 + 32 * g + 4 * (i - 4));
+                const uint8_t *p = sb + (i < 4    ? 4 * i
+                                         : i < 12 ? qs0 + 32 * g + 4 * (i - 4)
+                                                  : 16 + 4 * (i - 12));
                 uint32_t w = 0;
 #pragma unroll
                 for (int k = 0; k < 4; k++)
@@ -320,7 +338,7 @@ MVQ_FN float unit_dot(const uint32_t (&v)[N], uint32_t shift,
         const int sb = static_cast<int8_t>(v[20]) * b0 + static_cast<int8_t>(v[21]) * b1;
         const float d = half_bits(v[22] | v[23] << 8);
         return d * (x.d[0] * static_cast<float>(sa) + x.d[1] * static_cast<float>(sb));
-    } else if constexpr (TYPE == QUANT_TYPE_Q4_K) {
+    } else if constexpr (TYPE == QUANT_TYPE_Q4_K || TYPE == QUANT_TYPE_Q5_K) {
         const uint32_t g = shift;
         const float d = half_bits(v[0] & 0xFFFFu);
         const float dmin = half_bits(v[0] >> 16);
@@ -335,8 +353,13 @@ MVQ_FN float unit_dot(const uint32_t (&v)[N], uint32_t shift,
         int s0 = 0, s1 = 0;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            s0 = dp4a(static_cast<int>(v[4 + i] & 0x0F0F0F0Fu), x0[i], s0);
-            s1 = dp4a(static_cast<int>((v[4 + i] >> 4) & 0x0F0F0F0Fu), x1[i], s1);
+            uint32_t lo = v[4 + i] & 0x0F0F0F0Fu, hi = (v[4 + i] >> 4) & 0x0F0F0F0Fu;
+            if constexpr (TYPE == QUANT_TYPE_Q5_K) { /* bit 2g (2g + 1) of qh[l]: 16 */
+                lo |= ((v[12 + i] >> (2 * g)) & 0x01010101u) << 4;
+                hi |= ((v[12 + i] >> (2 * g + 1)) & 0x01010101u) << 4;
+            }
+            s0 = dp4a(static_cast<int>(lo), x0[i], s0);
+            s1 = dp4a(static_cast<int>(hi), x1[i], s1);
         }
         return d * (sc0 * x.d[0] * static_cast<float>(s0) + sc1 * x.d[1] * static_cast<float>(s1)) -
                dmin * (mn0 * x.s[0] + mn1 * x.s[1]);

@@ -1,13 +1,13 @@
 /*
- * cuda mvq: decode products (one activation row) of Q4_0, Q8_0, Q4_K and
- * Q6_K weights with the activations rounded to int8 per block of 32 and
+ * cuda mvq: decode products (one activation row) of Q4_0, Q8_0, Q4_K, Q5_K
+ * and Q6_K weights with the activations rounded to int8 per block of 32 and
  * dp4a dots, as the CPU twin's integer path computes them for Q4_0 and Q8_0
  * (kernels/cpu/matvec.c; the CPU rounds a K-type row's activations per 256,
  * llama.cpp's CUDA decode per 32 as here). cuda_matvec and
  * cuda_matvec_experts (matvec.h) call these first for one activation row
  * and fall back to their f32 kernels on -ENOTSUP (another type, rows longer
  * than 16384 elements, K-type rows not of whole 256-element super-blocks,
- * LAMINA_CUDA_MVQ=0; the Q4_K and Q6_K forms only with LAMINA_CUDA_MVQ_K=1
+ * LAMINA_CUDA_MVQ=0; the Q4_K, Q5_K and Q6_K forms only with LAMINA_CUDA_MVQ_K=1
  * for now, read at each call: cuda_mvq_k_on). Contracts as in matvec.h.
  */
 #ifndef KERNELS_CUDA_MVQ_H
@@ -25,7 +25,7 @@ extern "C" {
 
 struct cuda_tail;
 
-/* Whether these kernels take Q4_K and Q6_K rows now (LAMINA_CUDA_MVQ_K, or
+/* Whether these kernels take Q4_K, Q5_K and Q6_K rows now (LAMINA_CUDA_MVQ_K, or
  * the default; tests ask which reference applies). */
 bool cuda_mvq_k_on(void);
 

@@ -10,7 +10,8 @@
  * pinned host memory). Every output buffer is poisoned with NaN bits first;
  * each result must be within 1e-5 of sum |w_i x_i| of the exact dot
  * product of the dequantized row (matvec_dot_ref: the kernels keep f32
- * activations; where one activation row meets Q4_0, Q8_0, Q4_K or Q6_K weights
+ * activations; where one activation row meets Q4_0, Q8_0 or (LAMINA_CUDA_MVQ_K=1) Q4_K,
+ * Q5_K or Q6_K weights
  * on the int8 products, mvq.cu, the exact dot of the activations rounded
  * as they round them, per block of 32) and within 1e-2 of the CPU twin's result (matvec_rows,
  * matvec_rows_batch, which may round the activations to int8 as llama.cpp
@@ -34,9 +35,9 @@
  * LAMINA_CUDA_PDL=0, as a graph with PDL and launched one by one with PDL:
  * the three final rows must be equal bit for bit (a kernel that read before
  * its wait would show); both graphs are timed. The SiLU-gated down
- * products (Q4_0, Q8_0, Q4_K, Q6_K) are byte for byte silu_mul then the
- * product; the expert products' tiles by one bulk copy (tma) byte for byte
- * the lanes' own loads (Q4_0, Q8_0, Q4_K, Q6_K; experts 2-byte misaligned
+ * products (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) are byte for byte silu_mul then
+ * the product; the expert products' tiles by one bulk copy (tma) byte for
+ * byte the lanes' own loads (the same types; experts 2-byte misaligned
  * too).
  */
 #include "kernels/cuda/caps.h"
@@ -162,14 +163,16 @@ struct twin_stats {
  * sum |w x| against the exact dot. */
 /* True when the GPU computes S activation rows of this type and length
  * with int8 activations (kernels/cuda/mvq.cu: one row of Q4_0, Q8_0, or
- * Q4_K or Q6_K of whole super-blocks): then the exact dot is that of the
+ * Q4_K, Q5_K or Q6_K of whole super-blocks): then the exact dot is that of the
  * rounded activations (matvec_dot_ref_xq; dot_ref_xq32 for the K types),
  * held to the same TOL. */
 static bool gpu_rounds_x(uint32_t type, uint64_t n, uint64_t rows, uint32_t S)
 {
     const char *env = getenv("LAMINA_CUDA_MVQ");
     const bool t = type == QUANT_TYPE_Q4_0 || type == QUANT_TYPE_Q8_0 ||
-                   ((type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q6_K) && n % 256 == 0 &&
+                   ((type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q5_K ||
+                     type == QUANT_TYPE_Q6_K) &&
+                    n % 256 == 0 &&
                     cuda_mvq_k_on());
     return S == 1 && t && n % 32 == 0 && n <= 16384 && (n <= 2048 || rows >= 8 * n) &&
            !(env && env[0] == '0');
@@ -844,8 +847,8 @@ static void test_glu(struct rng *r)
     const uint64_t rows = 2048, F = 512;
     const uint32_t E = 16, P = 10;
     static const uint32_t glu_types[] = {QUANT_TYPE_Q4_0, QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_K,
-                                         QUANT_TYPE_Q6_K};
-    for (int t = 0; t < 4; t++) {
+                                         QUANT_TYPE_Q5_K, QUANT_TYPE_Q6_K};
+    for (int t = 0; t < 5; t++) {
         const uint32_t type = glu_types[t];
         const size_t rb = quant_row_size(type, F), bytes = rows * rb;
         uint8_t *h = xmalloc(bytes * E), *d_w;
@@ -940,6 +943,8 @@ static void test_tma(struct rng *r)
         {QUANT_TYPE_Q4_K, 2048, 512, 0, true},
         {QUANT_TYPE_Q4_K, 700, 2048, 4, true},  /* rows of 1156 bytes, a partial tile */
         {QUANT_TYPE_Q4_K, 64, 16384, 0, false}, /* two passes a row: lane loads */
+        {QUANT_TYPE_Q5_K, 1024, 2048, 0, false}, /* rows of 1408 bytes: lane loads */
+        {QUANT_TYPE_Q5_K, 2048, 512, 0, true},
         {QUANT_TYPE_Q6_K, 1024, 2048, 0, false}, /* rows of 1680 bytes: lane loads */
         {QUANT_TYPE_Q6_K, 2048, 512, 0, true},  /* rows of 420: super-blocks 2-byte aligned */
         {QUANT_TYPE_Q6_K, 700, 512, 2, true},   /* rows of 422 bytes, a partial tile */
