@@ -1,6 +1,6 @@
 /*
  * mvq.cuh: the per-unit pieces of the int8 decode products (mvq.cu): the
- * row-format constants of Q4_0, Q8_0 and Q4_K, the load of the 4-byte
+ * row-format constants of Q4_0, Q8_0, Q4_K, Q5_K and Q6_K, the load of the 4-byte
  * words of a weight unit, one unit's dot with its activation blocks rounded
  * to int8, the rounding of one activation block by a warp, and the lane
  * count per row. Shared by mvq.cu, the fused DeltaNet input (deltanet.cu)
@@ -15,7 +15,6 @@
 #define KERNELS_CUDA_MVQ_CUH
 
 #include <stdint.h>
-#include <string.h>
 
 #ifdef __CUDACC__
 #include <cuda_fp16.h>
