@@ -57,6 +57,7 @@
 #include "model/quant.h"
 #include "tests/check.h"
 #include "tests/gpu/gpu_check.h"
+#include "tests/gpu/xq_check.h"
 
 #define TOL 1e-5      /* allowed error against the exact dot, relative to sum |w_i x_i| */
 #define TWIN_TOL 1e-2 /* against the CPU twin, which may round activations to int8 */
@@ -179,23 +180,20 @@ static bool gpu_rounds_x(uint32_t type, uint64_t n, uint64_t rows, uint32_t S)
 }
 
 /* The exact dot of a row with x rounded as the GPU's int8 products round it,
- * whatever the weights' block: per block of 32, q = round-half-even(x *
- * (127 / amax)) in f32 and the scale amax / 127 (mvq.cuh's round_levels;
- * the CPU rounds a K-type's activations per 256, matvec_dot_ref_xq). */
+ * whatever the weights' block: per block of 32 (xq_check.h's xq_round; the
+ * CPU rounds a K-type's activations per 256, matvec_dot_ref_xq). */
 static double dot_ref_xq32(uint32_t type, const uint8_t *row, const float *x, uint64_t n)
 {
     float *w = xmalloc(n * sizeof(float));
+    uint8_t *xq = xmalloc(n + 8 * (n / 32));
     CHECK(quant_dequantize_row(type, row, w, n) == 0, "dequantize %s", quant_type_name(type));
+    xq_round(x, xq, (uint32_t)n);
+    const float *d = (const float *)(xq + n);
     double sum = 0.0;
-    for (uint64_t b = 0; b + 32 <= n; b += 32) {
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++)
-            amax = fmaxf(amax, fabsf(x[b + j]));
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
-        for (int j = 0; j < 32; j++)
-            sum += (double)w[b + j] * ((double)rintf(x[b + j] * id) * (double)d);
-    }
+    for (uint64_t i = 0; i < n; i++)
+        sum += (double)w[i] * ((double)(int8_t)xq[i] * (double)d[i / 32]);
     free(w);
+    free(xq);
     return sum;
 }
 
