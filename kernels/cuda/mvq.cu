@@ -701,7 +701,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
     };
 
     /* a pass: units b0 + u*G (u < U) of the group's R rows (a unit: mvq::Blk,
-     * a block of 32 for Q4_0 and Q8_0, 64 elements for Q4_K), all loads
+     * a block of 32 for Q4_0 and Q8_0, 64 elements for the K types), all loads
      * issued before any is used; the first pass before the activations */
     const uint32_t nu = a.nb / Blk<TYPE>::XB; /* units a row */
     uint32_t v[U][R][Blk<TYPE>::WORDS], sh[U][R];

@@ -152,8 +152,7 @@ MVQ_HD constexpr uint32_t unit_block(uint32_t b, uint32_t i)
  * shift), read by plain loads; otherwise the row is in global memory, read
  * through the read-only path. */
 template <int TYPE, bool SHARED = false, int N>
-MVQ_FN void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[N],
-                                           uint32_t *shift)
+MVQ_FN void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[N], uint32_t *shift)
 {
     static_assert(N >= Blk<TYPE>::WORDS, "room for the unit's words");
     if constexpr (TYPE == QUANT_TYPE_Q6_K) {
@@ -262,8 +261,7 @@ struct UnitX {
 };
 
 template <int TYPE>
-MVQ_FN UnitX<TYPE> unit_x(const int8_t *s_q, const float *s_d,
-                                              const float *s_s, uint32_t b)
+MVQ_FN UnitX<TYPE> unit_x(const int8_t *s_q, const float *s_d, const float *s_s, uint32_t b)
 {
     UnitX<TYPE> x;
     constexpr int XB = Blk<TYPE>::XB;
@@ -279,11 +277,11 @@ MVQ_FN UnitX<TYPE> unit_x(const int8_t *s_q, const float *s_d,
     return x;
 }
 
-/* Sub-block j's 6-bit scale and min of a Q4_K super-block from the bytes k
+/* Sub-block j's 6-bit scale and min of a Q4_K or Q5_K super-block from the bytes k
  * = j % 4 of its scale words a (bytes 0-3), m (4-7) and c (8-11), hi: j >= 4
  * (ggml's get_scale_min_k4). */
-MVQ_FN void q4k_scale_min(uint32_t a, uint32_t m, uint32_t c, uint32_t k,
-                                              bool hi, float &sc, float &mn)
+MVQ_FN void q4k_scale_min(uint32_t a, uint32_t m, uint32_t c, uint32_t k, bool hi, float &sc,
+                          float &mn)
 {
     const uint32_t A = (a >> (8 * k)) & 0xFFu, B = (m >> (8 * k)) & 0xFFu,
                    C = (c >> (8 * k)) & 0xFFu;
@@ -293,11 +291,6 @@ MVQ_FN void q4k_scale_min(uint32_t a, uint32_t m, uint32_t c, uint32_t k,
     mn = static_cast<float>(n);
 }
 
-/* One weight unit's dot with its activation blocks. Q4_0, Q8_0: block_dot.
- * Q4_K, sub-blocks j0 = 2g (low nibbles) and j1 = 2g + 1 (high), levels
- * n in 0..15, w = d sc n - dmin mn:
- *   d (sc0 dx0 isum0 + sc1 dx1 isum1) - dmin (mn0 sx0 + mn1 sx1)
- * the integer sums exact in int32. */
 /* A Q6_K word's four 6-bit levels (0..63 a byte) minus 32, as signed bytes:
  * a level of 32 or more loses bit 5, one below it gains bits 5-7 (its
  * two's complement). */
@@ -307,9 +300,15 @@ MVQ_FN uint32_t q6k_centre(uint32_t w)
     return (w ^ 0x20202020u) | low << 1 | low << 2;
 }
 
+/* One weight unit's dot with its activation blocks. Q4_0, Q8_0: block_dot.
+ * Q4_K, Q5_K: sub-blocks j0 = 2g (low nibbles) and j1 = 2g + 1 (high),
+ * levels n in 0..15 (Q5_K: 0..31, a high bit each), w = d sc n - dmin mn:
+ *   d (sc0 dx0 isum0 + sc1 dx1 isum1) - dmin (mn0 sx0 + mn1 sx1)
+ * Q6_K: blocks A and B, each two halves of 16 with an int8 scale, levels
+ * centred to n - 32: d (dxA (scA0 isumA0 + scA1 isumA1) + dxB (...)).
+ * The integer sums exact in int32. */
 template <int TYPE, int N>
-MVQ_FN float unit_dot(const uint32_t (&v)[N], uint32_t shift,
-                                          const UnitX<TYPE> &x)
+MVQ_FN float unit_dot(const uint32_t (&v)[N], uint32_t shift, const UnitX<TYPE> &x)
 {
     if constexpr (TYPE == QUANT_TYPE_Q6_K) {
         const uint32_t s = shift & 31u, h = shift >> 5;
@@ -322,7 +321,8 @@ MVQ_FN float unit_dot(const uint32_t (&v)[N], uint32_t shift,
         for (int i = 0; i < 8; i++) {
             const uint32_t ql = funnel_rc(v[i], v[i + 1], s);
             const uint32_t qh = funnel_rc(v[9 + i], v[10 + i], s);
-            const uint32_t la = q6k_centre((ql & 0x0F0F0F0Fu) | ((qh >> (2 * h)) & 0x03030303u) << 4);
+            const uint32_t la =
+                q6k_centre((ql & 0x0F0F0F0Fu) | ((qh >> (2 * h)) & 0x03030303u) << 4);
             const uint32_t lb =
                 q6k_centre(((ql >> 4) & 0x0F0F0F0Fu) | ((qh >> (4 + 2 * h)) & 0x03030303u) << 4);
             if (i < 4) {
