@@ -106,7 +106,9 @@ static const char usage[] =
     "lamina perplexity -m FILE -f TEXT [-c 512] [--chunks N] [--threads N] [--record-heat OUT.json]\n"
     "lamina gen-model --arch qwen3moe|qwen3next|qwen35moe --shape tiny|30b-a3b|35b-a3b|80b-a3b\n"
     "                 [--layers N] --type T [--heat zipf:S] [--seed N] [--threads N] -o FILE\n"
-    "  --type T                f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k\n"
+    "  --type T                f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k,\n"
+    "                          or q4_k_m, q5_k_m: llama-quantize's mixtures (Q6_K lm head, and\n"
+    "                          value-like and ffn_down matrices in about half of the layers)\n"
     "lamina plan -m FILE --device-mem SIZE[,..] [--devices LIST] [--heat FILE] [--place SPEC]\n"
     "            [--layers auto|LIST] [-c N] [--kv-type f16|f32] [-b N] [--margin PCT]\n"
     "            [--device-bw GB/s[,..]] [--path-bw GB/s[,..]] [--host-bw GB/s]\n"
@@ -680,7 +682,7 @@ static int cmd_gen_model(struct cli *c)
     }
     if (!rc && (!sc.arch || !sc.shape || !type || !sc.path))
         rc = cli_fail(c, "%s", "give --arch, --shape, --type and -o FILE");
-    if (!rc && synth_parse_type(type, &sc.type))
+    if (!rc && synth_parse_type(type, &sc.type, &sc.k_m))
         rc = -EINVAL;
     if (!rc && heat && synth_parse_heat(heat, &sc.heat))
         rc = -EINVAL;

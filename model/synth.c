@@ -34,7 +34,7 @@
 
 #define SYNTH_CHUNK_BYTES (4u << 20)     /* target bytes per pipeline chunk */
 #define SYNTH_POOL_ELEMS (1u << 21)      /* elements quantized into a block pool */
-#define SYNTH_MAX_POOLS 4                /* distinct (type, amplitude) pools */
+#define SYNTH_MAX_POOLS 8                /* distinct (type, amplitude) pools */
 #define SYNTH_SAMPLE_TOKENS 1024         /* tokens for heat calibration and measurement */
 #define SYNTH_CALIB_ITERS 100            /* bias refinement rounds */
 #define SYNTH_MEASURE_MACS (1ull << 31)  /* multiply-adds allowed for measuring heat */
@@ -272,9 +272,11 @@ static bool synth_type_ok(uint32_t type)
     }
 }
 
-/* llama_ftype of a file whose matrices have this type. */
-static uint32_t synth_file_type(uint32_t type)
+/* llama_ftype of a file whose matrices have this type (k_m: that _K_M mixture). */
+static uint32_t synth_file_type(uint32_t type, bool k_m)
 {
+    if (k_m)
+        return type == QUANT_TYPE_Q4_K ? 15 : 17; /* Q4_K_M, Q5_K_M */
     switch (type) {
     case QUANT_TYPE_F32: return 0;
     case QUANT_TYPE_F16: return 1;
@@ -297,6 +299,30 @@ static uint32_t synth_matrix_type(uint32_t type, int64_t ne0)
     if (ne0 % quant_block_elems(type) == 0)
         return type;
     return ne0 % 32 == 0 ? QUANT_TYPE_Q8_0 : QUANT_TYPE_F16;
+}
+
+/* llama-quantize's use_more_bits: the first and last eighth of n, every third between. */
+static bool synth_more_bits(int64_t i, int64_t n)
+{
+    return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
+}
+
+/* The type of matrix name (without "blk.N.") of layer il in a file of n_layer
+ * layers (hybrid: DeltaNet + shared expert archs), cfg's mixture applied. */
+static uint32_t synth_mix_type(const struct synth_config *cfg, bool hybrid, uint32_t n_layer,
+                               const char *name, uint32_t il, int64_t ne0)
+{
+    uint32_t type = cfg->type;
+    if (cfg->k_m) {
+        /* one value-like matrix a layer; ffn_down: the experts' and, hybrid, the shared one's */
+        const bool v_like = !strcmp(name, "attn_v.weight") || !strcmp(name, "attn_qkv.weight");
+        const bool down = !strncmp(name, "ffn_down", 8);
+        if (!strcmp(name, "output.weight") ||
+            (v_like && synth_more_bits(il, n_layer)) ||
+            (down && synth_more_bits(il, (int64_t)n_layer * (hybrid ? 2 : 1))))
+            type = QUANT_TYPE_Q6_K;
+    }
+    return synth_matrix_type(type, ne0);
 }
 
 /* Appends a tensor; name is a printf format. Returns the new entry or NULL. */
@@ -344,7 +370,7 @@ static struct synth_tensor *synth_add(struct synth_plan *p, uint32_t type, uint3
 static struct synth_tensor *synth_matrix(struct synth_plan *p, int64_t ne0, int64_t ne1,
                                          int64_t ne2, float scale, const char *name, uint32_t il)
 {
-    uint32_t type = synth_matrix_type(p->cfg->type, ne0);
+    uint32_t type = synth_mix_type(p->cfg, p->hybrid, p->sh.n_layer, name, il, ne0);
     struct synth_tensor *t = synth_add(p, type, ne2 > 1 ? 3 : 2, ne0, ne1, ne2, "blk.%u.%s", il,
                                        name);
     if (t)
@@ -488,8 +514,8 @@ static int synth_plan_build(struct synth_plan *p)
         return -ENOMEM;
     t->offset = 1.0f;
     t->amp = 0.02f * SYNTH_SQRT3;
-    t = synth_add(p, synth_matrix_type(p->cfg->type, s->n_embd), 2, s->n_embd, s->vocab, 1,
-                  "output.weight");
+    t = synth_add(p, synth_mix_type(p->cfg, p->hybrid, s->n_layer, "output.weight", 0, s->n_embd),
+                  2, s->n_embd, s->vocab, 1, "output.weight");
     if (!t)
         return -ENOMEM;
     t->amp *= 2.5f; /* logits with std ~2.5 */
@@ -1263,7 +1289,7 @@ static int synth_meta(const struct synth_plan *p, struct gguf_writer *w)
     rc = rc ? rc : synth_meta_u32(p, w, "expert_used_count", s->top_k);
     rc = rc ? rc : synth_meta_u32(p, w, "attention.key_length", s->head_dim);
     rc = rc ? rc : synth_meta_u32(p, w, "attention.value_length", s->head_dim);
-    rc = rc ? rc : gguf_writer_add_u32(w, "general.file_type", synth_file_type(p->cfg->type));
+    rc = rc ? rc : gguf_writer_add_u32(w, "general.file_type", synth_file_type(p->cfg->type, p->cfg->k_m));
     rc = rc ? rc : synth_meta_u32(p, w, "expert_feed_forward_length", s->ff_exp);
     if (!rc && p->hybrid)
         rc = synth_meta_ssm(p, w);
@@ -1485,6 +1511,11 @@ static int synth_check_config(const struct synth_config *cfg, struct synth_plan 
                   quant_type_name(cfg->type) ? quant_type_name(cfg->type) : "unknown");
         return -EINVAL;
     }
+    if (cfg->k_m && cfg->type != QUANT_TYPE_Q4_K && cfg->type != QUANT_TYPE_Q5_K) {
+        log_error("synth: a _K_M mixture is of Q4_K or Q5_K matrices, not %s",
+                  quant_type_name(cfg->type));
+        return -EINVAL;
+    }
     if (!(cfg->heat >= 0.0f && cfg->heat <= 8.0f)) {
         log_error("synth: heat exponent %g is not in [0, 8]", cfg->heat);
         return -EINVAL;
@@ -1579,16 +1610,33 @@ int synth_write(const struct synth_config *cfg)
                      "regular file", cfg->path);
     }
     if (!rc)
-        log_info("synth %s: %s %s, %u layers, %s, %llu tensors, %.2f GB in %.2f s", cfg->path,
+        log_info("synth %s: %s %s, %u layers, %s%s, %llu tensors, %.2f GB in %.2f s", cfg->path,
                  cfg->arch, cfg->shape, p.sh.n_layer, quant_type_name(cfg->type),
+                 cfg->k_m ? "_M (Q6_K where llama-quantize puts it)" : "",
                  (unsigned long long)p.n_tensors,
                  cfg->report ? cfg->report->bytes / 1e9 : 0.0, synth_now() - t0);
     synth_plan_free(&p);
     return rc;
 }
 
-int synth_parse_type(const char *name, uint32_t *type)
+uint32_t synth_matrix_type_of(const struct synth_config *cfg, const char *name, uint32_t il,
+                              int64_t ne0)
 {
+    struct synth_plan p = {0};
+    if (!cfg || !name || ne0 <= 0 || synth_check_config(cfg, &p))
+        return 0;
+    return synth_mix_type(cfg, p.hybrid, p.sh.n_layer, name, il, ne0);
+}
+
+int synth_parse_type(const char *name, uint32_t *type, bool *k_m)
+{
+    if (k_m)
+        *k_m = false;
+    if (k_m && name && (!strcasecmp(name, "q4_k_m") || !strcasecmp(name, "q5_k_m"))) {
+        *type = name[1] == '4' ? QUANT_TYPE_Q4_K : QUANT_TYPE_Q5_K;
+        *k_m = true;
+        return 0;
+    }
     static const uint32_t types[] = {
         QUANT_TYPE_F32, QUANT_TYPE_F16, QUANT_TYPE_BF16, QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_0,
         QUANT_TYPE_Q4_1, QUANT_TYPE_Q5_0, QUANT_TYPE_Q5_1, QUANT_TYPE_Q4_K, QUANT_TYPE_Q5_K,
@@ -1601,7 +1649,7 @@ int synth_parse_type(const char *name, uint32_t *type)
         }
     }
     log_error("synth: unknown type '%s' (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, "
-              "q5_k, q6_k)", name ? name : "");
+              "q5_k, q6_k%s)", name ? name : "", k_m ? ", q4_k_m, q5_k_m" : "");
     return -EINVAL;
 }
 

@@ -80,6 +80,8 @@ struct synth_config {
     uint32_t layers;      /* block count; 0 = the shape's */
     uint32_t type;        /* enum quant_type of the matrices: F32, F16, BF16, Q8_0, Q4_0, Q4_1,
                              Q5_0, Q5_1, Q4_K, Q5_K, Q6_K */
+    bool k_m;             /* with type Q4_K or Q5_K: llama-quantize's Q4_K_M / Q5_K_M mixture
+                             (synth_matrix_type_of) */
     float heat;           /* Zipf exponent S of expert popularity; 0 = no skew */
     uint64_t seed;        /* PRNG seed */
     const char *path;     /* output file (created or truncated) */
@@ -97,9 +99,22 @@ struct synth_config {
 int synth_write(const struct synth_config *cfg);
 
 /* Parses a type name as the CLI gives it ("f32", "f16", "bf16", "q8_0", "q4_0",
- * "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"; any case) into *type.
- * Returns 0 or -EINVAL (logged). */
-int synth_parse_type(const char *name, uint32_t *type);
+ * "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", and where k_m is not NULL the
+ * mixtures "q4_k_m" and "q5_k_m"; any case) into *type and *k_m. Returns 0 or
+ * -EINVAL (logged). */
+int synth_parse_type(const char *name, uint32_t *type, bool *k_m);
+
+/* The type cfg gives the matrix `name` ("attn_v.weight", "ffn_down_exps.weight",
+ * "output.weight", ...) of layer il with rows of ne0: cfg->type, or, in a _K_M
+ * mixture, Q6_K where llama-quantize puts it: the lm head; the value-like matrix
+ * of a layer (attn_v, or a DeltaNet layer's attn_qkv; one a layer) and every
+ * ffn_down matrix (the experts' and the shared expert's) in its "more bits"
+ * layers (use_more_bits(i, n): i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, i the
+ * layer and n the count of such matrices in the file, as it counts them). A type
+ * whose blocks do not divide ne0 falls back to Q8_0 (or F16). 0 for a cfg that
+ * synth_write refuses. */
+uint32_t synth_matrix_type_of(const struct synth_config *cfg, const char *name, uint32_t il,
+                              int64_t ne0);
 
 /* Parses a heat spec: "zipf:S" with 0 <= S <= 8, or "none" (S = 0). Returns 0
  * or -EINVAL (logged). */

@@ -467,10 +467,19 @@ static void test_errors(void)
 
     uint32_t type = 0;
     float s = -1;
-    CHECK(synth_parse_type("q4_0", &type) == 0 && type == QUANT_TYPE_Q4_0, "parse q4_0");
-    CHECK(synth_parse_type("Q4_K", &type) == 0 && type == QUANT_TYPE_Q4_K, "parse Q4_K");
-    CHECK(synth_parse_type("f16", &type) == 0 && type == QUANT_TYPE_F16, "parse f16");
-    CHECK(synth_parse_type("q3_k", &type) == -EINVAL, "parse q3_k");
+    CHECK(synth_parse_type("q4_0", &type, NULL) == 0 && type == QUANT_TYPE_Q4_0, "parse q4_0");
+    CHECK(synth_parse_type("Q4_K", &type, NULL) == 0 && type == QUANT_TYPE_Q4_K, "parse Q4_K");
+    CHECK(synth_parse_type("f16", &type, NULL) == 0 && type == QUANT_TYPE_F16, "parse f16");
+    CHECK(synth_parse_type("q3_k", &type, NULL) == -EINVAL, "parse q3_k");
+    bool k_m = true;
+    CHECK(synth_parse_type("Q4_K_M", &type, &k_m) == 0 && type == QUANT_TYPE_Q4_K && k_m,
+          "parse Q4_K_M");
+    CHECK(synth_parse_type("q5_k_m", &type, &k_m) == 0 && type == QUANT_TYPE_Q5_K && k_m,
+          "parse q5_k_m");
+    CHECK(synth_parse_type("q4_k", &type, &k_m) == 0 && type == QUANT_TYPE_Q4_K && !k_m,
+          "parse q4_k after q5_k_m");
+    CHECK(synth_parse_type("q4_k_m", &type, NULL) == -EINVAL, "q4_k_m where no mixture is taken");
+    CHECK(synth_parse_type("q6_k_m", &type, &k_m) == -EINVAL, "parse q6_k_m");
     CHECK(synth_parse_heat("zipf:1.2", &s) == 0 && fabsf(s - 1.2f) < 1e-6f, "parse zipf:1.2");
     CHECK(synth_parse_heat("none", &s) == 0 && s == 0.0f, "parse none");
     CHECK(synth_parse_heat("zipf:", &s) == -EINVAL, "parse zipf:");
@@ -480,6 +489,70 @@ static void test_errors(void)
 }
 
 /* An 80B-A3B-shaped qwen3next cut to 2 layers, q4_0: 2.2 GB. */
+/* The _K_M mixtures' types, as llama-quantize chooses them (its use_more_bits over
+ * the count of each kind of matrix): written out for the 80b-a3b (48 layers, a
+ * shared expert: 96 ffn_down matrices) and 30b-a3b (48 ffn_down) shapes, then a
+ * tiny file of the mixture, whose rows of 64 fall back to Q8_0. */
+static void test_k_m(void)
+{
+    struct synth_config c = {.arch = "qwen3next", .shape = "80b-a3b", .type = QUANT_TYPE_Q4_K,
+                             .k_m = true, .seed = 1, .path = "/dev/null"};
+    const uint32_t K4 = QUANT_TYPE_Q4_K, K6 = QUANT_TYPE_Q6_K;
+    CHECK(synth_matrix_type_of(&c, "output.weight", 0, 2048) == K6, "lm head");
+    int n_down = 0, n_v = 0;
+    for (uint32_t il = 0; il < 48; il++) {
+        /* down: i < 96/8 = 12, or (i - 12) % 3 == 2; value-like: i < 6, i >= 42, (i - 6) % 3 == 2 */
+        const bool down6 = il < 12 || (il - 12) % 3 == 2;
+        const bool v6 = il < 6 || il >= 42 || (il - 6) % 3 == 2;
+        const char *v = il % 4 == 3 ? "attn_v.weight" : "attn_qkv.weight";
+        const uint32_t de = synth_matrix_type_of(&c, "ffn_down_exps.weight", il, 512);
+        const uint32_t ds = synth_matrix_type_of(&c, "ffn_down_shexp.weight", il, 512);
+        const uint32_t vt = synth_matrix_type_of(&c, v, il, 2048);
+        CHECK(de == (down6 ? K6 : K4) && ds == de, "80b layer %u: ffn_down %s, shexp %s", il,
+              quant_type_name(de), quant_type_name(ds));
+        CHECK(vt == (v6 ? K6 : K4), "80b layer %u: %s %s", il, v, quant_type_name(vt));
+        CHECK(synth_matrix_type_of(&c, "ffn_gate_exps.weight", il, 2048) == K4 &&
+              synth_matrix_type_of(&c, "attn_gate.weight", il, 2048) == K4 &&
+              synth_matrix_type_of(&c, "ssm_out.weight", il, 4096) == K4,
+              "80b layer %u: the others Q4_K", il);
+        n_down += de == K6;
+        n_v += vt == K6;
+    }
+    CHECK(n_down == 24 && n_v == 24, "80b: %d ffn_down and %d value-like layers of Q6_K", n_down,
+          n_v);
+    c.arch = "qwen3moe", c.shape = "30b-a3b"; /* 48 ffn_down: the value-like rule */
+    for (uint32_t il = 0; il < 48; il++) {
+        const bool six = il < 6 || il >= 42 || (il - 6) % 3 == 2;
+        CHECK(synth_matrix_type_of(&c, "ffn_down_exps.weight", il, 768) == (six ? K6 : K4),
+              "30b layer %u: ffn_down", il);
+    }
+    c.k_m = false;
+    CHECK(synth_matrix_type_of(&c, "output.weight", 0, 2048) == K4 &&
+          synth_matrix_type_of(&c, "ffn_down_exps.weight", 0, 768) == K4, "pure Q4_K");
+    c.type = QUANT_TYPE_Q4_0, c.k_m = true;
+    CHECK(synth_matrix_type_of(&c, "output.weight", 0, 2048) == 0, "Q4_0 with a mixture");
+
+    char path[128], err[256] = "";
+    ts_path(path, sizeof(path), "k_m");
+    struct synth_config t = {.arch = "qwen3next", .shape = "tiny", .type = QUANT_TYPE_Q5_K,
+                             .k_m = true, .seed = 2, .path = path, .threads = 2};
+    CHECK(synth_write(&t) == 0, "tiny q5_k_m");
+    struct gguf_config gc = {.path = path, .err = err, .err_len = sizeof(err)};
+    struct gguf *g = gguf_open(&gc);
+    CHECK(g != NULL, "tiny q5_k_m: gguf_open: %s", err);
+    if (g) {
+        ts_u32(g, "general", ".file_type", 17); /* Q5_K_M */
+        const struct gguf_tensor *o = gguf_find_tensor(g, "output.weight");
+        CHECK(o && o->type == QUANT_TYPE_Q8_0, "tiny q5_k_m: rows of 64 fall back to Q8_0");
+        struct arch_config ac = {.gguf = g};
+        struct arch_model *m = arch_load(&ac);
+        CHECK(m != NULL, "tiny q5_k_m: arch_load: %s", log_last_error());
+        arch_free(m);
+    }
+    gguf_close(g);
+    unlink(path);
+}
+
 static void test_throughput(void)
 {
     char path[128], err[256] = "";
@@ -539,6 +612,7 @@ int main(void)
     test_determinism();
     test_heat_all();
     test_errors();
+    test_k_m();
     test_throughput();
     return test_main_result("test_synth");
 }
