@@ -8,7 +8,9 @@
  * even) and sx = dx * sum(q). A weight block of 32 is w = dw * v + mw with
  * v a small integer: Q4_0 v = nibble - 8, dw = d, mw = 0; Q8_0 v = q,
  * dw = d; Q4_K/Q5_K sub-block j: v = 4/5-bit level, dw = d * sc_j,
- * mw = -dmin * m_j. So a block adds dw * dx * sum(v q) + mw * sx, with
+ * mw = -dmin * m_j; Q6_K: v = 6-bit level - 32, a scale d * sc per 16
+ * elements, so its blocks of 32 take two m16n8k16 products, one a half.
+ * So a block adds dw * dx * sum(v q) + mw * sx, with
  * sum(v q) an exact int32 from mma.sync m16n8k32 s8.s8.s32 (|sum| < 2^22,
  * turned into f32 exactly by a magic number, added by the mma as its
  * accumulator input, and one subtraction instead of a slow I2F)
@@ -29,7 +31,9 @@
  * same fragments. Each output is the same chain of block sums either way.
  * The row is
  * walked in stages of 256 elements: the 64 weight rows (as stored: 144,
- * 272 or 176 bytes each), the BN int8 activation rows (256 bytes each,
+ * 272 or 176 bytes each; a Q6_K row's 210 bytes from the 16-byte boundary
+ * at or before them, 224 staged, the block at its offset inside), the BN
+ * int8 activation rows (256 bytes each,
  * padded to 272 so the B fragment reads are conflict-free) and their
  * scales are staged with cp.async into one of two buffers while the other
  * is multiplied. Lanes decode their A fragments straight from the staged
@@ -38,7 +42,8 @@
  * copy offsets are computed once a block and move by a constant a stage
  * (LAMINA_CUDA_MMQ_PRE=0: at every copy). Weights not 16-byte aligned
  * (rare; decided per block for experts) are staged with 2-byte loads
- * instead. Columns past the tile's count repeat its last column and are
+ * instead; Q6_K rows of a multiple of 4 bytes (rows of 512 elements: 420)
+ * by 4-byte cp.async. Columns past the tile's count repeat its last column and are
  * not stored. A dense product's rows may go to up to four buffers
  * (cuda_mmq_parts: each output row picks its part in the store).
  *
@@ -137,16 +142,33 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint
 #endif
 }
 
+/* The same for a k16 half (Q6_K's blocks): A rows g and g+8 in a0, a1, B in b. */
+__device__ __forceinline__ void mma_s8_k16(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+        "{%4, %5}, {%6}, {%7, %7, %7, %7};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(kMagicI));
+#else
+    d[0] = d[1] = d[2] = d[3] = kMagicI;
+#endif
+}
+
 /* ---- the types ------------------------------------------------------------
- * Each type: SB bytes per row per stage (256 elements), EE/EB its block;
- * MIN: blocks have an offset term mw; Head: what a lane reads once per
- * row and stage; decode(r, h, kb, t, lo, hi, dw, mw): lane t's 8 values
- * of block kb (0..7) of the staged row r (k = 4t.. in lo, 16+4t.. in hi,
- * int8 each), its scale and offset. kb is a constant after unrolling, so
- * the parity tests fold away. */
+ * Each type: SB bytes per row per stage (256 elements), SS of them staged a
+ * row (SB, or a Q6_K row's 16-byte chunks around its 210), EE/EB its block;
+ * MIN: blocks have an offset term mw; SPLIT: a scale per 16 elements (mw is
+ * then the second half's scale, no offset term); Head: what a lane reads
+ * once per row and stage; decode(r, h, kb, t, lo, hi, dw, mw): lane t's 8
+ * values of block kb (0..7) of the staged row r (k = 4t.. in lo, 16+4t.. in
+ * hi, int8 each), its scale and offset. kb is a constant after unrolling, so
+ * the parity tests fold away. r is 2-byte aligned (Q6_K) or 16-byte. */
 
 struct TQ4_0 {
     static constexpr int EE = 32, EB = 18, SB = 144;
+    static constexpr int SS = SB;
+    static constexpr bool SPLIT = false;
     static constexpr bool MIN = false;
     struct Head {};
     __device__ static void head(const uint8_t *, int, Head &) {}
@@ -166,6 +188,8 @@ struct TQ4_0 {
 
 struct TQ8_0 {
     static constexpr int EE = 32, EB = 34, SB = 272;
+    static constexpr int SS = SB;
+    static constexpr bool SPLIT = false;
     static constexpr bool MIN = false;
     struct Head {};
     __device__ static void head(const uint8_t *, int, Head &) {}
@@ -204,6 +228,8 @@ __device__ __forceinline__ void scale_min_k4(uint32_t s0, uint32_t s1, uint32_t 
  * of qs[32c + l]. */
 struct TQ4_K {
     static constexpr int EE = 256, EB = 144, SB = 144;
+    static constexpr int SS = SB;
+    static constexpr bool SPLIT = false;
     static constexpr bool MIN = true;
     struct Head {
         float d, dmin;
@@ -236,6 +262,8 @@ struct TQ4_K {
  * qh[l] as the fifth bit of element l of sub-block j. */
 struct TQ5_K {
     static constexpr int EE = 256, EB = 176, SB = 176;
+    static constexpr int SS = SB;
+    static constexpr bool SPLIT = false;
     static constexpr bool MIN = true;
     struct Head {
         float d, dmin;
@@ -263,6 +291,54 @@ struct TQ5_K {
         scale_min_k4(h.s0, h.s1, h.s2, kb, &sc, &m);
         dw = h.d * static_cast<float>(sc);
         mw = -h.dmin * static_cast<float>(m);
+    }
+};
+
+/* The word at p, 2-byte aligned: mis (p & 2, uniform) reads it from the two
+ * aligned words around it. */
+__device__ __forceinline__ uint32_t ld32_2(const uint8_t *p, bool mis)
+{
+    return mis ? __byte_perm(ld32(p - 2), ld32(p + 2), 0x5432) : ld32(p);
+}
+
+/* Q6_K {ql[128], qh[64], scales[16] int8, d} (model-spec): block kb = 4n + q
+ * (half n, quarter q) is nibble q >> 1 of ql[64n + 32(q & 1) + l] with bits
+ * 2q, 2q + 1 of qh[32n + l] above it, minus 32; its halves l < 16 and l >= 16
+ * take scales[2kb] and scales[2kb + 1]. */
+struct TQ6_K {
+    static constexpr int EE = 256, EB = 210, SB = 210;
+    static constexpr int SS = 224; /* 14 chunks hold 210 bytes at an even offset */
+    static constexpr bool SPLIT = true;
+    static constexpr bool MIN = false;
+    struct Head {
+        float d;
+        uint32_t s[4];
+        bool mis;
+    };
+    __device__ static void head(const uint8_t *r, int, Head &h)
+    {
+        h.mis = (reinterpret_cast<uintptr_t>(r) & 2) != 0;
+        h.d = f16(*reinterpret_cast<const uint16_t *>(r + 208));
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            h.s[i] = ld32_2(r + 192 + 4 * i, h.mis);
+    }
+    __device__ static void decode(const uint8_t *r, const Head &h, int kb, int t, uint32_t &lo,
+                                  uint32_t &hi, float &dw, float &mw)
+    {
+        const int n = kb >> 2, q = kb & 3;
+        const uint8_t *ql = r + 64 * n + 32 * (q & 1) + 4 * t, *qh = r + 128 + 32 * n + 4 * t;
+        const int sl = 4 * (q >> 1), sh = 2 * q;
+        const uint32_t l0 = (ld32_2(ql, h.mis) >> sl) & 0x0F0F0F0Fu;
+        const uint32_t l1 = (ld32_2(ql + 16, h.mis) >> sl) & 0x0F0F0F0Fu;
+        const uint32_t h0 = (ld32_2(qh, h.mis) >> sh) & 0x03030303u;
+        const uint32_t h1 = (ld32_2(qh + 16, h.mis) >> sh) & 0x03030303u;
+        /* levels 0..63 minus 32 as int8: + 96 (no carry), then the top bit flipped */
+        lo = ((l0 | (h0 << 4)) + 0x60606060u) ^ 0x80808080u;
+        hi = ((l1 | (h1 << 4)) + 0x60606060u) ^ 0x80808080u;
+        const uint32_t sc = h.s[kb >> 1] >> (16 * (kb & 1));
+        dw = h.d * static_cast<float>(static_cast<int8_t>(sc & 0xFFu));
+        mw = h.d * static_cast<float>(static_cast<int8_t>((sc >> 8) & 0xFFu));
     }
 };
 
@@ -423,7 +499,7 @@ constexpr int kTileN = 8 * NT * (4 / WM);
 template <class T, int BN_>
 struct Tile {
     static constexpr int BN = BN_;
-    static constexpr int W = kBM * T::SB, X = BN * kXRow, D = kBlocks * BN * 8;
+    static constexpr int W = kBM * T::SS, X = BN * kXRow, D = kBlocks * BN * 8;
     static constexpr int STAGE = W + X + D;
     static constexpr int SMEM = 2 * STAGE;
 };
@@ -437,20 +513,31 @@ __device__ __forceinline__ void issue(uint8_t *sm, const Args &a, const uint8_t 
     using TL = Tile<T, BN>;
     uint8_t *sw = sm, *sx = sm + TL::W;
     float2 *sd = reinterpret_cast<float2 *>(sm + TL::W + TL::X);
-    const uint8_t *ws = w + static_cast<size_t>(s) * T::SB;
-    if (aligned) {
-        constexpr int WC = T::SB / 16;
+    const size_t sb = static_cast<size_t>(s) * T::SB; /* the stage's first byte in a row */
+    if (aligned) { /* from the 16-byte boundary at or before it (stage_offset) */
+        const uint8_t *ws = w + (sb & ~static_cast<size_t>(15));
+        constexpr int WC = T::SS / 16;
         for (int i = tid; i < kBM * WC; i += kThreads) {
             const int r = i / WC, c = i - r * WC;
             const uint64_t row = min(row0 + r, a.n_rows - 1);
-            cp16(sw + r * T::SB + c * 16, ws + row * a.row_bytes + c * 16);
+            cp16(sw + r * T::SS + c * 16, ws + row * a.row_bytes + c * 16);
+        }
+    } else if (T::SS != T::SB && ((reinterpret_cast<uintptr_t>(w) | a.row_bytes) & 3) == 0) {
+        /* Q6_K rows of whole words: the words around the stage's bytes (offset sb & 3) */
+        const uint8_t *ws = w + (sb & ~static_cast<size_t>(3));
+        constexpr int WC = (T::SB + 2 + 3) / 4;
+        for (int i = tid; i < kBM * WC; i += kThreads) {
+            const int r = i / WC, c = i - r * WC;
+            const uint64_t row = min(row0 + r, a.n_rows - 1);
+            cp4(sw + r * T::SS + c * 4, ws + row * a.row_bytes + c * 4);
         }
     } else {
+        const uint8_t *ws = w + sb;
         constexpr int WC = T::SB / 2;
         for (int i = tid; i < kBM * WC; i += kThreads) {
             const int r = i / WC, c = i - r * WC;
             const uint64_t row = min(row0 + r, a.n_rows - 1);
-            *reinterpret_cast<uint16_t *>(sw + r * T::SB + c * 2) =
+            *reinterpret_cast<uint16_t *>(sw + r * T::SS + c * 2) =
                 *reinterpret_cast<const uint16_t *>(ws + row * a.row_bytes + c * 2);
         }
     }
@@ -477,11 +564,11 @@ __device__ __forceinline__ void issue(uint8_t *sm, const Args &a, const uint8_t 
  * lands at 16 i (SB = 16 chunks a row), as in issue(). */
 template <class T, int BN>
 struct Pre {
-    static constexpr int WCH = kBM * T::SB / 16;               /* weight chunks a stage */
+    static constexpr int WCH = kBM * T::SS / 16;               /* weight chunks a stage */
     static constexpr int CW = (WCH + kThreads - 1) / kThreads;
     static constexpr int CA = BN * (kStep / 16) / kThreads;   /* activation chunks */
     static constexpr int CS = BN * kBlocks / kThreads;        /* scale pairs */
-    static_assert(T::SB % 16 == 0 && CA * kThreads == BN * (kStep / 16) &&
+    static_assert(T::SS % 16 == 0 && CA * kThreads == BN * (kStep / 16) &&
                       CS * kThreads == BN * kBlocks,
                   "copies a thread");
     uint32_t w[CW], x[CA], d[CS];
@@ -491,7 +578,7 @@ template <class T, int BN>
 __device__ __forceinline__ void pre_offsets(Pre<T, BN> &p, const Args &a, uint64_t row0,
                                             const int *cols, int tid)
 {
-    constexpr int WC = T::SB / 16;
+    constexpr int WC = T::SS / 16;
     const uint64_t last = a.n_rows - 1 - row0; /* the tile's last row that exists */
 #pragma unroll
     for (int j = 0; j < Pre<T, BN>::CW; j++) {
@@ -520,7 +607,7 @@ __device__ __forceinline__ void issue_pre(uint8_t *sm, const Args &a, const uint
     using TL = Tile<T, BN>;
     uint8_t *sw = sm, *sx = sm + TL::W;
     float2 *sd = reinterpret_cast<float2 *>(sm + TL::W + TL::X);
-    const uint8_t *ws = wt + static_cast<size_t>(s) * T::SB;
+    const uint8_t *ws = wt + (static_cast<size_t>(s) * T::SB & ~static_cast<size_t>(15));
 #pragma unroll
     for (int j = 0; j < Pre<T, BN>::CW; j++) {
         const int i = tid + j * kThreads;
@@ -561,10 +648,29 @@ __device__ __forceinline__ void stage(uint8_t *sm, const Args &a, const uint8_t 
     issue<T, BN>(sm, a, w, aligned, row0, cols, s, tid);
 }
 
+/* Where stage s's bytes of a row begin in its staged copy (issue()'s
+ * layouts): past the 16-byte or 4-byte boundary they were copied from, or 0
+ * (2-byte copies, and types whose stages are whole chunks). Uniform. */
+template <class T>
+__device__ __forceinline__ int stage_offset(const Args &a, const uint8_t *w, bool aligned,
+                                            uint32_t s)
+{
+    if constexpr (T::SS == T::SB) {
+        (void)a, (void)w, (void)aligned, (void)s;
+        return 0;
+    } else {
+        const uint32_t sb = s * static_cast<uint32_t>(T::SB);
+        if (aligned)
+            return static_cast<int>(sb & 15u);
+        return ((reinterpret_cast<uintptr_t>(w) | a.row_bytes) & 3) == 0 ? static_cast<int>(sb & 3u)
+                                                                        : 0;
+    }
+}
+
 /* The warp's MT x NT mma tiles (MT = 4 / WM) over one staged step of 256
- * elements. */
+ * elements, its rows' bytes from off in their staged copies. */
 template <class T, int WM, int NT>
-__device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int lane,
+__device__ __forceinline__ void compute(const uint8_t *sm, int off, int wm, int wn, int lane,
                                         float (&acc)[4 / WM][NT][4])
 {
     constexpr int MT = 4 / WM;
@@ -578,7 +684,7 @@ __device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int l
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            ra[mt][h] = sm + (wm * 16 * MT + mt * 16 + h * 8 + g) * T::SB;
+            ra[mt][h] = sm + (wm * 16 * MT + mt * 16 + h * 8 + g) * T::SS + off;
             T::head(ra[mt][h], t, hd[mt][h]);
         }
 #pragma unroll
@@ -600,9 +706,23 @@ __device__ __forceinline__ void compute(const uint8_t *sm, int wm, int wn, int l
             const float4 ds = *reinterpret_cast<const float4 *>(sd + kb * TL::BN + c + 2 * t);
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
+                float *o = acc[mt][nt];
+                if constexpr (T::SPLIT) { /* the halves apart: dw the first's scale, mw the second's */
+                    int cl[4], ch[4];
+                    mma_s8_k16(cl, A[mt][0], A[mt][1], b0);
+                    mma_s8_k16(ch, A[mt][2], A[mt][3], b1);
+                    o[0] = fmaf(i2f(cl[0]), dw[mt][0] * ds.x, o[0]);
+                    o[1] = fmaf(i2f(cl[1]), dw[mt][0] * ds.z, o[1]);
+                    o[2] = fmaf(i2f(cl[2]), dw[mt][1] * ds.x, o[2]);
+                    o[3] = fmaf(i2f(cl[3]), dw[mt][1] * ds.z, o[3]);
+                    o[0] = fmaf(i2f(ch[0]), mw[mt][0] * ds.x, o[0]);
+                    o[1] = fmaf(i2f(ch[1]), mw[mt][0] * ds.z, o[1]);
+                    o[2] = fmaf(i2f(ch[2]), mw[mt][1] * ds.x, o[2]);
+                    o[3] = fmaf(i2f(ch[3]), mw[mt][1] * ds.z, o[3]);
+                    continue;
+                }
                 int ci[4];
                 mma_s8(ci, A[mt], b0, b1);
-                float *o = acc[mt][nt];
                 o[0] = fmaf(i2f(ci[0]), dw[mt][0] * ds.x, o[0]);
                 o[1] = fmaf(i2f(ci[1]), dw[mt][0] * ds.z, o[1]);
                 o[2] = fmaf(i2f(ci[2]), dw[mt][1] * ds.x, o[2]);
@@ -683,7 +803,8 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
         cp_commit();
         cp_wait<1>();
         __syncthreads();
-        compute<T, WM, NT>(smem + (s & 1) * TL::STAGE, wm, wn, lane, acc);
+        compute<T, WM, NT>(smem + (s & 1) * TL::STAGE, stage_offset<T>(a, w, aligned, s), wm, wn,
+                           lane, acc);
         __syncthreads();
     }
     const int g = lane >> 2, t = lane & 3;
@@ -720,14 +841,22 @@ __global__ void __launch_bounds__(kThreads, 3) mmq_kernel(const Args a)
 
 /* ---- launchers --------------------------------------------------------------- */
 
-/* Elements and bytes per block of a handled type, else false. */
+/* Elements and bytes per block of a handled type, else false.
+ * LAMINA_CUDA_MMQ_Q6K=0 leaves Q6_K to the f32 products (read at each call, for
+ * measurements). */
 bool block_shape(uint32_t type, uint32_t *ee, uint32_t *eb)
 {
+    if (type == QUANT_TYPE_Q6_K) {
+        const char *env = getenv("LAMINA_CUDA_MMQ_Q6K");
+        if (env && env[0] == '0')
+            return false;
+    }
     switch (type) {
     case QUANT_TYPE_Q4_0: *ee = TQ4_0::EE, *eb = TQ4_0::EB; return true;
     case QUANT_TYPE_Q8_0: *ee = TQ8_0::EE, *eb = TQ8_0::EB; return true;
     case QUANT_TYPE_Q4_K: *ee = TQ4_K::EE, *eb = TQ4_K::EB; return true;
     case QUANT_TYPE_Q5_K: *ee = TQ5_K::EE, *eb = TQ5_K::EB; return true;
+    case QUANT_TYPE_Q6_K: *ee = TQ6_K::EE, *eb = TQ6_K::EB; return true;
     default: return false;
     }
 }
@@ -867,6 +996,7 @@ int launch(const char *what, uint32_t type, int nt, const Args &a, uint64_t cols
     case QUANT_TYPE_Q8_0: return launch_nt<TQ8_0, EXPERTS>(what, nt, a, cols, stream);
     case QUANT_TYPE_Q4_K: return launch_nt<TQ4_K, EXPERTS>(what, nt, a, cols, stream);
     case QUANT_TYPE_Q5_K: return launch_nt<TQ5_K, EXPERTS>(what, nt, a, cols, stream);
+    case QUANT_TYPE_Q6_K: return launch_nt<TQ6_K, EXPERTS>(what, nt, a, cols, stream);
     default: return -ENOTSUP;
     }
 }

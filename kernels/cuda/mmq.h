@@ -2,10 +2,11 @@
  * cuda mmq: quantized matrix-matrix products on int8 tensor cores for
  * prefill, dense weights and routed experts grouped by expert (the shape
  * llama.cpp calls MMQ). Weights are GGUF rows read as stored (Q4_0, Q8_0,
- * Q4_K, Q5_K); activations are first rounded to int8 in blocks of 32 (f32
+ * Q4_K, Q5_K, Q6_K); activations are first rounded to int8 in blocks of 32 (f32
  * scale d = amax/127, q = round(x/d), and d * sum(q) for the K-quant mins)
  * into a caller-provided scratch buffer, then each 32-element block dot is
- * an exact integer sum (mma.sync m16n8k32 s8) times the two scales, summed
+ * an exact integer sum (mma.sync m16n8k32 s8; Q6_K, a scale per 16
+ * elements: two m16n8k16 halves) times the two scales, summed
  * in f32. So a result is the f32-rounded dot of the dequantized row with
  * the rounded activations (CPU twin: the test's f64 reference; about 1e-3
  * of sum |w x| from the dot with the true activations).
@@ -16,9 +17,11 @@
  * cuda_matvec_experts (kernels/cuda/matvec.h, same contracts).
  *
  * Weights: row r at (const char *)d_w + r*row_bytes, device-accessible,
- * 2-byte aligned; rows at 16-byte aligned addresses with row_bytes a
- * multiple of 16 are staged with cp.async, others through plain loads
- * (slower, same results). All launchers validate their arguments (-EINVAL,
+ * 2-byte aligned, the matrix n_rows * row_bytes bytes (a Q6_K stage is
+ * read as the 16-byte or 4-byte words around its 210 bytes); rows at
+ * 16-byte aligned addresses with row_bytes a multiple of 16 are staged with
+ * cp.async (Q6_K rows 4-byte aligned with row_bytes a multiple of 4 too, by
+ * 4-byte copies), others through plain loads (slower, same results). All launchers validate their arguments (-EINVAL,
  * logged), enqueue on the given stream without any host synchronisation
  * (safe inside stream capture), check the launches (-EIO, logged) and
  * return; results are ready when the stream reaches that point. The

@@ -7,8 +7,8 @@
  * cuda_matvec_experts (matvec.h) call these first for one activation row
  * and fall back to their f32 kernels on -ENOTSUP (another type, rows longer
  * than 16384 elements, K-type rows not of whole 256-element super-blocks,
- * LAMINA_CUDA_MVQ=0; the Q4_K, Q5_K and Q6_K forms only with LAMINA_CUDA_MVQ_K=1
- * for now, read at each call: cuda_mvq_k_on). Contracts as in matvec.h.
+ * LAMINA_CUDA_MVQ=0; the Q4_K, Q5_K and Q6_K forms with LAMINA_CUDA_MVQ_K=0,
+ * read at each call: cuda_mvq_k_on). Contracts as in matvec.h.
  */
 #ifndef KERNELS_CUDA_MVQ_H
 #define KERNELS_CUDA_MVQ_H

@@ -941,7 +941,7 @@ static void test_tma(struct rng *r)
         {QUANT_TYPE_Q4_K, 2048, 512, 0, true},
         {QUANT_TYPE_Q4_K, 700, 2048, 4, true},  /* rows of 1156 bytes, a partial tile */
         {QUANT_TYPE_Q4_K, 64, 16384, 0, false}, /* two passes a row: lane loads */
-        {QUANT_TYPE_Q5_K, 1024, 2048, 0, false}, /* rows of 1408 bytes: lane loads */
+        {QUANT_TYPE_Q5_K, 1024, 2048, 0, true}, /* rows of 1408: 32 a tile, 47.6 KiB with x */
         {QUANT_TYPE_Q5_K, 2048, 512, 0, true},
         {QUANT_TYPE_Q6_K, 1024, 2048, 0, false}, /* rows of 1680 bytes: lane loads */
         {QUANT_TYPE_Q6_K, 2048, 512, 0, true},  /* rows of 420: super-blocks 2-byte aligned */

@@ -3,7 +3,7 @@
  * against an f64 CPU reference on fresh random data.
  *
  * Weights are random valid blocks (random bytes, finite fp16 scales) of
- * Q4_0, Q8_0, Q4_K and Q5_K; activations random in [-1, 1). The reference
+ * Q4_0, Q8_0, Q4_K, Q5_K and Q6_K; activations random in [-1, 1). The reference
  * dequantizes each row with quant_dequantize_row and rounds the
  * activations exactly as the kernels do (blocks of 32, d = amax/127,
  * q = round-half-even(x * (127/amax)), all in f32), then sums in double.
@@ -30,7 +30,8 @@
  * and 512 x (1024 x 2048) Q4_0 with 5120 pairs (x_div 10, gate- and
  * gate/up-like) and 20480 pairs, and 512 x (2048 x 512) with 5120 pairs
  * (down-like), each in the three forms (byte for byte equal) and beside
- * cuda_matmul / cuda_matvec_experts on the same data.
+ * cuda_matmul / cuda_matvec_experts on the same data; and Q6_K's dense
+ * 8192 x 2048 and down-like experts (a Q4_K_M file's).
  */
 #include "kernels/cuda/caps.h"
 #include "kernels/cuda/mmq.h"
@@ -53,7 +54,7 @@
 #define POISON 0xFFFFFFFFu /* NaN bits written over outputs before each run */
 
 static const uint32_t types[] = {QUANT_TYPE_Q4_0, QUANT_TYPE_Q8_0, QUANT_TYPE_Q4_K,
-                                 QUANT_TYPE_Q5_K};
+                                 QUANT_TYPE_Q5_K, QUANT_TYPE_Q6_K};
 #define N_TYPES (sizeof(types) / sizeof(types[0]))
 
 static bool is_poison(float v)
@@ -65,18 +66,21 @@ static bool is_poison(float v)
 
 /* ---- data ------------------------------------------------------------------ */
 
-/* Random bytes, then each block's fp16 scales set finite (d and, for the
- * K-quants, dmin at byte 2). */
+/* Random bytes, then each block's fp16 scales set finite (d and, for
+ * Q4_K and Q5_K, dmin at byte 2; Q6_K's d is its last 2 bytes, beside its
+ * int8 scales, which any bytes are). */
 static void fill_blocks(uint32_t type, uint8_t *row, size_t row_size, struct rng *r)
 {
     for (size_t i = 0; i < row_size; i++)
         row[i] = (uint8_t)rng_next(r);
     const size_t bb = quant_block_bytes(type);
     const bool k = type == QUANT_TYPE_Q4_K || type == QUANT_TYPE_Q5_K;
+    const size_t at = type == QUANT_TYPE_Q6_K ? 208 : 0;
     for (size_t b = 0; b + bb <= row_size; b += bb)
         for (int j = 0; j < (k ? 2 : 1); j++) {
-            uint16_t d = quant_f32_to_f16((0.002f + 0.02f * fabsf(rng_float(r))) * (j ? 0.5f : 1));
-            memcpy(row + b + 2 * j, &d, 2);
+            uint16_t d = quant_f32_to_f16((0.002f + 0.02f * fabsf(rng_float(r))) * (j ? 0.5f : 1) *
+                                          (at ? 0.01f : 1.0f)); /* Q6_K: levels x scales to 4096 */
+            memcpy(row + b + at + 2 * j, &d, 2);
         }
 }
 
@@ -513,8 +517,8 @@ static void test_rejects(void)
     float *d;
     CU(cudaMalloc((void **)&d, 1 << 20));
     log_set_level(LOG_LEVEL_ERROR);
-    CHECK(cuda_mmq(QUANT_TYPE_Q6_K, d, 210, 1, 256, d, 256, 2, d, 4, d, 0) == -ENOTSUP,
-          "Q6_K not refused with -ENOTSUP");
+    CHECK(cuda_mmq(QUANT_TYPE_Q3_K, d, 110, 1, 256, d, 256, 2, d, 4, d, 0) == -ENOTSUP,
+          "Q3_K not refused with -ENOTSUP");
     CHECK(cuda_mmq(QUANT_TYPE_Q4_0, d, 18 * 3, 1, 96, d, 96, 2, d, 4, d, 0) == -ENOTSUP,
           "n=96 not refused with -ENOTSUP");
     CHECK(cuda_mmq(QUANT_TYPE_Q4_0, d, 144, 4, 256, d, 255, 2, d, 4, d, 0) == -EINVAL,
@@ -547,7 +551,7 @@ static void test_rejects(void)
     CHECK(cuda_mmq_experts_glu(QUANT_TYPE_Q8_0, (const void *const *)d, 4, 272, 2, 256,
                                (int32_t *)d, 1, d, 511, false, d, 2, d, 1 << 20, 0) == -EINVAL,
           "glu rows shorter than gate and up accepted");
-    CHECK(cuda_mmq_supports(QUANT_TYPE_Q5_K) && !cuda_mmq_supports(QUANT_TYPE_Q6_K), "supports");
+    CHECK(cuda_mmq_supports(QUANT_TYPE_Q6_K) && !cuda_mmq_supports(QUANT_TYPE_Q3_K), "supports");
     log_set_level(LOG_LEVEL_INFO);
     CU(cudaDeviceSynchronize());
     CU(cudaFree(d));
@@ -840,5 +844,9 @@ int main(void)
     bench_experts(QUANT_TYPE_Q4_0, 512, 10, 512, 10, 1024, 2048, &r);
     bench_experts(QUANT_TYPE_Q4_0, 512, 10, 2048, 10, 512, 2048, &r);
     bench_experts(QUANT_TYPE_Q4_0, 512, 10, 512, 1, 2048, 512, &r);
+    /* a Q4_K_M file's Q6_K: a DeltaNet qkv stack (rows of 16-byte chunks) and the
+     * experts' down product (rows of 420 bytes: 4-byte copies) */
+    bench_dense(QUANT_TYPE_Q6_K, 8192, 2048, 512, &r);
+    bench_experts(QUANT_TYPE_Q6_K, 512, 10, 512, 1, 2048, 512, &r);
     return test_main_result("test_mmq_cuda");
 }
