@@ -216,11 +216,15 @@ struct cb_layer {
     /* attention */
     struct cb_mat wq, wk, wv, wo;
     struct cb_mat wqkv1;              /* wq|wk|wv back to back (n_out 0: types differ) */
+    struct cb_mat wqk;                /* else wq|wk where those two share a row format (a _K_M
+                                         file's layers whose attn_v is Q6_K) */
     const float *q_norm, *k_norm;     /* head_dim */
     void *kc, *vc;                    /* KV cache, n_ctx rows of kv_dim (f16 or f32) */
     /* gated DeltaNet */
     struct cb_mat qkv, z, beta, alpha, out;
     struct cb_mat dn1;                /* qkv|z|beta|alpha back to back (n_out 0: not) */
+    struct cb_mat zba;                /* else z|beta|alpha back to back where they share a
+                                         row format (a _K_M file's layers whose qkv is Q6_K) */
     const float *conv, *ssm_a, *dt_bias, *ssm_norm;
     float *conv_st, *ssm_st;          /* conv_dim x (K-1); nv x dv x dk */
     /* experts */
@@ -566,15 +570,19 @@ static void cb_put_attn(struct backend_cuda *c, struct cb_layer *L, int *rc)
 {
     const struct arch_layer *ly = L->ly;
     const struct arch_matrix *qkv[] = {&ly->wq, &ly->wk, &ly->wv};
-    const bool stack = cb_stackable(qkv, 3);
-    cb_stack(c, stack);
+    const bool stack = cb_stackable(qkv, 3), qk = !stack && cb_stackable(qkv, 2);
+    cb_stack(c, stack || qk);
     L->wq = cb_put_mat(c, &ly->wq, rc);
     L->wk = cb_put_mat(c, &ly->wk, rc);
+    cb_stack(c, stack);
     L->wv = cb_put_mat(c, &ly->wv, rc);
     cb_stack(c, false);
     L->wqkv1 = (struct cb_mat){0};
+    L->wqk = (struct cb_mat){0};
     if (stack)
         L->wqkv1 = cb_view(&ly->wq, L->wq.d, 0, ly->wq.n_out + ly->wk.n_out + ly->wv.n_out);
+    if (qk)
+        L->wqk = cb_view(&ly->wq, L->wq.d, 0, ly->wq.n_out + ly->wk.n_out);
     L->wo = cb_put_mat(c, &ly->wo, rc);
     L->q_norm = cb_put_vec(c, ly->q_norm, c->hp->head_dim, rc);
     L->k_norm = cb_put_vec(c, ly->k_norm, c->hp->head_dim, rc);
@@ -584,15 +592,19 @@ static void cb_put_ssm(struct backend_cuda *c, struct cb_layer *L, int *rc)
 {
     const struct arch_hparams *hp = c->hp;
     const struct arch_layer *ly = L->ly;
-    /* qkv | z | beta | alpha back to back when all four share a row format */
+    /* qkv | z | beta | alpha back to back when all four share a row format, else
+     * z | beta | alpha where those three do */
     const struct arch_matrix *in[] = {ly->wqkv.data ? &ly->wqkv : &ly->win,
                                       ly->wqkv.data ? &ly->wz : &ly->win,
                                       ly->wba.data ? &ly->wba : &ly->wbeta,
                                       ly->wba.data ? &ly->wba : &ly->walpha};
     const bool stack = cb_stackable(in, 4);
+    const bool zba = !stack && ly->wqkv.data && cb_stackable(in + 1, 3);
     cb_stack(c, stack);
     if (ly->wqkv.data) {
         L->qkv = cb_put_mat(c, &ly->wqkv, rc);
+        if (zba)
+            cb_stack(c, true);
         L->z = cb_put_mat(c, &ly->wz, rc);
     } else {
         cb_put_ssm_in(c, L, rc);
@@ -605,9 +617,12 @@ static void cb_put_ssm(struct backend_cuda *c, struct cb_layer *L, int *rc)
     }
     cb_stack(c, false);
     L->dn1 = (struct cb_mat){0};
+    L->zba = (struct cb_mat){0};
     if (stack)
         L->dn1 = cb_view(in[0], L->qkv.d, 0,
                          L->qkv.n_out + L->z.n_out + L->beta.n_out + L->alpha.n_out);
+    if (zba)
+        L->zba = cb_view(in[1], L->z.d, 0, L->z.n_out + L->beta.n_out + L->alpha.n_out);
     L->out = cb_put_mat(c, &ly->wout, rc);
     L->conv = cb_put_vec(c, ly->conv, (size_t)arch_conv_dim(hp) * hp->ssm_conv, rc);
     L->ssm_a = cb_put_vec(c, ly->ssm_a, hp->ssm_nv, rc);
@@ -1410,9 +1425,16 @@ static int cb_mm_norm(struct backend_cuda *c, const char *label, const struct cb
 }
 
 /* Whether layer L's decode input is one stacked product that normalises h
- * itself (cuda_matvec_norm), so that no norm launch comes before it. */
+ * itself (cuda_matvec_norm), or two (qkv, then z|beta|alpha: L->zba; q|k, then
+ * v: L->wqk), so that no norm launch comes before it. */
 static bool cb_in_norm(const struct cb_layer *L)
 {
+    if (L->ly->recurrent && L->zba.n_out)
+        return cuda_matvec_norm_ok(L->qkv.type, L->qkv.n_out, L->qkv.n_in) &&
+               cuda_matvec_norm_ok(L->zba.type, L->zba.n_out, L->zba.n_in);
+    if (!L->ly->recurrent && L->wqk.n_out)
+        return cuda_matvec_norm_ok(L->wqk.type, L->wqk.n_out, L->wqk.n_in) &&
+               cuda_matvec_norm_ok(L->wv.type, L->wv.n_out, L->wv.n_in);
     const struct cb_mat *m = L->ly->recurrent ? &L->dn1 : &L->wqkv1;
     return m->n_out && cuda_matvec_norm_ok(m->type, m->n_out, m->n_in);
 }
@@ -1492,20 +1514,35 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
     const size_t q_out = nh * hd * g;
     float *q = c->q, *kx = c->kx, *vx = c->vx;
     int rc;
-    if (S == 1 && L->wqkv1.n_out) {
+    /* decode: q, k and v back to back in c->dec (one product, or q|k and v) */
+    const bool dec = S == 1 && (L->wqkv1.n_out || L->wqk.n_out);
+    if (dec) {
         q = c->dec, kx = c->dec + q_out, vx = c->dec + q_out + kvd;
-        rc = raw ? cb_mm_norm(c, "attn.qkv", &L->wqkv1, L->attn_norm, c->dec)
-                 : cb_mm_in(c, "attn.qkv", &L->wqkv1, c->dec);
+        if (L->wqkv1.n_out) {
+            rc = raw ? cb_mm_norm(c, "attn.qkv", &L->wqkv1, L->attn_norm, c->dec)
+                     : cb_mm_in(c, "attn.qkv", &L->wqkv1, c->dec);
+        } else {
+            rc = raw ? cb_mm_norm(c, "attn.qk", &L->wqk, L->attn_norm, q)
+                     : cb_mm_in(c, "attn.qk", &L->wqk, q);
+            rc = rc ? rc
+                    : raw ? cb_mm_norm(c, "attn.v", &L->wv, L->attn_norm, vx)
+                          : cb_mm_in(c, "attn.v", &L->wv, vx);
+        }
     } else {
         const struct cuda_mmq_part p[] = {{q, q_out, q_out}, {kx, kvd, kvd}, {vx, kvd, kvd}};
         rc = cb_mm_parts(c, "attn.qkv", &L->wqkv1, S, p, 3);
-        if (rc == -ENOTSUP) {
+        /* else q|k in one launch where they are stacked, then v */
+        const bool apart = rc == -ENOTSUP;
+        if (apart)
+            rc = cb_mm_parts(c, "attn.qk", &L->wqk, S, p, 2);
+        if (apart && rc == -ENOTSUP) {
             rc = cb_mm(c, "attn.q", &L->wq, c->xa, n, S, q, q_out);
             rc = rc ? rc : cb_mm(c, "attn.k", &L->wk, c->xa, n, S, kx, kvd);
-            rc = rc ? rc : cb_mm(c, "attn.v", &L->wv, c->xa, n, S, vx, kvd);
         }
+        if (apart)
+            rc = rc ? rc : cb_mm(c, "attn.v", &L->wv, c->xa, n, S, vx, kvd);
     }
-    if (!rc && S == 1 && L->wqkv1.n_out && c->attn_fused) {
+    if (!rc && dec && c->attn_fused) {
         /* prep, attention and its split merge in one launch where the pass asks for it
          * (c->attn_fused: a position below fused_below) and it takes them, the output
          * also rounded for the output product where that takes it (cb_mm_yq) */
@@ -1638,13 +1675,25 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
         rc = raw ? cb_mm_norm(c, "dn.in", &L->dn1, L->attn_norm, c->dec)
                  : cb_mm_in(c, "dn.in", &L->dn1, c->dec);
+    } else if (S == 1 && L->zba.n_out) { /* qkv, then z|beta|alpha after it */
+        qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
+        rc = raw ? cb_mm_norm(c, "dn.qkv", &L->qkv, L->attn_norm, qkv)
+                 : cb_mm_in(c, "dn.qkv", &L->qkv, qkv);
+        rc = rc ? rc
+                : raw ? cb_mm_norm(c, "dn.zba", &L->zba, L->attn_norm, z)
+                      : cb_mm_in(c, "dn.zba", &L->zba, z);
     } else {
         const struct cuda_mmq_part p[] = {
             {qkv, cd, cd}, {z, vd, vd}, {beta, nv, nv}, {alpha, nv, nv}};
         rc = cb_mm_parts(c, "dn.in", &L->dn1, S, p, 4);
-        if (rc == -ENOTSUP) {
+        /* else qkv, then z|beta|alpha in one launch where they are stacked */
+        const bool apart = rc == -ENOTSUP;
+        if (apart)
             rc = cb_mm(c, "dn.qkv", &L->qkv, c->xa, n, S, qkv, cd);
-            rc = rc ? rc : cb_mm(c, "dn.z", &L->z, c->xa, n, S, z, vd);
+        if (apart && !rc)
+            rc = cb_mm_parts(c, "dn.zba", &L->zba, S, p + 1, 3);
+        if (apart && rc == -ENOTSUP) {
+            rc = cb_mm(c, "dn.z", &L->z, c->xa, n, S, z, vd);
             rc = rc ? rc : cb_mm(c, "dn.beta", &L->beta, c->xa, n, S, beta, nv);
             rc = rc ? rc : cb_mm(c, "dn.alpha", &L->alpha, c->xa, n, S, alpha, nv);
         }

@@ -117,12 +117,12 @@
  *     the cpu + 1e-3 of the largest logit, a kernel fewer in every layer;
  *     decode kernels left out (LAMINA_CUDA_SKIP=moe.down,
  *     moe.combine): the prompt's logits unchanged, the decode steps' changed;
- *   - 80b-a3b-shaped Q4_K and Q6_K qwen3next models of four layers, the cpu's tokens fed:
- *     the int8 decode products' K-type forms (LAMINA_CUDA_MVQ_K=1) against the f32 products
- *     (LAMINA_CUDA_MVQ_K=0):
- *     the prompt's logits the same, the decode steps' changed, within twice that run's
- *     distance to the cpu + 1e-3 of the largest logit, the cpu's arg-max in 14 of 16 rows
- *     at least, two runs byte-identical (tbc_kq);
+ *   - 80b-a3b-shaped Q4_K, Q6_K and Q4_K_M qwen3next models of four layers, the cpu's
+ *     tokens fed: the int8 decode products' K-type forms (LAMINA_CUDA_MVQ_K=1, the default)
+ *     against the f32 products (LAMINA_CUDA_MVQ_K=0): the decode steps' changed and fewer
+ *     kernels, within twice that run's distance to the cpu + 1e-3 of the largest logit, the
+ *     cpu's arg-max in 14 of 16 rows at least, two runs byte-identical (tbc_kq; Q4_K_M: its
+ *     third layer's qkv is Q6_K, its z|beta|alpha Q4_K, one launch after it);
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
  *     holding every expert of the second half serves grouped rows of those layers (decode
  *     sized and prefill sized groups) within TBC_TOL_SERVE of expert_exec on the CPU, counts
@@ -943,13 +943,17 @@ static int tbc_rows_agreeing(const float *ref, const float *a, const float *b, u
     return 16;
 }
 
+/* Where set, tbc_synth writes llama-quantize's _K_M mixture of its type. */
+static bool tbc_k_m;
+
 /* A synthetic qwen3next model (synth_write) at path, loaded: the model, its
  * gguf in *g (both NULL on failure, which is CHECKed). */
 static struct arch_model *tbc_synth(const char *shape, uint32_t layers, uint32_t type,
                                     uint64_t seed, const char *path, struct gguf **g)
 {
     struct synth_config sc = {.arch = "qwen3next", .shape = shape, .layers = layers,
-                              .type = type, .seed = seed, .path = path, .threads = 8};
+                              .type = type, .k_m = tbc_k_m, .seed = seed, .path = path,
+                              .threads = 8};
     CHECK(synth_write(&sc) == 0, "synth %s %s", shape, quant_type_name(type));
     struct gguf_config gc = {.path = path};
     *g = gguf_open(&gc);
@@ -1327,13 +1331,15 @@ static void tbc_xq(void)
  * prompt's rows change too, as the head's product of each is the int8 one), no further
  * from the cpu's than that run's (within twice its max |diff| + 1e-3 of the largest
  * logit), the cpu's arg-max in at least 14 of the 16 rows, and two runs byte-identical. */
-static void tbc_kq(uint32_t type)
+static void tbc_kq(uint32_t type, bool k_m)
 {
-    const char *tn = quant_type_name(type);
+    const char *tn = k_m ? "Q4_K_M" : quant_type_name(type);
     char path[128];
     snprintf(path, sizeof(path), "/tmp/test_backend_cuda_kq_%d.gguf", (int)getpid());
     struct gguf *g = NULL;
+    tbc_k_m = k_m;
     struct arch_model *m = tbc_synth("80b-a3b", 4, type, 13, path, &g);
+    tbc_k_m = false;
     if (m) {
         const uint32_t V = m->hp.n_vocab;
         const size_t sz = 16 * (size_t)V * sizeof(float);
@@ -1475,8 +1481,9 @@ int main(void)
     tbc_shpair();
     tbc_more_types();
     tbc_xq();
-    tbc_kq(QUANT_TYPE_Q4_K);
-    tbc_kq(QUANT_TYPE_Q6_K);
+    tbc_kq(QUANT_TYPE_Q4_K, false);
+    tbc_kq(QUANT_TYPE_Q6_K, false);
+    tbc_kq(QUANT_TYPE_Q4_K, true);
     tbc_host_buffers();
     MEASURE("backend_argmax (greedy ids on the device): %d rows, %d differ from the first "
             "maximum of the logits", argmax_rows, argmax_bad);
