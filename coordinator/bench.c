@@ -125,6 +125,18 @@ static int bench_setup(struct bench_job *j)
     return j->logits && j->ids ? 0 : -ENOMEM;
 }
 
+/* The table's model column: "qwen3next 48 layers", with the file's mixture
+ * where general.file_type names one ("Q4_K - Medium", as llama-bench shows it). */
+static void bench_model_name(const struct gguf *g, const struct arch_model *m, char *buf,
+                             size_t n)
+{
+    const struct gguf_kv *kv = g ? gguf_find_kv(g, "general.file_type") : NULL;
+    const char *ft = kv && kv->type == GGUF_TYPE_UINT32 ? quant_ftype_name((uint32_t)kv->v.u64)
+                                                        : NULL;
+    snprintf(buf, n, "%s %u layers%s%s", m->hp.arch_name, m->hp.n_layer, ft ? " " : "",
+             ft ? ft : "");
+}
+
 /* bw: GB/s of the memory the weights are read from (0: not measured); what: its name. */
 static void bench_print(struct bench_job *j, double pp_med, double pp_spr, double tg_med,
                         double tg_spr, double bw, const char *what)
@@ -151,14 +163,14 @@ static void bench_print(struct bench_job *j, double pp_med, double pp_spr, doubl
     char at[32] = ""; /* llama-bench's " @ dN" */
     if (cfg->n_depth)
         snprintf(at, sizeof(at), " @ d%u", cfg->n_depth);
+    char name[128];
+    bench_model_name(engine_gguf(j->eng), j->m, name, sizeof(name));
     if (cfg->n_prompt)
-        printf("| %s %u layers | %.2f GiB | %s | %d | pp%u%s | %.2f +- %.2f |\n",
-               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_prompt, at, pp_med,
-               pp_spr);
+        printf("| %s | %.2f GiB | %s | %d | pp%u%s | %.2f +- %.2f |\n", name, gib, backend, nt,
+               cfg->n_prompt, at, pp_med, pp_spr);
     if (cfg->n_gen)
-        printf("| %s %u layers | %.2f GiB | %s | %d | tg%u%s | %.2f +- %.2f |\n",
-               j->m->hp.arch_name, j->m->hp.n_layer, gib, backend, nt, cfg->n_gen, at, tg_med,
-               tg_spr);
+        printf("| %s | %.2f GiB | %s | %d | tg%u%s | %.2f +- %.2f |\n", name, gib, backend, nt,
+               cfg->n_gen, at, tg_med, tg_spr);
     if (bw > 0)
         printf("\nweights read per generated token: %.1f MB; %s %.1f GB/s; roofline %.1f tok/s; "
                "tg at %.0f%% of it\n", bpt / 1e6, what, bw, roof, 100 * tg_med / roof);
@@ -405,12 +417,14 @@ static void bench_par_print(struct bench_par *b, double st[4][2])
     printf("| --- | ---: | --- | ---: | ---: | ---: |\n");
     const double gib = gguf_file_size(b->g) / 1073741824.0;
     const char *what[4] = {"pp", "pp", "tg", "tg"};
+    char name[128];
+    bench_model_name(b->g, m, name, sizeof(name));
     for (int k = 0; k < 4; k++) {
         const uint32_t len = k < 2 ? cfg->n_prompt : cfg->n_gen;
         if (len)
-            printf("| %s %u layers | %.2f GiB | %s | %d | %s%u x%u%s | %.2f +- %.2f |\n",
-                   m->hp.arch_name, m->hp.n_layer, gib, backend, cfg->cluster->n_workers,
-                   what[k], len, N, k % 2 ? " per seq" : "", st[k][0], st[k][1]);
+            printf("| %s | %.2f GiB | %s | %d | %s%u x%u%s | %.2f +- %.2f |\n", name, gib, backend,
+                   cfg->cluster->n_workers, what[k], len, N, k % 2 ? " per seq" : "", st[k][0],
+                   st[k][1]);
     }
     printf("\n");
     cluster_print_summary(b->cl, stdout);

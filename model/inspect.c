@@ -181,6 +181,11 @@ static void inspect_put_kv(FILE *out, const struct gguf_kv *kv)
         inspect_put_array(out, kv);
     else
         inspect_put_scalar(out, kv);
+    const char *ft = !strcmp(kv->key, "general.file_type") && kv->type == GGUF_TYPE_UINT32
+                         ? quant_ftype_name((uint32_t)kv->v.u64)
+                         : NULL;
+    if (ft) /* llama.cpp's name of the mixture */
+        fprintf(out, " (%s)", ft);
     fputc('\n', out);
 }
 

@@ -158,6 +158,33 @@ static inline int clampi(int v, int lo, int hi)
 
 /* ---- type table ------------------------------------------------------- */
 
+const char *quant_ftype_name(uint32_t ftype)
+{
+    switch (ftype) {
+    case 0: return "all F32";
+    case 1: return "F16";
+    case 2: return "Q4_0";
+    case 3: return "Q4_1";
+    case 7: return "Q8_0";
+    case 8: return "Q5_0";
+    case 9: return "Q5_1";
+    case 10: return "Q2_K - Medium";
+    case 11: return "Q3_K - Small";
+    case 12: return "Q3_K - Medium";
+    case 13: return "Q3_K - Large";
+    case 14: return "Q4_K - Small";
+    case 15: return "Q4_K - Medium";
+    case 16: return "Q5_K - Small";
+    case 17: return "Q5_K - Medium";
+    case 18: return "Q6_K";
+    case 21: return "Q2_K - Small";
+    case 25: return "IQ4_NL - 4.5 bpw";
+    case 30: return "IQ4_XS - 4.25 bpw";
+    case 32: return "BF16";
+    default: return NULL;
+    }
+}
+
 const char *quant_type_name(uint32_t type)
 {
     const struct quant_type_info *t = type_info(type);

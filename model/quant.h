@@ -56,6 +56,10 @@ enum quant_type {
 /* Name of a type id ("Q4_K"), or NULL when the id is not a ggml type. */
 const char *quant_type_name(uint32_t type);
 
+/* llama.cpp's name of a file's mixture, the GGUF key general.file_type (a
+ * llama_ftype: 15 "Q4_K - Medium"), or NULL for one not known here. */
+const char *quant_ftype_name(uint32_t ftype);
+
 /* Elements per block and bytes per block; 0 when the id is unknown. */
 uint32_t quant_block_elems(uint32_t type);
 uint32_t quant_block_bytes(uint32_t type);

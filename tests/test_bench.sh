@@ -20,6 +20,9 @@ for mode in "--inproc" "--devices cpu,cpu --resident 50%"; do
         fail "bench $mode: $(tail -1 "$T/err")"
     grep -q "| pp32 | " "$T/table.txt" && grep -q "| tg8 | " "$T/table.txt" ||
         fail "bench $mode: table rows missing"
+    # the model column names the file's mixture (general.file_type 7) as llama-bench does
+    grep -q "^| qwen3next 4 layers Q8_0 | " "$T/table.txt" ||
+        fail "bench $mode: model column: $(grep -m1 'layers' "$T/table.txt")"
     # shellcheck disable=SC2086
     $L bench -m "$T/m.gguf" -p 32 -n 8 -r 3 --no-membw --json $mode >"$T/json.txt" 2>"$T/err" ||
         fail "bench --json $mode"

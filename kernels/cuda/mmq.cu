@@ -559,9 +559,10 @@ __device__ __forceinline__ void issue(uint8_t *sm, const Args &a, const uint8_t 
  * chunks, a clamp and 64-bit products, about 20 instructions a copy). The
  * weights' from the tile's first row (64 rows fit 32 bits: the launcher's
  * check), the activations' and scales' from xq and xds (x_rows x n fits 32
- * bits). A stage moves them by SB bytes, 256 bytes and 8 scales. The
- * destinations follow from the copy's index: a weight chunk i of a stage
- * lands at 16 i (SB = 16 chunks a row), as in issue(). */
+ * bits). A stage moves them by SB bytes (Q6_K: to the 16-byte boundary at
+ * or before s * SB), 256 bytes and 8 scales. The destinations follow from
+ * the copy's index: a weight chunk i of a stage lands at 16 i (SS / 16
+ * chunks a row), as in issue(). */
 template <class T, int BN>
 struct Pre {
     static constexpr int WCH = kBM * T::SS / 16;               /* weight chunks a stage */
