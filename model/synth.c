@@ -1289,7 +1289,8 @@ static int synth_meta(const struct synth_plan *p, struct gguf_writer *w)
     rc = rc ? rc : synth_meta_u32(p, w, "expert_used_count", s->top_k);
     rc = rc ? rc : synth_meta_u32(p, w, "attention.key_length", s->head_dim);
     rc = rc ? rc : synth_meta_u32(p, w, "attention.value_length", s->head_dim);
-    rc = rc ? rc : gguf_writer_add_u32(w, "general.file_type", synth_file_type(p->cfg->type, p->cfg->k_m));
+    rc = rc ? rc : gguf_writer_add_u32(w, "general.file_type",
+                                       synth_file_type(p->cfg->type, p->cfg->k_m));
     rc = rc ? rc : synth_meta_u32(p, w, "expert_feed_forward_length", s->ff_exp);
     if (!rc && p->hybrid)
         rc = synth_meta_ssm(p, w);

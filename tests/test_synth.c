@@ -501,7 +501,8 @@ static void test_k_m(void)
     CHECK(synth_matrix_type_of(&c, "output.weight", 0, 2048) == K6, "lm head");
     int n_down = 0, n_v = 0;
     for (uint32_t il = 0; il < 48; il++) {
-        /* down: i < 96/8 = 12, or (i - 12) % 3 == 2; value-like: i < 6, i >= 42, (i - 6) % 3 == 2 */
+        /* down: i < 96/8 = 12 or (i - 12) % 3 == 2; value-like: i < 6, i >= 42 or
+         * (i - 6) % 3 == 2 */
         const bool down6 = il < 12 || (il - 12) % 3 == 2;
         const bool v6 = il < 6 || il >= 42 || (il - 6) % 3 == 2;
         const char *v = il % 4 == 3 ? "attn_v.weight" : "attn_qkv.weight";

@@ -708,7 +708,7 @@ __device__ __forceinline__ void compute(const uint8_t *sm, int off, int wm, int 
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 float *o = acc[mt][nt];
-                if constexpr (T::SPLIT) { /* the halves apart: dw the first's scale, mw the second's */
+                if constexpr (T::SPLIT) { /* halves apart: dw the first's scale, mw the second's */
                     int cl[4], ch[4];
                     mma_s8_k16(cl, A[mt][0], A[mt][1], b0);
                     mma_s8_k16(ch, A[mt][2], A[mt][3], b1);

@@ -21,8 +21,9 @@
  * read as the 16-byte or 4-byte words around its 210 bytes); rows at
  * 16-byte aligned addresses with row_bytes a multiple of 16 are staged with
  * cp.async (Q6_K rows 4-byte aligned with row_bytes a multiple of 4 too, by
- * 4-byte copies), others through plain loads (slower, same results). All launchers validate their arguments (-EINVAL,
- * logged), enqueue on the given stream without any host synchronisation
+ * 4-byte copies), others through plain loads (slower, same results). All
+ * launchers validate their arguments (-EINVAL, logged), enqueue on the
+ * given stream without any host synchronisation
  * (safe inside stream capture), check the launches (-EIO, logged) and
  * return; results are ready when the stream reaches that point. The
  * scratch buffer d_work (device memory, 16-byte aligned, owned by the

@@ -10,7 +10,7 @@
  * pinned host memory). Every output buffer is poisoned with NaN bits first;
  * each result must be within 1e-5 of sum |w_i x_i| of the exact dot
  * product of the dequantized row (matvec_dot_ref: the kernels keep f32
- * activations; where one activation row meets Q4_0, Q8_0 or (LAMINA_CUDA_MVQ_K=1) Q4_K,
+ * activations; where one activation row meets Q4_0, Q8_0 or (unless LAMINA_CUDA_MVQ_K=0) Q4_K,
  * Q5_K or Q6_K weights
  * on the int8 products, mvq.cu, the exact dot of the activations rounded
  * as they round them, per block of 32) and within 1e-2 of the CPU twin's result (matvec_rows,
@@ -1142,7 +1142,7 @@ int main(void)
     printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
     struct rng r = {0x9E3779B97F4A7C15ull};
     struct twin_stats ts = {0.0};
-    /* the int8 products' Q4_K and Q6_K forms, opt-in for now (mvq.h) */
+    /* the int8 products' Q4_K, Q5_K and Q6_K forms (the default, said outright) */
     setenv("LAMINA_CUDA_MVQ_K", "1", 1);
     test_rejects();
     test_matvec(&r, &ts);
