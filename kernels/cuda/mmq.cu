@@ -119,6 +119,12 @@ __device__ __forceinline__ uint32_t sub8(uint32_t v)
     return (v + 0x78787878u) ^ 0x80808080u;
 }
 
+/* Bytes 0..63 each minus 32, as int8 (Q6_K's levels). */
+__device__ __forceinline__ uint32_t sub32(uint32_t v)
+{
+    return (v + 0x60606060u) ^ 0x80808080u;
+}
+
 /* Exact float of c - kMagicI, an int32 below 2^22 in magnitude that the
  * product below has added to the magic number's bits. */
 __device__ __forceinline__ float i2f(int c)
@@ -333,9 +339,8 @@ struct TQ6_K {
         const uint32_t l1 = (ld32_2(ql + 16, h.mis) >> sl) & 0x0F0F0F0Fu;
         const uint32_t h0 = (ld32_2(qh, h.mis) >> sh) & 0x03030303u;
         const uint32_t h1 = (ld32_2(qh + 16, h.mis) >> sh) & 0x03030303u;
-        /* levels 0..63 minus 32 as int8: + 96 (no carry), then the top bit flipped */
-        lo = ((l0 | (h0 << 4)) + 0x60606060u) ^ 0x80808080u;
-        hi = ((l1 | (h1 << 4)) + 0x60606060u) ^ 0x80808080u;
+        lo = sub32(l0 | (h0 << 4));
+        hi = sub32(l1 | (h1 << 4));
         const uint32_t sc = h.s[kb >> 1] >> (16 * (kb & 1));
         dw = h.d * static_cast<float>(static_cast<int8_t>(sc & 0xFFu));
         mw = h.d * static_cast<float>(static_cast<int8_t>((sc >> 8) & 0xFFu));

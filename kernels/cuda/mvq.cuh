@@ -292,12 +292,10 @@ MVQ_FN void q4k_scale_min(uint32_t a, uint32_t m, uint32_t c, uint32_t k, bool h
 }
 
 /* A Q6_K word's four 6-bit levels (0..63 a byte) minus 32, as signed bytes:
- * a level of 32 or more loses bit 5, one below it gains bits 5-7 (its
- * two's complement). */
+ * + 96 a byte (no carry), then the top bit flipped (mmq.cu's sub32). */
 MVQ_FN uint32_t q6k_centre(uint32_t w)
 {
-    const uint32_t low = ~w & 0x20202020u;
-    return (w ^ 0x20202020u) | low << 1 | low << 2;
+    return (w + 0x60606060u) ^ 0x80808080u;
 }
 
 /* One weight unit's dot with its activation blocks. Q4_0, Q8_0: block_dot.
