@@ -42,7 +42,7 @@ double check_type(uint32_t n, int rows, uint64_t *seed)
 {
     constexpr int XB = mvq::Blk<TYPE>::XB;
     const size_t rb = quant_row_size(TYPE, n);
-    /* 16-byte aligned room for the row at offset 0 or 2, plus a word of slack */
+    /* 16-byte aligned room for the row at offset 0, 2 or 4, plus slack */
     uint8_t *buf = static_cast<uint8_t *>(aligned_alloc(16, (rb + 32 + 15) / 16 * 16));
     float *x = static_cast<float *>(malloc(n * sizeof(float)));
     float *w = static_cast<float *>(malloc(n * sizeof(float)));
@@ -60,7 +60,8 @@ double check_type(uint32_t n, int rows, uint64_t *seed)
             x[i] = unif(seed, -3.0f, 3.0f) * (rnd(seed) % 29 == 0 ? 10.0f : 1.0f);
         }
         xq_round(x, xq, n);
-        for (int off = 0; off <= 2; off += 2) {
+        float got0 = 0.0f; /* the row at offset 0 */
+        for (int off = 0; off <= 4; off += 2) {
             uint8_t *row = buf + off;
             memset(buf, 0xA5, rb + 32);
             CHECK(quant_quantize_row(TYPE, xs, row, n) == 0, "quantize %s", quant_type_name(TYPE));
@@ -84,6 +85,14 @@ double check_type(uint32_t n, int rows, uint64_t *seed)
                 CHECK(err <= 1e-5, "%s n %u row %d offset %d: units %.9g, exact %.9g (rel %.3g)",
                       quant_type_name(TYPE), n, r, off, static_cast<double>(got), exact, err);
             worst = err > worst || err != err ? err : worst;
+            /* a 16-byte boundary (K types: 16-byte loads), 2 bytes past it (byte loads) and
+             * 4 (word loads): the same words, the same sum */
+            if (off == 0)
+                got0 = got;
+            else
+                CHECK(got == got0, "%s n %u row %d: offset %d gives %.9g, offset 0 %.9g",
+                      quant_type_name(TYPE), n, r, off, static_cast<double>(got),
+                      static_cast<double>(got0));
         }
     }
     free(buf), free(x), free(w), free(xs), free(xq);
@@ -103,7 +112,7 @@ int main(void)
         const double e5 = check_type<QUANT_TYPE_Q5_K>(n, 8, &seed);
         const double e6 = check_type<QUANT_TYPE_Q6_K>(n, 8, &seed);
         MEASURE("units of rows of %u: max rel error Q4_0 %.3g, Q8_0 %.3g, Q4_K %.3g, Q5_K %.3g, "
-                "Q6_K %.3g (aligned and 2-byte offset rows)", n, e0, e8, ek, e5, e6);
+                "Q6_K %.3g (rows at 16-byte boundaries, 2 and 4 bytes past)", n, e0, e8, ek, e5, e6);
     }
     return test_main_result("test_mvq_units");
 }

@@ -23,9 +23,12 @@
 #else
 #define MVQ_FN inline
 #define MVQ_HD
-/* CUDA's vector type of four ints, for the host */
+/* CUDA's vector types of four ints, for the host */
 struct int4 {
     int x, y, z, w;
+};
+struct uint4 {
+    unsigned int x, y, z, w;
 };
 #endif
 
@@ -139,9 +142,20 @@ MVQ_HD constexpr uint32_t unit_block(uint32_t b, uint32_t i)
                                    : b * Blk<TYPE>::XB + i;
 }
 
+/* v[i .. i + 3] = the four words of w. */
+template <int N>
+MVQ_FN void put4(uint32_t (&v)[N], int i, const uint4 &w)
+{
+    v[i] = w.x;
+    v[i + 1] = w.y;
+    v[i + 2] = w.z;
+    v[i + 3] = w.w;
+}
+
 /* The words of weight unit b of a row (Blk). Q4_0, Q8_0: the words around
  * the block, base aligned down to 4 bytes, *shift its byte offset in bits.
- * Q4_K, Q5_K: the header, nibble (and high-bit) words in place (shift, which the dot does not
+ * Q4_K, Q5_K: the header, nibble (and high-bit) words in place, 16 bytes a load where the
+ * super-block is at a 16-byte boundary (shift, which the dot does not
  * need, is the unit's quarter b % 4); a super-block not 4-byte aligned (a
  * row of a file whose alignment is 2: never in the buffers lamina fills)
  * is read byte by byte into the same words. Q6_K: the words around its ql
@@ -183,7 +197,19 @@ MVQ_FN void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[N], uint32_
         const uint8_t *sb = row + static_cast<size_t>(b >> 2) * Blk<TYPE>::BYTES;
         const uint32_t g = b & 3u;
         *shift = g;
-        if ((reinterpret_cast<uintptr_t>(sb) & 3) == 0) {
+        if ((reinterpret_cast<uintptr_t>(sb) & 15) == 0) {
+            /* a super-block at a 16-byte boundary (every one of a row that starts at one: 144
+             * and 176 are multiples of 16): the same words, 16 bytes a load */
+            const uint4 *h = reinterpret_cast<const uint4 *>(sb);
+            const uint4 *q = h + qs0 / 16 + 2 * g;
+            put4(v, 0, SHARED ? h[0] : ldg(h));
+            put4(v, 4, SHARED ? q[0] : ldg(q));
+            put4(v, 8, SHARED ? q[1] : ldg(q + 1));
+            if constexpr (k5) {
+                put4(v, 12, SHARED ? h[1] : ldg(h + 1));
+                put4(v, 16, SHARED ? h[2] : ldg(h + 2));
+            }
+        } else if ((reinterpret_cast<uintptr_t>(sb) & 3) == 0) {
             const uint32_t *h = reinterpret_cast<const uint32_t *>(sb);
             const uint32_t *q = h + qs0 / 4 + 8 * g;
 #pragma unroll
