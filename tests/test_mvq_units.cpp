@@ -112,7 +112,8 @@ int main(void)
         const double e5 = check_type<QUANT_TYPE_Q5_K>(n, 8, &seed);
         const double e6 = check_type<QUANT_TYPE_Q6_K>(n, 8, &seed);
         MEASURE("units of rows of %u: max rel error Q4_0 %.3g, Q8_0 %.3g, Q4_K %.3g, Q5_K %.3g, "
-                "Q6_K %.3g (rows at 16-byte boundaries, 2 and 4 bytes past)", n, e0, e8, ek, e5, e6);
+                "Q6_K %.3g (rows at 16-byte boundaries, 2 and 4 bytes past)", n, e0, e8, ek, e5,
+                e6);
     }
     return test_main_result("test_mvq_units");
 }
