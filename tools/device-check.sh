@@ -30,7 +30,8 @@
 #   tools/device-check.sh run [tests] [bench] [profile] [llama]
 #     tests    run every GPU test (what `make test-gpu` runs) from .devbin/
 #     bench    write an 80b-a3b-shaped q4_0 model (lamina gen-model; BENCH_TYPE=q4_k
-#              or another gen-model --type for that type) and run
+#              or another gen-model --type for that type, BENCH_ARCH and BENCH_SHAPE
+#              for another architecture and shape, e.g. qwen3moe 30b-a3b) and run
 #              `lamina bench` on it, fully resident on the GPU (BENCH_DEPTH=N:
 #              also tg128 with N tokens already in the context, here and in llama;
 #              BENCH_DEPTH_P=512: pp512 at that depth too)
@@ -223,19 +224,21 @@ tests() {
     echo "gpu tests: $pass passed, $fail failed, $skip skipped (fewer than 2 GPUs, or no binaries)"
 }
 
-# The 80b-a3b-shaped model of bench, profile, trace, ncu, cards and llama, written once
-# into $m (the caller's local): BENCH_TYPE (default q4_0, or any type of gen-model's
-# --type, e.g. q4_k) picks its weight type. The disk holds one such file (42-45 GB), so
-# a model of another type is removed first.
+# The model of bench, profile, trace, ncu, cards and llama, written once into $m (the
+# caller's local): BENCH_TYPE (default q4_0, or any type of gen-model's --type, e.g. q4_k)
+# picks its weight type, BENCH_ARCH and BENCH_SHAPE (default qwen3next 80b-a3b; e.g.
+# qwen3moe 30b-a3b, qwen35moe 35b-a3b) its architecture and shape. The disk holds one such
+# file (17-45 GB), so a model of another type or shape is removed first.
 bench_model() {
-    local t=${BENCH_TYPE:-q4_0} f
+    local t=${BENCH_TYPE:-q4_0} a=${BENCH_ARCH:-qwen3next} s=${BENCH_SHAPE:-80b-a3b} f
     m=.models/q3n-80b-$t.gguf
+    [ "$a/$s" = qwen3next/80b-a3b ] || m=.models/$a-$s-$t.gguf
     mkdir -p .models
     [ -f "$m" ] && return 0
-    for f in .models/q3n-80b-*.gguf; do
+    for f in .models/*.gguf; do
         [ -f "$f" ] && [ "$f" != "$m" ] && rm -f "$f"
     done
-    .devbin/lamina gen-model --arch qwen3next --shape 80b-a3b --type "$t" \
+    .devbin/lamina gen-model --arch "$a" --shape "$s" --type "$t" \
         --seed 1 --threads "$(nproc)" -o "$m" 2>&1 | tail -2
 }
 
