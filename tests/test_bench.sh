@@ -35,6 +35,12 @@ assert d["bytes_per_token"] > 0 and d["arch"] == "qwen3next", d
 print("json ok:", d["backend"], round(d["pp_tps"]), "pp tok/s,", round(d["tg_tps"]), "tg tok/s")
 ' || fail "bench --json $mode: bad JSON line: $(tail -1 "$T/json.txt")"
 done
+# a warm-up of each test before the reps (their figures logged at info)
+LAMINA_LOG=info $L bench -m "$T/m.gguf" -p 16 -n 4 -r 3 --no-membw --inproc >/dev/null \
+    2>"$T/err" || fail "bench with LAMINA_LOG=info: $(tail -1 "$T/err")"
+grep -Eq "bench warm-up: pp [1-9][0-9.]* tok/s, tg [1-9][0-9.]* tok/s" "$T/err" ||
+    fail "no warm-up of both tests: $(grep -m1 'warm-up' "$T/err")"
+[ "$(grep -c 'bench rep [1-3] of 3: pp [1-9]' "$T/err")" = 3 ] || fail "not 3 reps logged"
 for i in 1 2 3 4; do
     $L bench -m "$T/m.gguf" -p 16 -n 8 -r 5 --no-membw --devices cpu,cpu >/dev/null 2>"$T/err" ||
         fail "bench on cpu,cpu, run $i of 4: $(grep -m1 error "$T/err")"
