@@ -1047,24 +1047,30 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
         if ((uint32_t)lane < nv) {
             const uint4 *kr = (const uint4 *)(t0 + lane == pos ? (const char *)s_kn
                                                                : sk + (size_t)lane * rs);
-            float dot = 0.0f;
-#pragma unroll 2
+            /* hd up to 128 (DPL 4): four chains of hd / 4 multiply-adds, not one of hd (the
+             * score's latency); hd 256 keeps one chain (its registers: four were not faster) */
+            constexpr int NA = DPL <= 4 ? 4 : 1;
+            float d[NA];
+#pragma unroll
+            for (int i = 0; i < NA; i++)
+                d[i] = 0.0f;
+#pragma unroll(NA == 4 ? 4 : 2)
             for (uint32_t c = 0; c < a.hd / 8; c++) {
                 const uint4 k8 = kr[c];
                 const float4 qa = q4[2 * c], qb = q4[2 * c + 1];
                 const __half2 *kh = (const __half2 *)&k8;
                 const float2 k0 = __half22float2(kh[0]), k1 = __half22float2(kh[1]);
                 const float2 k2 = __half22float2(kh[2]), k3 = __half22float2(kh[3]);
-                dot = fmaf(qa.x, k0.x, dot);
-                dot = fmaf(qa.y, k0.y, dot);
-                dot = fmaf(qa.z, k1.x, dot);
-                dot = fmaf(qa.w, k1.y, dot);
-                dot = fmaf(qb.x, k2.x, dot);
-                dot = fmaf(qb.y, k2.y, dot);
-                dot = fmaf(qb.z, k3.x, dot);
-                dot = fmaf(qb.w, k3.y, dot);
+                d[0] = fmaf(qa.x, k0.x, d[0]);
+                d[1 % NA] = fmaf(qa.y, k0.y, d[1 % NA]);
+                d[2 % NA] = fmaf(qa.z, k1.x, d[2 % NA]);
+                d[3 % NA] = fmaf(qa.w, k1.y, d[3 % NA]);
+                d[0] = fmaf(qb.x, k2.x, d[0]);
+                d[1 % NA] = fmaf(qb.y, k2.y, d[1 % NA]);
+                d[2 % NA] = fmaf(qb.z, k3.x, d[2 % NA]);
+                d[3 % NA] = fmaf(qb.w, k3.y, d[3 % NA]);
             }
-            s = dot;
+            s = NA == 4 ? (d[0] + d[1 % NA]) + (d[2 % NA] + d[3 % NA]) : d[0];
         }
         const float m_new = fmaxf(m_run, ops_warp_max(s));
         const float e = m_new != -INFINITY ? exp2f(s - m_new) : 0.0f;
