@@ -632,7 +632,8 @@ __device__ __forceinline__ void rt_finish(const MvqArgs &a, const RtEarly &e, fl
 }
 
 /* MINB: blocks per SM the registers must allow (3 for expert products: the
- * decode's pairs then fit one wave on an H200, 2 blocks per SM took two). */
+ * decode's pairs then fit one wave on an H200, 2 blocks per SM took two; and for a
+ * K type's plain product without a tail, plain_lean). */
 /* GQ (with ST, 32-row tiles, launched as clusters of 2 blocks): a gate/up
  * product's blocks 2i and 2i + 1 take the pair's gate tile i and up tile
  * gq_half + i; the up block hands its 32 outputs to the gate block in
@@ -1007,6 +1008,22 @@ bool tma_wanted(const MvqArgs &a)
     return a.ids && a.tail.t.kind == CUDA_TAIL_NONE && (all || a.ids_poll) && device_sm90();
 }
 
+/* Whether a plain product without a tail takes the experts' register budget (three
+ * blocks an SM: 77-80 registers, no spills) rather than one block's: by
+ * LAMINA_CUDA_PLAIN_LEAN, unset the K types (kk), "0" none, "all" every type. Two blocks
+ * of a K type's plain form at 94-108 registers left no room for a block of the launch
+ * after them, which then started only as they ended: on an H100's Q4_K_M decode the
+ * router's increment after the DeltaNet output product fell from 10.2 to 7.4 us a layer,
+ * tg128 +5 %; Q4_0's plain products so were 8 % slower (docs/perf.md, forty-sixth
+ * session). The same bits either way. Read at each launch. */
+bool plain_lean(bool kk)
+{
+    const char *env = getenv("LAMINA_CUDA_PLAIN_LEAN");
+    if (env && env[0] == '0')
+        return false;
+    return kk || (env && !strcmp(env, "all"));
+}
+
 /* Whether the last product this thread launched copied its tiles by tma
  * (cuda_mvq_last_tma; tests). */
 thread_local bool last_tma = false;
@@ -1095,6 +1112,9 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
     if constexpr ((WHO & kPlain) != 0) {
         if (jobs == 1 && tail)
             pdl_launch(mvq_kernel<TYPE, G, U, R, true, 1, false>, grid, kThreads, smem, stream, a);
+        else if (jobs == 1 && plain_lean(kK))
+            pdl_launch(mvq_kernel<TYPE, G, U, R, false, 3, false>, grid, kThreads, smem, stream,
+                       a);
         else if (jobs == 1)
             pdl_launch(mvq_kernel<TYPE, G, U, R, false, 1, false>, grid, kThreads, smem, stream,
                        a);
