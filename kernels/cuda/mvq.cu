@@ -1257,9 +1257,9 @@ template <int TYPE>
 int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
 {
     /* K types: units of 12 (Q4_K), 20 (Q5_K) or 24 (Q6_K) words a lane, two
-     * of Q4_K or one of the others in flight where the lanes hold them in registers (two
-     * blocks an SM for a plain product, three for experts: the registers of
-     * eight Q4_0 blocks, without spills), four where tma reads them from
+     * of Q4_K or one of the others in flight where the lanes hold them in registers (three
+     * blocks an SM for experts and, plain_lean, plain products without a tail: the
+     * registers of eight Q4_0 blocks, without spills), four where tma reads them from
      * the block's tile; a row of at most one unit a lane keeps U = 1, so
      * that an expert product's rows per block, and its blocks, are Q4_0's */
     constexpr bool kK = Blk<TYPE>::WORDS > 9;
