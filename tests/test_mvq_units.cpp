@@ -35,14 +35,14 @@ float unif(uint64_t *s, float lo, float hi)
     return lo + (hi - lo) * static_cast<float>(rnd(s) & 0xFFFFFF) / 16777216.0f;
 }
 
-/* One type: rows rows of n, each at a 4-byte aligned base and at a 2-byte offset; returns
+/* One type: rows rows of n, each at offsets 0, 2, 4 and 6 from a 16-byte boundary; returns
  * the largest error relative to sum |w x|. */
 template <int TYPE>
 double check_type(uint32_t n, int rows, uint64_t *seed)
 {
     constexpr int XB = mvq::Blk<TYPE>::XB;
     const size_t rb = quant_row_size(TYPE, n);
-    /* 16-byte aligned room for the row at offset 0, 2 or 4, plus slack */
+    /* 16-byte aligned room for the row at offset 0, 2, 4 or 6, plus slack */
     uint8_t *buf = static_cast<uint8_t *>(aligned_alloc(16, (rb + 32 + 15) / 16 * 16));
     float *x = static_cast<float *>(malloc(n * sizeof(float)));
     float *w = static_cast<float *>(malloc(n * sizeof(float)));
@@ -61,7 +61,7 @@ double check_type(uint32_t n, int rows, uint64_t *seed)
         }
         xq_round(x, xq, n);
         float got0 = 0.0f; /* the row at offset 0 */
-        for (int off = 0; off <= 4; off += 2) {
+        for (int off = 0; off <= 6; off += 2) {
             uint8_t *row = buf + off;
             memset(buf, 0xA5, rb + 32);
             CHECK(quant_quantize_row(TYPE, xs, row, n) == 0, "quantize %s", quant_type_name(TYPE));
@@ -85,8 +85,9 @@ double check_type(uint32_t n, int rows, uint64_t *seed)
                 CHECK(err <= 1e-5, "%s n %u row %d offset %d: units %.9g, exact %.9g (rel %.3g)",
                       quant_type_name(TYPE), n, r, off, static_cast<double>(got), exact, err);
             worst = err > worst || err != err ? err : worst;
-            /* a 16-byte boundary (K types: 16-byte loads), 2 bytes past it (byte loads) and
-             * 4 (word loads): the same words, the same sum */
+            /* a 16-byte boundary (K types: 16-byte loads), 2 bytes past it (byte loads), 4
+             * (word loads) and 6 (Q6_K's 8-byte loads from the word before the run): the same
+             * words, the same sum */
             if (off == 0)
                 got0 = got;
             else
@@ -112,7 +113,7 @@ int main(void)
         const double e5 = check_type<QUANT_TYPE_Q5_K>(n, 8, &seed);
         const double e6 = check_type<QUANT_TYPE_Q6_K>(n, 8, &seed);
         MEASURE("units of rows of %u: max rel error Q4_0 %.3g, Q8_0 %.3g, Q4_K %.3g, Q5_K %.3g, "
-                "Q6_K %.3g (rows at 16-byte boundaries, 2 and 4 bytes past)", n, e0, e8, ek, e5,
+                "Q6_K %.3g (rows at 16-byte boundaries, 2, 4 and 6 bytes past)", n, e0, e8, ek, e5,
                 e6);
     }
     return test_main_result("test_mvq_units");

@@ -1379,6 +1379,22 @@ static int cb_mm_in(struct backend_cuda *c, const char *label, const struct cb_m
     return cb_mm(c, label, w, c->xa, w->n_in, 1, Y, 0);
 }
 
+/* cb_mm_in for the second of a layer's two input products (z|beta|alpha after qkv, v
+ * after q|k): the launch before it (the first) reads c->xq, which the combine wrote
+ * before it, and never this product's Y, so this one runs beside it and waits for it
+ * only at its end (cuda_mvq_xq_beside: the same bits). */
+static int cb_mm_in2(struct backend_cuda *c, const char *label, const struct cb_mat *w, float *Y)
+{
+    if (c->xq_ready) {
+        const int rc = CB_K(c, label, cuda_mvq_xq_beside(w->type, w->d, w->row_bytes, w->n_out,
+                                                         w->n_in, c->xq, Y, c->stream));
+        if (rc != -ENOTSUP)
+            return rc;
+        cb_unlaunch(c);
+    }
+    return cb_mm_in(c, label, w, Y);
+}
+
 /* A decode product (one row) followed by a tail in its last block
  * (kernels/cuda/tail.h); t NULL: cb_mm. */
 static int cb_mm_tail(struct backend_cuda *c, const char *label, const struct cb_mat *w,
@@ -1526,7 +1542,7 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
                      : cb_mm_in(c, "attn.qk", &L->wqk, q);
             rc = rc ? rc
                     : raw ? cb_mm_norm(c, "attn.v", &L->wv, L->attn_norm, vx)
-                          : cb_mm_in(c, "attn.v", &L->wv, vx);
+                          : cb_mm_in2(c, "attn.v", &L->wv, vx);
         }
     } else {
         const struct cuda_mmq_part p[] = {{q, q_out, q_out}, {kx, kvd, kvd}, {vx, kvd, kvd}};
@@ -1681,7 +1697,7 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
                  : cb_mm_in(c, "dn.qkv", &L->qkv, qkv);
         rc = rc ? rc
                 : raw ? cb_mm_norm(c, "dn.zba", &L->zba, L->attn_norm, z)
-                      : cb_mm_in(c, "dn.zba", &L->zba, z);
+                      : cb_mm_in2(c, "dn.zba", &L->zba, z);
     } else {
         const struct cuda_mmq_part p[] = {
             {qkv, cd, cd}, {z, vd, vd}, {beta, nv, nv}, {alpha, nv, nv}};

@@ -121,6 +121,10 @@ struct MvqArgs {
     const int8_t *xq;             /* x already rounded (mvq::xq_row_bytes layout, written
                                    * by the launch before), copied into shared memory
                                    * after the wait; x is not read */
+    bool beside;                  /* plain, no tail: xq written two or more launches back
+                                   * and y untouched by the launch before, so the block
+                                   * computes and stores before its wait, which it keeps
+                                   * for its end (cuda_mvq_xq_beside) */
     size_t xq_ld;                 /* bytes from one rounded row to the next (row job /
                                    * x_div); 0: every job reads the first */
     int8_t *gq;                   /* gate/up (GQ, clusters of 2): silu(gate) * up rounded
@@ -857,12 +861,16 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
         pdl_prefetch_l2(a.nin_w, a.n * sizeof(float));
     if (a.x_early && !a.xq)
         prep_x();
-    pdl_wait();
-    probe_mark(a, CUDA_PROBE_MVQ_WAITED);
-    if constexpr (TAIL || RT) /* a quantized router's top-k tail marks its ids as matvec.cu's
-                               * does; RT's top-k too */
-        tail_mark_ids(a.tail);
-    pdl_trigger();
+    /* beside: the wait at the end instead (a plain product's form without a tail) */
+    const bool beside = !TAIL && !RT && !GQ && !ST && a.beside;
+    if (!beside) {
+        pdl_wait();
+        probe_mark(a, CUDA_PROBE_MVQ_WAITED);
+        if constexpr (TAIL || RT) /* a quantized router's top-k tail marks its ids as
+                                   * matvec.cu's does; RT's top-k too */
+            tail_mark_ids(a.tail);
+        pdl_trigger();
+    }
     if (a.ids) {
         bool again = !a.early;
         if (!a.early) {
@@ -970,6 +978,10 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
             s_out[grp * R + sub] = out;
     }
     }
+    if (beside) { /* the launch after this one finds the one before it done too */
+        pdl_wait();
+        pdl_trigger();
+    }
     if constexpr (GQ)
         gq_round(a, job, blockIdx.x >> 1);
     /* pf_after: the id read again (kept live over the loop, it cost the gate/up
@@ -995,17 +1007,21 @@ uint32_t want_blocks()
 /* Which expert products copy their tiles by tma (ST): on devices of compute
  * capability 9.0 or later, by LAMINA_CUDA_TMA: unset, those that poll the
  * router's ids (the decode gate/up product, whose experts come from DRAM
- * once the ids are known: 9.02 -> 8.64 us a layer, tg128 +2.8 % on an H200); "all", every
- * expert product without a tail (tests); "0", none. Plain products and the
- * down products read weights already asked for in L2 or in registers before
- * their PDL wait, and were slower so (docs/perf.md). Read at each launch. */
-bool tma_wanted(const MvqArgs &a)
+ * once the ids are known: 9.02 -> 8.64 us a layer, tg128 +2.8 % on an H200) and
+ * Q6_K's (k6: whose lanes hold one unit each, so that a down product took two waves of
+ * blocks of one row a group, where the tile gives two); "poll", the polled ones only;
+ * "all", every expert product without a tail (tests); "0", none. Plain products
+ * and the other down products read weights already asked for in L2 or in registers
+ * before their PDL wait, and were slower so (docs/perf.md). Read at each launch. */
+bool tma_wanted(const MvqArgs &a, bool k6)
 {
     const char *env = getenv("LAMINA_CUDA_TMA");
     if (env && env[0] == '0')
         return false;
     const bool all = env && !strcmp(env, "all");
-    return a.ids && a.tail.t.kind == CUDA_TAIL_NONE && (all || a.ids_poll) && device_sm90();
+    const bool poll = env && !strcmp(env, "poll");
+    return a.ids && a.tail.t.kind == CUDA_TAIL_NONE && (all || a.ids_poll || (k6 && !poll)) &&
+           device_sm90();
 }
 
 /* Whether a plain product without a tail takes the experts' register budget (three
@@ -1022,6 +1038,19 @@ bool plain_lean(bool kk)
     if (env && env[0] == '0')
         return false;
     return kk || (env && !strcmp(env, "all"));
+}
+
+/* The blocks a lean plain product (plain_lean, no tail) loops its tiles over: two an SM
+ * (want_blocks), or LAMINA_CUDA_LEAN_BLOCKS (1 to 3) an SM, which its registers allow
+ * (measurements). Read at each launch. */
+uint32_t lean_blocks()
+{
+    const char *env = getenv("LAMINA_CUDA_LEAN_BLOCKS");
+    const long per = env ? strtol(env, nullptr, 10) : 0;
+    if (per < 1 || per > 3)
+        return want_blocks();
+    const int sms = cuda_caps_sms();
+    return static_cast<uint32_t>(per) * static_cast<uint32_t>(sms > 0 ? sms : 132);
 }
 
 /* Whether the last product this thread launched copied its tiles by tma
@@ -1049,8 +1078,11 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
     next_probe = nullptr;
     const uint32_t rows_per_block = (kThreads / G) * R;
     const uint32_t tiles = (a.n_rows + rows_per_block - 1) / rows_per_block;
-    /* one product: at most two blocks per SM, each looping over tiles */
-    const uint32_t cap = jobs == 1 ? want_blocks() : tiles;
+    /* one product: at most two blocks per SM (lean_blocks' where lean), each looping over
+     * tiles */
+    const bool lean = jobs == 1 && a.tail.t.kind == CUDA_TAIL_NONE && plain_lean(kK) &&
+                      (WHO & kPlain) != 0;
+    const uint32_t cap = jobs > 1 ? tiles : lean ? lean_blocks() : want_blocks();
     const dim3 grid(tiles < cap ? tiles : cap, jobs);
     a.tail.rows_per_tile = rows_per_block;
     a.tail.n_tiles = tiles;
@@ -1067,7 +1099,8 @@ int go(const MvqArgs &args, uint32_t jobs, cudaStream_t stream)
     last_tma = false;
     bool st = false;
     if constexpr ((WHO & kTma) != 0) {
-        st = jobs > 1 && tma_wanted(a) && a.nb / Blk<TYPE>::XB <= static_cast<uint32_t>(U * G) &&
+        st = jobs > 1 && tma_wanted(a, TYPE == QUANT_TYPE_Q6_K) &&
+             a.nb / Blk<TYPE>::XB <= static_cast<uint32_t>(U * G) &&
              x_bytes + tile_bytes <= 48 * 1024 &&
              cuda_caps_fits_default((const void *)mvq_kernel<TYPE, G, U, R, false, 3, true>,
                                     x_bytes + tile_bytes);
@@ -1268,7 +1301,7 @@ int pick(const MvqArgs &a, uint32_t jobs, cudaStream_t stream)
     const uint32_t per_lane = (nu + g - 1) / g;
     /* tma for a K type where a tile of up to 2 x 256 / g rows (the most
      * its forms take) fits go's 48 KiB */
-    const bool st = jobs > 1 && tma_wanted(a) &&
+    const bool st = jobs > 1 && tma_wanted(a, TYPE == QUANT_TYPE_Q6_K) &&
                     (static_cast<size_t>(a.nb) * 40 + 15) / 16 * 16 +
                             static_cast<size_t>(2 * (kThreads / g)) * a.row_bytes + 48 <=
                         48 * 1024;
@@ -1506,6 +1539,28 @@ extern "C" int cuda_mvq_xq_tail(uint32_t type, const void *d_w, size_t row_bytes
         return -EINVAL;
     a.xq = d_xq;
     a.tail = tail_args(t, d_y, n_rows);
+    return dispatch(type, a, 1, stream);
+}
+
+/* Whether a product launched beside the one before it (cuda_mvq_xq_beside) computes before
+ * its wait: LAMINA_CUDA_BESIDE=0 keeps the wait first (the same bits). Read at each launch. */
+static bool beside_on()
+{
+    const char *env = getenv("LAMINA_CUDA_BESIDE");
+    return !(env && env[0] == '0');
+}
+
+extern "C" int cuda_mvq_xq_beside(uint32_t type, const void *d_w, size_t row_bytes,
+                                  uint64_t n_rows, uint64_t n, const int8_t *d_xq, float *d_y,
+                                  cudaStream_t stream)
+{
+    MvqArgs a;
+    if (!cuda_mvq_pays(n, n_rows) || !d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16 ||
+        !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
+                    false, d_y, &a))
+        return -ENOTSUP;
+    a.xq = d_xq;
+    a.beside = beside_on();
     return dispatch(type, a, 1, stream);
 }
 

@@ -42,6 +42,14 @@ int cuda_mvq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, 
 int cuda_mvq_xq(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows, uint64_t n,
                 const int8_t *d_xq, float *d_y, cudaStream_t stream);
 
+/* cuda_mvq_xq for a product that runs beside the launch just before it in the stream:
+ * d_xq was written two or more launches back, and that launch neither reads nor writes
+ * d_y. Its blocks compute and store before their PDL wait and wait at their end (so
+ * the launch after this one still finds both done): the same bits as cuda_mvq_xq
+ * (LAMINA_CUDA_BESIDE=0: its wait first, as cuda_mvq_xq). -ENOTSUP as cuda_mvq_xq. */
+int cuda_mvq_xq_beside(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                       uint64_t n, const int8_t *d_xq, float *d_y, cudaStream_t stream);
+
 /* cuda_mvq_xq for any row length these kernels take (cuda_mvq_xq_ok),
  * whether or not cuda_matvec would take them for the row (cuda_mvq_pays),
  * followed by a tail (tail.h; not a combine: -EINVAL): the same bits as

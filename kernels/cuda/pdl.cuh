@@ -19,6 +19,10 @@
  *     everything before it had completed), or, as a hint only, what the
  *     kernel just before is still writing, read again after the wait and
  *     used only where equal (mvq.cu's ids_poll: the router's expert ids);
+ *   - one exception to the two rules above: where its launcher's caller guarantees
+ *     that the kernel just before neither reads nor writes its outputs, and its
+ *     inputs were written two or more launches back (mvq.cu's cuda_mvq_xq_beside),
+ *     it computes and stores before pdl_wait(), which it then calls at its end;
  *   - it calls pdl_trigger() after pdl_wait(): the next kernel then starts
  *     its own prologue (weight prefetch) beside this one's main work, at most
  *     one kernel ahead (that kernel waits for this one to complete, which

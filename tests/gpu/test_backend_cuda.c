@@ -122,9 +122,11 @@
  *     against the f32 products (LAMINA_CUDA_MVQ_K=0): the decode steps' changed and fewer
  *     kernels, within twice that run's distance to the cpu + 1e-3 of the largest logit, the
  *     cpu's arg-max in 14 of 16 rows at least, two runs byte-identical, and byte-identical
- *     with the plain products on one block's registers (LAMINA_CUDA_PLAIN_LEAN=0) and every
- *     type's on the experts' (=all) (tbc_kq; Q4_K_M: its third layer's qkv is Q6_K, its
- *     z|beta|alpha Q4_K, one launch after it);
+ *     with the plain products on one block's registers (LAMINA_CUDA_PLAIN_LEAN=0), every
+ *     type's on the experts' (=all), Q6_K's down products without tma (LAMINA_CUDA_TMA=
+ *     poll) and the second input product waiting first (LAMINA_CUDA_BESIDE=0) (tbc_kq;
+ *     Q4_K_M: its third layer's qkv is Q6_K, its z|beta|alpha Q4_K, one launch after it,
+ *     beside it);
  *   - foreign experts (--experts-home any): a cuda backend of the first half of the layers
  *     holding every expert of the second half serves grouped rows of those layers (decode
  *     sized and prefill sized groups) within TBC_TOL_SERVE of expert_exec on the CPU, counts
@@ -1356,15 +1358,19 @@ static void tbc_kq(uint32_t type, bool k_m)
         const uint64_t k_a = tbc_step_kernels;
         /* the plain products on one block's registers, and every type's on three blocks': the
          * same bits */
-        static const char *const leans[] = {"0", "all"};
+        /* and with Q6_K's down products loaded lane by lane (LAMINA_CUDA_TMA=poll), and
+         * the second of two input products waiting first (LAMINA_CUDA_BESIDE=0) */
+        static const char *const sw[][2] = {{"LAMINA_CUDA_PLAIN_LEAN", "0"},
+                                            {"LAMINA_CUDA_PLAIN_LEAN", "all"},
+                                            {"LAMINA_CUDA_TMA", "poll"},
+                                            {"LAMINA_CUDA_BESIDE", "0"}};
         float *l = malloc(sz);
-        for (int li = 0; a && l && rc_a == 0 && li < 2; li++) {
-            setenv("LAMINA_CUDA_PLAIN_LEAN", leans[li], 1);
+        for (int li = 0; a && l && rc_a == 0 && li < 4; li++) {
+            setenv(sw[li][0], sw[li][1], 1);
             const int rc_l = tbc_greedy16(m, l);
-            unsetenv("LAMINA_CUDA_PLAIN_LEAN");
-            CHECK(rc_l == 0 && !memcmp(a, l, sz),
-                  "%s: LAMINA_CUDA_PLAIN_LEAN=%s differs (max %.3g)", tn, leans[li],
-                  tbc_maxdiff(a, l, 16 * (size_t)V));
+            unsetenv(sw[li][0]);
+            CHECK(rc_l == 0 && !memcmp(a, l, sz), "%s: %s=%s differs (max %.3g)", tn, sw[li][0],
+                  sw[li][1], tbc_maxdiff(a, l, 16 * (size_t)V));
         }
         free(l);
         setenv("LAMINA_CUDA_MVQ_K", "0", 1);

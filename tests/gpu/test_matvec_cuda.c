@@ -900,7 +900,8 @@ static void test_glu(struct rng *r)
 
 /* The expert products' tiles copied into shared memory by one bulk copy a
  * block (tma, sm_90; LAMINA_CUDA_TMA=all takes it for every expert product
- * without a tail) against the lanes' own loads (LAMINA_CUDA_TMA=0): the same
+ * without a tail, the default for Q6_K's, "poll" for none of these) against the lanes'
+ * own loads (LAMINA_CUDA_TMA=0): the same
  * bits, with experts at offsets that are not 16-byte aligned, rows padded, an
  * absent expert and a skipped pair. On compute capability 9.0 the tma form
  * must have run where the shape allows it. */
@@ -982,6 +983,17 @@ static void test_tma(struct rng *r)
         const void *const *da = (const void *const *)d_addr;
         setenv("LAMINA_CUDA_TMA", "all", 1);
         const bool used = tma_run(c, da, d_ids, d_x, d_y, y1, ny, P);
+        /* the default: tma for Q6_K's products (no ids polled here), "poll" for none */
+        unsetenv("LAMINA_CUDA_TMA");
+        const bool used_def = tma_run(c, da, d_ids, d_x, d_y, y2, ny, P);
+        CHECK(!memcmp(y1, y2, ny * sizeof(float)), "tma case %zu: the default differs", i);
+        CHECK(used_def == (major >= 9 && c->want && c->type == QUANT_TYPE_Q6_K),
+              "tma case %zu (%s): tma %s by default", i, quant_type_name(c->type),
+              used_def ? "used" : "not used");
+        setenv("LAMINA_CUDA_TMA", "poll", 1);
+        const bool used_poll = tma_run(c, da, d_ids, d_x, d_y, y2, ny, P);
+        CHECK(!memcmp(y1, y2, ny * sizeof(float)), "tma case %zu: TMA=poll differs", i);
+        CHECK(!used_poll, "tma case %zu: LAMINA_CUDA_TMA=poll copied tiles by tma", i);
         setenv("LAMINA_CUDA_TMA", "0", 1);
         const bool used_off = tma_run(c, da, d_ids, d_x, d_y, y2, ny, P);
         unsetenv("LAMINA_CUDA_TMA");
