@@ -997,6 +997,15 @@ static void test_tma(struct rng *r)
         setenv("LAMINA_CUDA_TMA", "0", 1);
         const bool used_off = tma_run(c, da, d_ids, d_x, d_y, y2, ny, P);
         unsetenv("LAMINA_CUDA_TMA");
+        if (memcmp(y1, y2, ny * sizeof(float))) { /* where, for the log */
+            size_t nd = 0, first = 0;
+            for (size_t k = 0; k < ny; k++)
+                if (memcmp(&y1[k], &y2[k], sizeof(float)) && !nd++)
+                    first = k;
+            fprintf(stderr, "tma case %zu: %zu of %zu outputs differ, the first %zu (pair %zu "
+                    "row %zu): %a against %a\n", i, nd, ny, first, first / c->rows,
+                    first % c->rows, (double)y1[first], (double)y2[first]);
+        }
         CHECK(!memcmp(y1, y2, ny * sizeof(float)),
               "tma case %zu (%s %llux%llu): tiles by tma differ from lane loads", i,
               quant_type_name(c->type), (unsigned long long)c->rows, (unsigned long long)c->n);
