@@ -976,7 +976,8 @@ static void test_tma(struct rng *r)
         ids[7] = -1; /* skipped */
         void *d_addr = dev_bytes(addr, sizeof(addr));
         int32_t *d_ids = dev_bytes(ids, sizeof(ids));
-        float *x = rand_floats(c->n, r), *d_x = dev_floats(x, c->n), *d_y;
+        /* an activation row a pair (ldx n, x_div 1: pair p reads row p) */
+        float *x = rand_floats(P * c->n, r), *d_x = dev_floats(x, P * c->n), *d_y;
         const size_t ny = P * c->rows + 8;
         float *y1 = xmalloc(ny * sizeof(float)), *y2 = xmalloc(ny * sizeof(float));
         CU(cudaMalloc((void **)&d_y, ny * sizeof(float)));
