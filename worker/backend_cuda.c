@@ -1382,10 +1382,11 @@ static int cb_mm_in(struct backend_cuda *c, const char *label, const struct cb_m
 /* cb_mm_in for the second of a layer's two input products (z|beta|alpha after qkv, v
  * after q|k): the launch before it (the first) reads c->xq, which the combine wrote
  * before it, and never this product's Y, so this one runs beside it and waits for it
- * only at its end (cuda_mvq_xq_beside: the same bits). */
+ * only at its end (cuda_mvq_xq_beside: the same bits). Not with the early reads off,
+ * nor with launches skipped (the first may be one of them). */
 static int cb_mm_in2(struct backend_cuda *c, const char *label, const struct cb_mat *w, float *Y)
 {
-    if (c->xq_ready) {
+    if (c->xq_ready && c->early && !c->skip) {
         const int rc = CB_K(c, label, cuda_mvq_xq_beside(w->type, w->d, w->row_bytes, w->n_out,
                                                          w->n_in, c->xq, Y, c->stream));
         if (rc != -ENOTSUP)
