@@ -166,8 +166,8 @@ MVQ_FN void put4(uint32_t (&v)[N], int i, const uint4 &w)
  * shift, in bits 0-4 of *shift, serves both; read 8 bytes a load), its scale
  * and d bytes one a word (read from the three words that hold them); bit 5
  * of *shift is h. SHARED: the row is a copy in
- * shared memory that keeps its bytes' places modulo 4 (the same words and
- * shift), read by plain loads; otherwise the row is in global memory, read
+ * shared memory that keeps its bytes' places modulo 8 (the same words and
+ * shift; mvq.cu's tiles keep them modulo 16), read by plain loads; otherwise the row is in global memory, read
  * through the read-only path. */
 template <int TYPE, bool SHARED = false, int N>
 MVQ_FN void load_block(const uint8_t *row, uint32_t b, uint32_t (&v)[N], uint32_t *shift)
