@@ -1364,36 +1364,30 @@ static int cb_mm_parts(struct backend_cuda *c, const char *label, const struct c
 
 /* The decode input product of a layer (one row of c->xa): from the rows the
  * previous layer's combine rounded (c->xq) where they are there and the
- * int8 product takes it, else cb_mm: the same bits either way. */
-static int cb_mm_in(struct backend_cuda *c, const char *label, const struct cb_mat *w, float *Y)
+ * int8 product takes it, else cb_mm: the same bits either way. beside: the
+ * second of a layer's two input products (z|beta|alpha after qkv, v after
+ * q|k), whose launch before it (the first) reads c->xq, which the combine
+ * wrote before it, and never this product's Y: it runs beside the first and
+ * waits for it only at its end (cuda_mvq_xq_beside), not with the early reads
+ * off nor with launches skipped (the first may be one of them). */
+static int cb_mm_in(struct backend_cuda *c, const char *label, const struct cb_mat *w, float *Y,
+                    bool beside)
 {
     if (c->xq_ready) {
         cb_probe_next(c, CB_PQ_IN);
-        const int rc = CB_K(c, label, cuda_mvq_xq(w->type, w->d, w->row_bytes, w->n_out,
-                                                  w->n_in, c->xq, Y, c->stream));
+        const int rc =
+            CB_K(c, label,
+                 beside && c->early && !c->skip
+                     ? cuda_mvq_xq_beside(w->type, w->d, w->row_bytes, w->n_out, w->n_in, c->xq,
+                                          Y, c->stream)
+                     : cuda_mvq_xq(w->type, w->d, w->row_bytes, w->n_out, w->n_in, c->xq, Y,
+                                   c->stream));
         cb_probe_next(c, -1);
         if (rc != -ENOTSUP)
             return rc;
         cb_unlaunch(c);
     }
     return cb_mm(c, label, w, c->xa, w->n_in, 1, Y, 0);
-}
-
-/* cb_mm_in for the second of a layer's two input products (z|beta|alpha after qkv, v
- * after q|k): the launch before it (the first) reads c->xq, which the combine wrote
- * before it, and never this product's Y, so this one runs beside it and waits for it
- * only at its end (cuda_mvq_xq_beside: the same bits). Not with the early reads off,
- * nor with launches skipped (the first may be one of them). */
-static int cb_mm_in2(struct backend_cuda *c, const char *label, const struct cb_mat *w, float *Y)
-{
-    if (c->xq_ready && c->early && !c->skip) {
-        const int rc = CB_K(c, label, cuda_mvq_xq_beside(w->type, w->d, w->row_bytes, w->n_out,
-                                                         w->n_in, c->xq, Y, c->stream));
-        if (rc != -ENOTSUP)
-            return rc;
-        cb_unlaunch(c);
-    }
-    return cb_mm_in(c, label, w, Y);
 }
 
 /* A decode product (one row) followed by a tail in its last block
@@ -1537,13 +1531,13 @@ static int cb_attention(struct backend_cuda *c, const struct cb_layer *L, uint32
         q = c->dec, kx = c->dec + q_out, vx = c->dec + q_out + kvd;
         if (L->wqkv1.n_out) {
             rc = raw ? cb_mm_norm(c, "attn.qkv", &L->wqkv1, L->attn_norm, c->dec)
-                     : cb_mm_in(c, "attn.qkv", &L->wqkv1, c->dec);
+                     : cb_mm_in(c, "attn.qkv", &L->wqkv1, c->dec, false);
         } else {
             rc = raw ? cb_mm_norm(c, "attn.qk", &L->wqk, L->attn_norm, q)
-                     : cb_mm_in(c, "attn.qk", &L->wqk, q);
+                     : cb_mm_in(c, "attn.qk", &L->wqk, q, false);
             rc = rc ? rc
                     : raw ? cb_mm_norm(c, "attn.v", &L->wv, L->attn_norm, vx)
-                          : cb_mm_in2(c, "attn.v", &L->wv, vx);
+                          : cb_mm_in(c, "attn.v", &L->wv, vx, true);
         }
     } else {
         const struct cuda_mmq_part p[] = {{q, q_out, q_out}, {kx, kvd, kvd}, {vx, kvd, kvd}};
@@ -1691,14 +1685,14 @@ static int cb_deltanet(struct backend_cuda *c, const struct cb_layer *L, uint32_
     if (S == 1 && L->dn1.n_out) {
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
         rc = raw ? cb_mm_norm(c, "dn.in", &L->dn1, L->attn_norm, c->dec)
-                 : cb_mm_in(c, "dn.in", &L->dn1, c->dec);
+                 : cb_mm_in(c, "dn.in", &L->dn1, c->dec, false);
     } else if (S == 1 && L->zba.n_out) { /* qkv, then z|beta|alpha after it */
         qkv = c->dec, z = c->dec + cd, beta = z + vd, alpha = beta + nv;
         rc = raw ? cb_mm_norm(c, "dn.qkv", &L->qkv, L->attn_norm, qkv)
-                 : cb_mm_in(c, "dn.qkv", &L->qkv, qkv);
+                 : cb_mm_in(c, "dn.qkv", &L->qkv, qkv, false);
         rc = rc ? rc
                 : raw ? cb_mm_norm(c, "dn.zba", &L->zba, L->attn_norm, z)
-                      : cb_mm_in2(c, "dn.zba", &L->zba, z);
+                      : cb_mm_in(c, "dn.zba", &L->zba, z, true);
     } else {
         const struct cuda_mmq_part p[] = {
             {qkv, cd, cd}, {z, vd, vd}, {beta, nv, nv}, {alpha, nv, nv}};

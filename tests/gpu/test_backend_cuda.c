@@ -1356,9 +1356,8 @@ static void tbc_kq(uint32_t type, bool k_m)
         setenv("LAMINA_CUDA_MVQ_K", "1", 1); /* the default, said outright */
         const int rc_a = a ? tbc_greedy16(m, a) : -1, rc_b = b ? tbc_greedy16(m, b) : -1;
         const uint64_t k_a = tbc_step_kernels;
-        /* the plain products on one block's registers, and every type's on three blocks': the
-         * same bits */
-        /* and with Q6_K's down products loaded lane by lane (LAMINA_CUDA_TMA=poll), and
+        /* the same bits with the plain products on one block's registers, every type's on
+         * three blocks', Q6_K's down products loaded lane by lane (LAMINA_CUDA_TMA=poll), and
          * the second of two input products waiting first (LAMINA_CUDA_BESIDE=0) */
         static const char *const sw[][2] = {{"LAMINA_CUDA_PLAIN_LEAN", "0"},
                                             {"LAMINA_CUDA_PLAIN_LEAN", "all"},
