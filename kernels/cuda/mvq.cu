@@ -1049,8 +1049,7 @@ uint32_t lean_blocks()
     const long per = env ? strtol(env, nullptr, 10) : 0;
     if (per < 1 || per > 3)
         return want_blocks();
-    const int sms = cuda_caps_sms();
-    return static_cast<uint32_t>(per) * static_cast<uint32_t>(sms > 0 ? sms : 132);
+    return static_cast<uint32_t>(per) * (want_blocks() / 2);
 }
 
 /* Whether the last product this thread launched copied its tiles by tma
@@ -1526,18 +1525,28 @@ extern "C" bool cuda_mvq_xq_ok(uint32_t type, uint64_t n_rows, uint64_t n)
     return usable(type, n_rows, n, nullptr, n, n_rows, false);
 }
 
+/* A plain product's arguments over a rounded input d_xq (16-byte aligned): false where it
+ * cannot take them. */
+static bool xq_args(uint32_t type, const void *d_w, size_t row_bytes, uint64_t n_rows,
+                    uint64_t n, const int8_t *d_xq, float *d_y, MvqArgs *a)
+{
+    if (!d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16 ||
+        !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
+                    false, d_y, a))
+        return false;
+    a->xq = d_xq;
+    return true;
+}
+
 extern "C" int cuda_mvq_xq_tail(uint32_t type, const void *d_w, size_t row_bytes,
                                 uint64_t n_rows, uint64_t n, const int8_t *d_xq, float *d_y,
                                 const struct cuda_tail *t, cudaStream_t stream)
 {
     MvqArgs a;
-    if (!d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16 ||
-        !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
-                    false, d_y, &a))
+    if (!xq_args(type, d_w, row_bytes, n_rows, n, d_xq, d_y, &a))
         return -ENOTSUP;
     if (!cuda_tail_plain_ok(t, n_rows, "cuda mvq xq"))
         return -EINVAL;
-    a.xq = d_xq;
     a.tail = tail_args(t, d_y, n_rows);
     return dispatch(type, a, 1, stream);
 }
@@ -1555,11 +1564,8 @@ extern "C" int cuda_mvq_xq_beside(uint32_t type, const void *d_w, size_t row_byt
                                   cudaStream_t stream)
 {
     MvqArgs a;
-    if (!cuda_mvq_pays(n, n_rows) || !d_xq || reinterpret_cast<uintptr_t>(d_xq) % 16 ||
-        !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
-                    false, d_y, &a))
+    if (!cuda_mvq_pays(n, n_rows) || !xq_args(type, d_w, row_bytes, n_rows, n, d_xq, d_y, &a))
         return -ENOTSUP;
-    a.xq = d_xq;
     a.beside = beside_on();
     return dispatch(type, a, 1, stream);
 }
@@ -1606,10 +1612,7 @@ extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_byt
     MvqArgs a;
     if (!cuda_mvq_router_ok(type, n_rows, n, E, r_row_bytes) || !d_rw ||
         reinterpret_cast<uintptr_t>(d_rw) % 16 || reinterpret_cast<uintptr_t>(d_rwt) % 16 ||
-        !d_xq ||
-        reinterpret_cast<uintptr_t>(d_xq) % 16 ||
-        !plain_args(type, d_w, row_bytes, n_rows, n, reinterpret_cast<const float *>(d_xq),
-                    false, d_y, &a))
+        !xq_args(type, d_w, row_bytes, n_rows, n, d_xq, d_y, &a))
         return -ENOTSUP;
     if (!t || t->kind != CUDA_TAIL_TOPK || !cuda_tail_ok(t, E) || !t->counter || !t->ids ||
         !t->w || t->k > E) {
@@ -1632,7 +1635,6 @@ extern "C" int cuda_mvq_xq_router(uint32_t type, const void *d_w, size_t row_byt
                   nin ? static_cast<void *>(nin->gs) : nullptr);
         return -EINVAL;
     }
-    a.xq = d_xq;
     a.tail = tail_args(t, d_logits, E);
     a.rt_w = static_cast<const float *>(d_rw);
     a.rt_ld = r_row_bytes / sizeof(float);
