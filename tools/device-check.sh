@@ -338,7 +338,8 @@ profile() {
 
 # Nsight Compute over the decode graph's kernel nodes (one by one, serialized, cold caches):
 # per-kernel time, DRAM bytes, grid and registers in $OUT/ncu.csv; NCU_COUNT launches
-# (default 1400: three decode steps of the 80b model), NCU_N generated tokens.
+# (default 1400: three decode steps of the 80b model), NCU_N generated tokens, NCU_SKIP
+# launches (of those NCU_KERNELS names) skipped first.
 ncu_step() {
     local m ncu
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -346,14 +347,22 @@ ncu_step() {
     bench_model
     if [ -n "${NCU_SECTIONS:-}" ]; then
         # NCU_SECTIONS="WarpStateStats SchedulerStats ...": those sections' pages as text
-        # for the kernels NCU_KERNELS names (a regex; default every kernel)
+        # for the kernels NCU_KERNELS names (a regex; default every kernel); NCU_DETAILS=all
+        # prints their tables in full (the stall reasons)
+        # NCU_PAGE=source: the SourceCounters section's samples SASS line by SASS line
+        # (where the warps stall), as CSV, sampled every 32 cycles
         local sec=() s
         for s in $NCU_SECTIONS; do sec+=(--section "$s"); done
+        [ "${NCU_PAGE:-}" = source ] &&
+            sec+=(--page source --print-source sass --csv --warp-sampling-interval 0)
         timeout 500 "$ncu" --graph-profiling node --clock-control none --cache-control none \
-            --launch-count "${NCU_COUNT:-12}" ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
+            --launch-count "${NCU_COUNT:-12}" ${NCU_SKIP:+--launch-skip "$NCU_SKIP"} \
+            ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
+            ${NCU_DETAILS:+--print-details "$NCU_DETAILS"} \
             "${sec[@]}" .devbin/lamina bench -m $m -p 0 -n "${NCU_N:-3}" -r 1 --inproc \
-            --backend cuda:0 --no-membw >"$OUT/ncu.txt" 2>"$OUT/ncu.err"
-        echo "ncu: rc $? $(wc -l <"$OUT/ncu.txt") lines"; tail -3 "$OUT/ncu.err"
+            --backend cuda:0 --no-membw >"$OUT/ncu${NCU_PAGE:+-$NCU_PAGE}.txt" 2>"$OUT/ncu.err"
+        echo "ncu: rc $? $(wc -l <"$OUT/ncu${NCU_PAGE:+-$NCU_PAGE}.txt") lines"
+        tail -3 "$OUT/ncu.err"
         return
     fi
     timeout 500 "$ncu" --graph-profiling node --clock-control none --csv --page raw \
