@@ -306,8 +306,8 @@ cards() {
 
 # The decode graph's timeline, kernel by kernel (tools/cuda/graph_trace: CUPTI's records, the
 # GPU machine has no Nsight Systems): $OUT/trace.txt and every record in $OUT/trace.csv.
-# TRACE_N decode steps (default 16); TRACE_VARIANTS: environment settings separated by ';',
-# each one more trace (trace-N.txt).
+# TRACE_N decode steps (default 16) after a prompt of TRACE_P tokens (default 32);
+# TRACE_VARIANTS: environment settings separated by ';', each one more trace (trace-N.txt).
 trace() {
     local m v i=0
     bench_model
@@ -318,7 +318,8 @@ trace() {
             [ "$i" = 0 ] && f=trace
             echo "== graph_trace ${v:-(default)}"
             # shellcheck disable=SC2086
-            env $v .devbin/tools/graph_trace -m $m -n "${TRACE_N:-16}" -o "$OUT/$f.csv" \
+            env $v .devbin/tools/graph_trace -m $m -n "${TRACE_N:-16}" -p "${TRACE_P:-32}" \
+                -o "$OUT/$f.csv" \
                 >"$OUT/$f.txt" 2>"$OUT/$f.err" </dev/null ||
                 { echo "trace: failed"; tail -5 "$OUT/$f.err"; }
             head -3 "$OUT/$f.txt"
