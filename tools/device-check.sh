@@ -325,6 +325,8 @@ trace() {
             head -3 "$OUT/$f.txt"
             sed -n '/^by kernel/,$p' "$OUT/$f.txt" | head -24
             gzip -f "$OUT/$f.csv"
+            # a call brings back at most 8 files: no empty ones
+            [ -s "$OUT/$f.err" ] || rm -f "$OUT/$f.err"
             i=$((i + 1))
         done
 }
@@ -351,19 +353,20 @@ ncu_step() {
         # for the kernels NCU_KERNELS names (a regex; default every kernel); NCU_DETAILS=all
         # prints their tables in full (the stall reasons)
         # NCU_PAGE=source: the SourceCounters section's samples SASS line by SASS line
-        # (where the warps stall), as CSV, sampled every 32 cycles
-        local sec=() s
+        # (where the warps stall), sampled every 32 cycles, as CSV in $OUT/ncu-source.csv
+        local sec=() s f="$OUT/ncu.txt"
         for s in $NCU_SECTIONS; do sec+=(--section "$s"); done
-        [ "${NCU_PAGE:-}" = source ] &&
+        if [ "${NCU_PAGE:-}" = source ]; then
             sec+=(--page source --print-source sass --csv --warp-sampling-interval 0)
+            f="$OUT/ncu-source.csv"
+        fi
         timeout 500 "$ncu" --graph-profiling node --clock-control none --cache-control none \
             --launch-count "${NCU_COUNT:-12}" ${NCU_SKIP:+--launch-skip "$NCU_SKIP"} \
             ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
             ${NCU_DETAILS:+--print-details "$NCU_DETAILS"} \
             "${sec[@]}" .devbin/lamina bench -m $m -p 0 -n "${NCU_N:-3}" -r 1 --inproc \
-            --backend cuda:0 --no-membw >"$OUT/ncu${NCU_PAGE:+-$NCU_PAGE}.txt" 2>"$OUT/ncu.err"
-        echo "ncu: rc $? $(wc -l <"$OUT/ncu${NCU_PAGE:+-$NCU_PAGE}.txt") lines"
-        tail -3 "$OUT/ncu.err"
+            --backend cuda:0 --no-membw >"$f" 2>"$OUT/ncu.err"
+        echo "ncu: rc $? $(wc -l <"$f") lines"; tail -3 "$OUT/ncu.err"
         return
     fi
     timeout 500 "$ncu" --graph-profiling node --clock-control none --csv --page raw \
