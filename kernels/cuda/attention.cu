@@ -942,46 +942,15 @@ static __device__ __forceinline__ void af_out(const struct af_args &a, uint32_t 
     }
     if (!a.outq)
         return;
-    /* mvq::round_block of the DPL blocks at once: their butterflies side by side, block m's
-     * two divisions by lane m (each an IEEE division and a branch of its own, which the
-     * compiler does not overlap), handed back by shuffles; the same operands, so the same
-     * bits */
-    float *sc = reinterpret_cast<float *>(a.outq + n), *ss = sc + n / 32;
-    const uint32_t b0 = (uint32_t)(((size_t)h * a.hd) / 32);
-    float amax[DPL];
-#pragma unroll
-    for (int m = 0; m < DPL; m++)
-        amax[m] = fabsf(x[m]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int m = 0; m < DPL; m++)
-            amax[m] = fmaxf(amax[m], __shfl_xor_sync(OPS_FULL_MASK, amax[m], o));
-    float am = amax[0];
-#pragma unroll
-    for (int m = 1; m < DPL; m++)
-        am = lane == m ? amax[m] : am;
-    const float id_l = am > 0.0f ? 127.0f / am : 0.0f, d_l = am / 127.0f;
-    int q[DPL], qs[DPL];
+    float *sc = reinterpret_cast<float *>(a.outq + n);
+    uint32_t bb[DPL];
+    bool st[DPL];
 #pragma unroll
     for (int m = 0; m < DPL; m++) {
-        q[m] = __float2int_rn(x[m] * __shfl_sync(OPS_FULL_MASK, id_l, m));
-        qs[m] = q[m];
+        bb[m] = (uint32_t)(((size_t)h * a.hd) / 32) + m;
+        st[m] = true;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int m = 0; m < DPL; m++)
-            qs[m] += __shfl_xor_sync(OPS_FULL_MASK, qs[m], o);
-#pragma unroll
-    for (int m = 0; m < DPL; m++) {
-        const float d = __shfl_sync(OPS_FULL_MASK, d_l, m);
-        a.outq[(size_t)(b0 + m) * 32 + lane] = static_cast<int8_t>(q[m]);
-        if (lane == 0) {
-            sc[b0 + m] = d;
-            ss[b0 + m] = d * static_cast<float>(qs[m]);
-        }
-    }
+    mvq::round_blocks<DPL>(x, bb, st, a.outq, sc, sc + n / 32);
 }
 
 template <int DPL>
