@@ -824,6 +824,7 @@ enum {
     AF_MAX_SPLITS = 128, /* splits a kv head, at most (af_splits: 32 unless asked) */
     AF_MAX_NG = 16,      /* query heads (warps) a block, at most */
     AF_MAX_KV = 64,      /* kv heads, at most (af_ctr) */
+    AF_ROUND = 4,        /* splits whose triples the merge loads in its first round */
 };
 
 struct af_args {
@@ -841,6 +842,7 @@ struct af_args {
     float *out;
     int8_t *outq;        /* or NULL */
     float *ws_acc, *ws_ml;
+    bool kwarp;          /* k and v by a warp of their own (af_kwarp) */
 };
 
 /* Per kv head: blocks of the current fused launch that have written their
@@ -932,20 +934,27 @@ static __device__ __forceinline__ void af_out(const struct af_args &a, uint32_t 
         s[lane * DPL + d] = o[d];
     __syncwarp();
     const size_t n = (size_t)a.n_head * a.hd;
-#pragma unroll 1
+    float x[DPL];
+#pragma unroll
     for (int m = 0; m < DPL; m++) {
-        const float x = s[32 * m + lane];
-        a.out[(size_t)h * a.hd + 32 * m + lane] = x;
-        if (a.outq) {
-            float *sc = reinterpret_cast<float *>(a.outq + n);
-            mvq::round_block(x, (uint32_t)(((size_t)h * a.hd) / 32) + m, true, a.outq, sc,
-                             sc + n / 32);
-        }
+        x[m] = s[32 * m + lane];
+        a.out[(size_t)h * a.hd + 32 * m + lane] = x[m];
     }
+    if (!a.outq)
+        return;
+    float *sc = reinterpret_cast<float *>(a.outq + n);
+    uint32_t bb[DPL];
+    bool st[DPL];
+#pragma unroll
+    for (int m = 0; m < DPL; m++) {
+        bb[m] = (uint32_t)(((size_t)h * a.hd) / 32) + m;
+        st[m] = true;
+    }
+    mvq::round_blocks<DPL>(x, bb, st, a.outq, sc, sc + n / 32);
 }
 
 template <int DPL>
-static __global__ void __launch_bounds__(AF_MAX_NG * 32)
+static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
     attn_fused_kernel(const struct af_args a)
 {
 #if defined(__CUDA_ARCH__) && !ATTN_HAVE_CP_ASYNC
@@ -954,10 +963,12 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     extern __shared__ uint4 s_dyn[]; /* ring (2 tiles), the warps' rows, new k and v */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t split = blockIdx.x, j = blockIdx.y, h = j * a.NG + warp;
+    const bool qw = (uint32_t)warp < a.NG; /* a query head's warp (not the k warp) */
     const uint32_t rs = a.hd * 2 + 16; /* ring row stride, bytes */
     char *ring = (char *)s_dyn;
     float *s_row = (float *)(ring + (size_t)4 * AF_T * rs) + (size_t)warp * a.hd;
-    __half *s_kn = (__half *)((float *)(ring + (size_t)4 * AF_T * rs) + (size_t)a.NG * a.hd);
+    __half *s_kn =
+        (__half *)((float *)(ring + (size_t)4 * AF_T * rs) + (size_t)(a.NG + 1) * a.hd);
     __half *s_vn = s_kn + a.hd;
     float *s_sc = (float *)(s_vn + a.hd); /* sin, cos of rope pair i0 at 2 i0, 2 i0 + 1 */
     __shared__ unsigned int s_last;
@@ -992,14 +1003,17 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
 
     /* every load of the step's inputs at once: q, its gate, k and v */
     const float *qrow = a.q + (size_t)h * a.q_head_stride;
-    const bool do_k = mine && warp == 0, do_v = mine && warp == (a.NG > 1 ? 1 : 0);
+    /* k and v: by the k warp (kwarp, past the query heads' warps: its prep beside theirs),
+     * or warp 0 and 1 (or 0) after their own q */
+    const uint32_t kw = a.kwarp ? a.NG : 0, vw = a.kwarp ? a.NG : (a.NG > 1 ? 1 : 0);
+    const bool do_k = mine && (uint32_t)warp == kw, do_v = mine && (uint32_t)warp == vw;
     float xq[DPL], xk[DPL], xv[DPL], gf[DPL];
 #pragma unroll
     for (int m = 0; m < DPL; m++) {
-        xq[m] = qrow[32 * m + lane];
+        xq[m] = qw ? qrow[32 * m + lane] : 0.0f;
         xk[m] = do_k ? a.k[(size_t)j * a.hd + 32 * m + lane] : 0.0f;
         xv[m] = do_v ? a.v[(size_t)j * a.hd + 32 * m + lane] : 0.0f;
-        gf[m] = a.gated ? qrow[a.hd + lane * DPL + m] : 0.0f;
+        gf[m] = a.gated && qw ? qrow[a.hd + lane * DPL + m] : 0.0f;
     }
 #pragma unroll
     for (int d = 0; d < DPL; d++)
@@ -1023,12 +1037,14 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
             s_vn[32 * m + lane] = x;
         }
     }
-    af_prep_row<DPL>(a, xq, qn, a.q_norm != nullptr, s_sc, s_row);
-    /* q * scale * log2(e) in s_row (the decode kernel's product), read as float4s */
+    if (qw) {
+        af_prep_row<DPL>(a, xq, qn, a.q_norm != nullptr, s_sc, s_row);
+        /* q * scale * log2(e) in s_row (the decode kernel's product), read as float4s */
 #pragma unroll
-    for (int m = 0; m < DPL; m++)
-        s_row[32 * m + lane] *= a.scale_log2;
-    __syncwarp();
+        for (int m = 0; m < DPL; m++)
+            s_row[32 * m + lane] *= a.scale_log2;
+        __syncwarp();
+    }
     float acc[DPL];
 #pragma unroll
     for (int d = 0; d < DPL; d++)
@@ -1041,6 +1057,11 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
         __syncthreads();   /* everyone's, and s_kn / s_vn */
         const uint32_t t0 = c0 + i * AF_T, nv = min((uint32_t)AF_T, c1 - t0);
         const char *sk = ring + (size_t)(i % 2) * 2 * AF_T * rs, *sv = sk + (size_t)AF_T * rs;
+        if (!qw) { /* the k warp: the barriers and the copies only */
+            __syncthreads();
+            af_issue(a, ring, j, c0 + (i + 2) * AF_T, cached, i + 2);
+            continue;
+        }
         /* lane p: the score of position t0 + p over the whole row (loops, not unrolled
          * over positions: the kernel's code stays small) */
         float s = -INFINITY;
@@ -1097,6 +1118,8 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     const float lsum = ops_warp_sum(l);
     float o[DPL];
     if (n_splits == 1) {
+        if (!qw)
+            return;
 #pragma unroll
         for (int d = 0; d < DPL; d++)
             o[d] = a.gated ? acc[d] / lsum * gf[d] : acc[d] / lsum;
@@ -1104,12 +1127,14 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
         return;
     }
     const size_t row = (size_t)split * a.n_head + h;
+    if (qw) {
 #pragma unroll
-    for (int d = 0; d < DPL; d++)
-        a.ws_acc[row * a.hd + off + d] = acc[d];
-    if (lane == 0) {
-        a.ws_ml[2 * row] = m_run;
-        a.ws_ml[2 * row + 1] = lsum;
+        for (int d = 0; d < DPL; d++)
+            a.ws_acc[row * a.hd + off + d] = acc[d];
+        if (lane == 0) {
+            a.ws_ml[2 * row] = m_run;
+            a.ws_ml[2 * row + 1] = lsum;
+        }
     }
     __threadfence(); /* this thread's triple before the block's arrival */
     __syncthreads();
@@ -1119,19 +1144,48 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
             af_ctr[j] = 0; /* every split of j has arrived: ready for the next launch */
     }
     __syncthreads();
-    if (!s_last)
+    if (!s_last || !qw)
         return;
     __threadfence(); /* the other blocks' triples, read through L2 */
+    /* the first AF_ROUND splits' triples in one round of loads, their m by every lane,
+     * before M (the loads after it, past them; a round a split saved where a context has
+     * few splits); the same values and order, so the same bits */
+    float2 mlp[AF_ROUND];
+    float xp[AF_ROUND][DPL];
+#pragma unroll
+    for (uint32_t sp = 0; sp < AF_ROUND; sp++) {
+        const size_t r = (size_t)sp * a.n_head + h;
+        const bool in = sp < n_splits;
+        mlp[sp] = in ? __ldcg((const float2 *)(a.ws_ml + 2 * r)) : make_float2(-INFINITY, 0.0f);
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            xp[sp][d] = in ? __ldcg(a.ws_acc + r * a.hd + off + d) : 0.0f;
+    }
     float M = -INFINITY;
-    for (uint32_t sp = lane; sp < n_splits; sp += 32)
-        M = fmaxf(M, __ldcg(a.ws_ml + 2 * ((size_t)sp * a.n_head + h)));
-    M = ops_warp_max(M);
+    if (n_splits > AF_ROUND) {
+        for (uint32_t sp = AF_ROUND + lane; sp < n_splits; sp += 32)
+            M = fmaxf(M, __ldcg(a.ws_ml + 2 * ((size_t)sp * a.n_head + h)));
+        M = ops_warp_max(M);
+    }
+#pragma unroll
+    for (uint32_t sp = 0; sp < AF_ROUND; sp++)
+        M = fmaxf(M, mlp[sp].x);
     float L = 0.0f, A[DPL];
 #pragma unroll
     for (int d = 0; d < DPL; d++)
         A[d] = 0.0f;
+#pragma unroll
+    for (uint32_t sp = 0; sp < AF_ROUND; sp++) {
+        if (sp >= n_splits)
+            break;
+        const float w = mlp[sp].x == -INFINITY ? 0.0f : exp2f(mlp[sp].x - M);
+        L += w * mlp[sp].y;
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            A[d] += w * xp[sp][d];
+    }
 #pragma unroll 4
-    for (uint32_t sp = 0; sp < n_splits; sp++) {
+    for (uint32_t sp = AF_ROUND; sp < n_splits; sp++) {
         const size_t r = (size_t)sp * a.n_head + h;
         const float2 ml = __ldcg((const float2 *)(a.ws_ml + 2 * r));
         float x[DPL];
@@ -1682,6 +1736,15 @@ static uint32_t af_splits()
     return n >= 1 && n <= AF_MAX_SPLITS ? (uint32_t)n : 32u;
 }
 
+/* Whether the position's k and v are formed by a warp of their own, past the query heads'
+ * (the block NG + 1 warps), beside the heads' q, rather than by warp 0 (k) and 1 (v) each
+ * after its own q: LAMINA_CUDA_AF_KWARP=0 the latter. The same bits. Read at each call. */
+static bool af_kwarp()
+{
+    const char *env = getenv("LAMINA_CUDA_AF_KWARP");
+    return !(env && !strcmp(env, "0"));
+}
+
 static uint32_t af_cap(uint32_t max_kv)
 {
     const uint32_t cap = attn_div_up(max_kv, AF_T), most = af_splits();
@@ -1690,7 +1753,8 @@ static uint32_t af_cap(uint32_t max_kv)
 
 static size_t af_smem(uint32_t hd, uint32_t ng)
 {
-    return (size_t)4 * AF_T * (hd * 2 + 16) + (size_t)ng * hd * sizeof(float) +
+    /* the ring, a row a warp (the k warp's too), new k and v, the rope's sines */
+    return (size_t)4 * AF_T * (hd * 2 + 16) + (size_t)(ng + 1) * hd * sizeof(float) +
            (size_t)2 * hd * 2 + (size_t)hd * sizeof(float);
 }
 
@@ -1723,7 +1787,8 @@ static int af_launch(const struct af_args &a, size_t smem, cudaStream_t stream)
                                         "cuda_attention_decode_fused");
     if (rc)
         return rc;
-    pdl_launch(attn_fused_kernel<DPL>, dim3(a.cap, a.n_head_kv), a.NG * 32, smem, stream, a);
+    pdl_launch(attn_fused_kernel<DPL>, dim3(a.cap, a.n_head_kv), (a.NG + (a.kwarp ? 1 : 0)) * 32,
+               smem, stream, a);
     return OPS_LAUNCH_CHECK("cuda_attention_decode_fused");
 }
 
@@ -1776,6 +1841,7 @@ extern "C" int cuda_attention_decode_fused(const float *d_q, size_t q_head_strid
     a.gated = gated;
     a.out = d_out;
     a.outq = d_outq;
+    a.kwarp = af_kwarp();
     a.ws_acc = d_ws;
     a.ws_ml = d_ws + (size_t)a.cap * n_head * hd;
     switch (hd / 32) {

@@ -170,17 +170,24 @@ static __global__ void __launch_bounds__(1024)
         /* xq as the cluster form writes it (a warp's columns are one block) */
         int8_t *xl = xq ? xq + s * mvq::xq_row_bytes(n) : nullptr;
         float *xd = xq ? reinterpret_cast<float *>(xl + n) : nullptr;
+        float ov[kCombineCols];
+        uint32_t bb[kCombineCols];
+        bool st[kCombineCols];
 #pragma unroll
         for (uint32_t c = 0; c < kCombineCols; c++) {
             const uint32_t j = threadIdx.x + c * blockDim.x;
+            ov[c] = 0.0f;
+            bb[c] = j / 32;
+            st[c] = j < n;
             if (j < n) {
                 const float v = hv[c] * scale;
                 const float out = nw ? v * nwv[c] : v;
                 y[s * n + j] = out;
-                if (xq)
-                    mvq::round_block(out, j / 32, true, xl, xd, xd + n / 32);
+                ov[c] = out;
             }
         }
+        if (xq) /* a warp's columns: one block each round (j < n warp-uniform) */
+            mvq::round_blocks<kCombineCols>(ov, bb, st, xl, xd, xd + n / 32);
         return;
     }
     if (EARLY && so && gsp)
@@ -323,17 +330,24 @@ static __global__ void __launch_bounds__(kClusterThreads)
      * block of 32 (W and n multiples of 32), so every lane of it calls */
     int8_t *xl = xq ? xq + s * mvq::xq_row_bytes(n) : nullptr;
     float *xd = xq ? reinterpret_cast<float *>(xl + n) : nullptr;
+    float ov[kCombineCols];
+    uint32_t bb[kCombineCols];
+    bool st[kCombineCols];
 #pragma unroll
     for (uint32_t c = 0; c < kCombineCols; c++) {
         const uint32_t j = v + c * W;
+        ov[c] = 0.0f;
+        bb[c] = j / 32;
+        st[c] = j < n;
         if (j < n) {
             const float x = hv[c] * scale;
             const float out = nw ? x * nwv[c] : x;
             y[s * n + j] = out;
-            if (xq)
-                mvq::round_block(out, j / 32, true, xl, xd, xd + n / 32);
+            ov[c] = out;
         }
     }
+    if (xq) /* a warp's columns: one block each round (j < n warp-uniform) */
+        mvq::round_blocks<kCombineCols>(ov, bb, st, xl, xd, xd + n / 32);
 #else
     (void)h, (void)Y, (void)w, (void)k, (void)so, (void)gate, (void)f, (void)n, (void)nw,
         (void)eps, (void)y, (void)xq, (void)mix, (void)gsp;

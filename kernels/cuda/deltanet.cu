@@ -1963,11 +1963,14 @@ __device__ __forceinline__ void dn_in_row_in(const struct dn_in_args &a, const i
             const uint32_t b = b0 + k * n_warps;
             xv[k] = b < a.nbx ? a.x[b * 32 + t % 32] : 0.0f;
         }
+        uint32_t bb[XB];
+        bool st[XB];
 #pragma unroll
         for (uint32_t k = 0; k < XB; k++) {
-            const uint32_t b = b0 + k * n_warps;
-            mvq::round_block(xv[k], b, b < a.nbx, s_q, s_d, s_s);
+            bb[k] = b0 + k * n_warps;
+            st[k] = bb[k] < a.nbx;
         }
+        mvq::round_blocks<XB>(xv, bb, st, s_q, s_d, s_s);
     }
 }
 

@@ -775,11 +775,14 @@ __global__ void __launch_bounds__(kThreads, MINB) mvq_kernel(const MvqArgs a)
                                                  __ldcg(x + a.n + b * 32 + lane))
                                      : 0.0f;
             }
+            uint32_t bb[XB];
+            bool st[XB];
 #pragma unroll
             for (int i = 0; i < XB; i++) {
-                const uint32_t b = b0 + i * kWarps;
-                mvq::round_block(xv[i], b, b < a.nb, s_q, s_d, s_s);
+                bb[i] = b0 + i * kWarps;
+                st[i] = bb[i] < a.nb;
             }
+            mvq::round_blocks<XB>(xv, bb, st, s_q, s_d, s_s);
         }
     };
     /* PDL: a plain product's weights (its tiles in L2, the first pass in

@@ -462,6 +462,60 @@ static __device__ __forceinline__ void round_block(float xv, uint32_t b, bool st
     }
 }
 
+/* round_block of N blocks at once, lane j's element of block b[i] in xv[i] (store[i] false:
+ * a block past the row, computed, not stored): their butterflies side by side, block i's two
+ * divisions by lane i, handed back by shuffles (each IEEE division is a branch of its own,
+ * which the compiler does not overlap from one round_block to the next). The same operands,
+ * so the same bits as N calls of round_block. Every lane of the warp calls. */
+template <int N>
+static __device__ __forceinline__ void round_blocks(const float (&xv)[N], const uint32_t (&b)[N],
+                                                    const bool (&store)[N], int8_t *s_q,
+                                                    float *s_d, float *s_s)
+{
+    static_assert(N >= 1 && N <= 32, "a lane's divisions a block");
+    if constexpr (N == 1) {
+        round_block(xv[0], b[0], store[0], s_q, s_d, s_s);
+    } else {
+        const int lane = threadIdx.x & 31;
+        float amax[N];
+#pragma unroll
+        for (int i = 0; i < N; i++)
+            amax[i] = fabsf(xv[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int i = 0; i < N; i++)
+                amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xFFFFFFFFu, amax[i], o));
+        float am = amax[0]; /* lane i: block i's (round_levels' expressions) */
+#pragma unroll
+        for (int i = 1; i < N; i++)
+            am = lane == i ? amax[i] : am;
+        const float id_l = am > 0.0f ? 127.0f / am : 0.0f, d_l = am / 127.0f;
+        int q[N], qs[N];
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            q[i] = __float2int_rn(xv[i] * __shfl_sync(0xFFFFFFFFu, id_l, i));
+            qs[i] = q[i];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int i = 0; i < N; i++)
+                qs[i] += __shfl_xor_sync(0xFFFFFFFFu, qs[i], o);
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            const float d = __shfl_sync(0xFFFFFFFFu, d_l, i);
+            if (store[i]) {
+                s_q[b[i] * 32 + lane] = static_cast<int8_t>(q[i]);
+                if (lane == 0) {
+                    s_d[b[i]] = d;
+                    s_s[b[i]] = d * static_cast<float>(qs[i]);
+                }
+            }
+        }
+    }
+}
+
 #endif
 
 /* Bytes of one activation row of n (a multiple of 32) rounded for these
