@@ -842,7 +842,6 @@ struct af_args {
     float *out;
     int8_t *outq;        /* or NULL */
     float *ws_acc, *ws_ml;
-    bool kwarp;          /* k and v by a warp of their own (af_kwarp) */
 };
 
 /* Per kv head: blocks of the current fused launch that have written their
@@ -954,7 +953,7 @@ static __device__ __forceinline__ void af_out(const struct af_args &a, uint32_t 
 }
 
 template <int DPL>
-static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
+static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     attn_fused_kernel(const struct af_args a)
 {
 #if defined(__CUDA_ARCH__) && !ATTN_HAVE_CP_ASYNC
@@ -963,12 +962,10 @@ static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
     extern __shared__ uint4 s_dyn[]; /* ring (2 tiles), the warps' rows, new k and v */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t split = blockIdx.x, j = blockIdx.y, h = j * a.NG + warp;
-    const bool qw = (uint32_t)warp < a.NG; /* a query head's warp (not the k warp) */
     const uint32_t rs = a.hd * 2 + 16; /* ring row stride, bytes */
     char *ring = (char *)s_dyn;
     float *s_row = (float *)(ring + (size_t)4 * AF_T * rs) + (size_t)warp * a.hd;
-    __half *s_kn =
-        (__half *)((float *)(ring + (size_t)4 * AF_T * rs) + (size_t)(a.NG + 1) * a.hd);
+    __half *s_kn = (__half *)((float *)(ring + (size_t)4 * AF_T * rs) + (size_t)a.NG * a.hd);
     __half *s_vn = s_kn + a.hd;
     float *s_sc = (float *)(s_vn + a.hd); /* sin, cos of rope pair i0 at 2 i0, 2 i0 + 1 */
     __shared__ unsigned int s_last;
@@ -1003,17 +1000,14 @@ static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
 
     /* every load of the step's inputs at once: q, its gate, k and v */
     const float *qrow = a.q + (size_t)h * a.q_head_stride;
-    /* k and v: by the k warp (kwarp, past the query heads' warps: its prep beside theirs),
-     * or warp 0 and 1 (or 0) after their own q */
-    const uint32_t kw = a.kwarp ? a.NG : 0, vw = a.kwarp ? a.NG : (a.NG > 1 ? 1 : 0);
-    const bool do_k = mine && (uint32_t)warp == kw, do_v = mine && (uint32_t)warp == vw;
+    const bool do_k = mine && warp == 0, do_v = mine && warp == (a.NG > 1 ? 1 : 0);
     float xq[DPL], xk[DPL], xv[DPL], gf[DPL];
 #pragma unroll
     for (int m = 0; m < DPL; m++) {
-        xq[m] = qw ? qrow[32 * m + lane] : 0.0f;
+        xq[m] = qrow[32 * m + lane];
         xk[m] = do_k ? a.k[(size_t)j * a.hd + 32 * m + lane] : 0.0f;
         xv[m] = do_v ? a.v[(size_t)j * a.hd + 32 * m + lane] : 0.0f;
-        gf[m] = a.gated && qw ? qrow[a.hd + lane * DPL + m] : 0.0f;
+        gf[m] = a.gated ? qrow[a.hd + lane * DPL + m] : 0.0f;
     }
 #pragma unroll
     for (int d = 0; d < DPL; d++)
@@ -1037,14 +1031,12 @@ static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
             s_vn[32 * m + lane] = x;
         }
     }
-    if (qw) {
-        af_prep_row<DPL>(a, xq, qn, a.q_norm != nullptr, s_sc, s_row);
-        /* q * scale * log2(e) in s_row (the decode kernel's product), read as float4s */
+    af_prep_row<DPL>(a, xq, qn, a.q_norm != nullptr, s_sc, s_row);
+    /* q * scale * log2(e) in s_row (the decode kernel's product), read as float4s */
 #pragma unroll
-        for (int m = 0; m < DPL; m++)
-            s_row[32 * m + lane] *= a.scale_log2;
-        __syncwarp();
-    }
+    for (int m = 0; m < DPL; m++)
+        s_row[32 * m + lane] *= a.scale_log2;
+    __syncwarp();
     float acc[DPL];
 #pragma unroll
     for (int d = 0; d < DPL; d++)
@@ -1057,11 +1049,6 @@ static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
         __syncthreads();   /* everyone's, and s_kn / s_vn */
         const uint32_t t0 = c0 + i * AF_T, nv = min((uint32_t)AF_T, c1 - t0);
         const char *sk = ring + (size_t)(i % 2) * 2 * AF_T * rs, *sv = sk + (size_t)AF_T * rs;
-        if (!qw) { /* the k warp: the barriers and the copies only */
-            __syncthreads();
-            af_issue(a, ring, j, c0 + (i + 2) * AF_T, cached, i + 2);
-            continue;
-        }
         /* lane p: the score of position t0 + p over the whole row (loops, not unrolled
          * over positions: the kernel's code stays small) */
         float s = -INFINITY;
@@ -1118,8 +1105,6 @@ static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
     const float lsum = ops_warp_sum(l);
     float o[DPL];
     if (n_splits == 1) {
-        if (!qw)
-            return;
 #pragma unroll
         for (int d = 0; d < DPL; d++)
             o[d] = a.gated ? acc[d] / lsum * gf[d] : acc[d] / lsum;
@@ -1127,14 +1112,12 @@ static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
         return;
     }
     const size_t row = (size_t)split * a.n_head + h;
-    if (qw) {
 #pragma unroll
-        for (int d = 0; d < DPL; d++)
-            a.ws_acc[row * a.hd + off + d] = acc[d];
-        if (lane == 0) {
-            a.ws_ml[2 * row] = m_run;
-            a.ws_ml[2 * row + 1] = lsum;
-        }
+    for (int d = 0; d < DPL; d++)
+        a.ws_acc[row * a.hd + off + d] = acc[d];
+    if (lane == 0) {
+        a.ws_ml[2 * row] = m_run;
+        a.ws_ml[2 * row + 1] = lsum;
     }
     __threadfence(); /* this thread's triple before the block's arrival */
     __syncthreads();
@@ -1144,7 +1127,7 @@ static __global__ void __launch_bounds__((AF_MAX_NG + 1) * 32)
             af_ctr[j] = 0; /* every split of j has arrived: ready for the next launch */
     }
     __syncthreads();
-    if (!s_last || !qw)
+    if (!s_last)
         return;
     __threadfence(); /* the other blocks' triples, read through L2 */
     /* the first AF_ROUND splits' triples in one round of loads, their m by every lane,
@@ -1736,15 +1719,6 @@ static uint32_t af_splits()
     return n >= 1 && n <= AF_MAX_SPLITS ? (uint32_t)n : 32u;
 }
 
-/* Whether the position's k and v are formed by a warp of their own, past the query heads'
- * (the block NG + 1 warps), beside the heads' q, rather than by warp 0 (k) and 1 (v) each
- * after its own q: LAMINA_CUDA_AF_KWARP=0 the latter. The same bits. Read at each call. */
-static bool af_kwarp()
-{
-    const char *env = getenv("LAMINA_CUDA_AF_KWARP");
-    return !(env && !strcmp(env, "0"));
-}
-
 static uint32_t af_cap(uint32_t max_kv)
 {
     const uint32_t cap = attn_div_up(max_kv, AF_T), most = af_splits();
@@ -1753,8 +1727,7 @@ static uint32_t af_cap(uint32_t max_kv)
 
 static size_t af_smem(uint32_t hd, uint32_t ng)
 {
-    /* the ring, a row a warp (the k warp's too), new k and v, the rope's sines */
-    return (size_t)4 * AF_T * (hd * 2 + 16) + (size_t)(ng + 1) * hd * sizeof(float) +
+    return (size_t)4 * AF_T * (hd * 2 + 16) + (size_t)ng * hd * sizeof(float) +
            (size_t)2 * hd * 2 + (size_t)hd * sizeof(float);
 }
 
@@ -1787,8 +1760,7 @@ static int af_launch(const struct af_args &a, size_t smem, cudaStream_t stream)
                                         "cuda_attention_decode_fused");
     if (rc)
         return rc;
-    pdl_launch(attn_fused_kernel<DPL>, dim3(a.cap, a.n_head_kv), (a.NG + (a.kwarp ? 1 : 0)) * 32,
-               smem, stream, a);
+    pdl_launch(attn_fused_kernel<DPL>, dim3(a.cap, a.n_head_kv), a.NG * 32, smem, stream, a);
     return OPS_LAUNCH_CHECK("cuda_attention_decode_fused");
 }
 
@@ -1841,7 +1813,6 @@ extern "C" int cuda_attention_decode_fused(const float *d_q, size_t q_head_strid
     a.gated = gated;
     a.out = d_out;
     a.outq = d_outq;
-    a.kwarp = af_kwarp();
     a.ws_acc = d_ws;
     a.ws_ml = d_ws + (size_t)a.cap * n_head * hd;
     switch (hd / 32) {
