@@ -952,6 +952,19 @@ static __device__ __forceinline__ void af_out(const struct af_args &a, uint32_t 
     mvq::round_blocks<DPL>(x, bb, st, a.outq, sc, sc + n / 32);
 }
 
+/* The merge's step for one split: its triple (m, l in ml, its lane's dims in x) weighed by
+ * 2^(m - M) into L and A (a split with no position, m -inf, weighs 0). */
+template <int DPL>
+static __device__ __forceinline__ void af_merge_add(float2 ml, const float (&x)[DPL], float M,
+                                                    float &L, float (&A)[DPL])
+{
+    const float w = ml.x == -INFINITY ? 0.0f : exp2f(ml.x - M);
+    L += w * ml.y;
+#pragma unroll
+    for (int d = 0; d < DPL; d++)
+        A[d] += w * x[d];
+}
+
 template <int DPL>
 static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     attn_fused_kernel(const struct af_args a)
@@ -1161,11 +1174,7 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
     for (uint32_t sp = 0; sp < AF_ROUND; sp++) {
         if (sp >= n_splits)
             break;
-        const float w = mlp[sp].x == -INFINITY ? 0.0f : exp2f(mlp[sp].x - M);
-        L += w * mlp[sp].y;
-#pragma unroll
-        for (int d = 0; d < DPL; d++)
-            A[d] += w * xp[sp][d];
+        af_merge_add<DPL>(mlp[sp], xp[sp], M, L, A);
     }
 #pragma unroll 4
     for (uint32_t sp = AF_ROUND; sp < n_splits; sp++) {
@@ -1175,11 +1184,7 @@ static __global__ void __launch_bounds__(AF_MAX_NG * 32)
 #pragma unroll
         for (int d = 0; d < DPL; d++)
             x[d] = __ldcg(a.ws_acc + r * a.hd + off + d);
-        const float w = ml.x == -INFINITY ? 0.0f : exp2f(ml.x - M);
-        L += w * ml.y;
-#pragma unroll
-        for (int d = 0; d < DPL; d++)
-            A[d] += w * x[d];
+        af_merge_add<DPL>(ml, x, M, L, A);
     }
 #pragma unroll
     for (int d = 0; d < DPL; d++)
